@@ -1,0 +1,427 @@
+"""Checkpoint directories: write, save from an auto-save directory, build, load, shard, merge.
+
+Every function here publishes its output whole (staging directory, then rename) and never
+modifies its inputs. Trajectory files are hard-linked when possible, copied otherwise, and
+rewritten only when the target format differs from the source's.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rbtool import trajfile
+from rbtool.buffer import open_checkpoint
+from rbtool.errors import CheckpointError, UsageError
+from rbtool.fsutil import link_or_copy, staged_dir, write_bytes_atomic
+from rbtool.index import (
+    FORMATS,
+    INDEX_FILE,
+    METADATA_FILE,
+    Index,
+    dumps,
+    is_checkpoint_dir,
+    parse_trajectory_file_name,
+    trajectory_file_name,
+    window_of,
+    write_index,
+)
+
+Source = Path | dict[str, Any]
+Progress = Callable[[int], None]  # called with the number of trajectories just done
+MERGE_MAP_FILE = "merge_map.json"
+
+
+@dataclass
+class WriteReport:
+    """What writing a set of trajectory files did."""
+
+    linked: int = 0
+    copied: int = 0
+    written: int = 0
+    bytes: int = 0
+
+    def add(self, other: WriteReport) -> None:
+        self.linked += other.linked
+        self.copied += other.copied
+        self.written += other.written
+        self.bytes += other.bytes
+
+    def as_json(self) -> dict[str, int]:
+        return {"linked": self.linked, "copied": self.copied, "written": self.written, "bytes": self.bytes}
+
+
+def place_trajectory(src: Source, dst: Path, entry: dict[str, Any], report: WriteReport) -> None:
+    """Put one trajectory at `dst` (link, copy or serialize) and record its size/hash in `entry`."""
+    fmt = dst.suffix[1:]
+    if isinstance(src, Path) and src.suffix == dst.suffix:
+        linked = link_or_copy(src, dst)
+        size = dst.stat().st_size
+        if entry.get("file_bytes") not in (None, size):
+            entry.pop("sha256", None)  # the recorded hash was of another file
+        entry["file_bytes"] = size
+        report.linked += linked
+        report.copied += not linked
+        report.bytes += size
+        return
+    traj = trajfile.load(src) if isinstance(src, Path) else src
+    data = trajfile.to_bytes(traj, fmt)
+    write_bytes_atomic(dst, data, sync_dir=False)
+    entry["file_bytes"] = len(data)
+    entry["sha256"] = trajfile.sha256_bytes(data)
+    report.written += 1
+    report.bytes += len(data)
+
+
+def fill_dir(directory: Path, index: Index, source_of: Callable[[int], Source], progress: Progress | None) -> WriteReport:
+    """Place every listed trajectory into `directory` and write its index and metadata."""
+    report = WriteReport()
+    for tid in index.id_list:
+        place_trajectory(source_of(tid), directory / index.file_name(tid), index.entries[tid], report)
+        if progress is not None:
+            progress(1)
+    write_index(directory, index)
+    return report
+
+
+def write_checkpoint(
+    out: Path,
+    index: Index,
+    source_of: Callable[[int], Source],
+    *,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> WriteReport:
+    """Write a checkpoint listing `index` at `out`, published atomically.
+
+    `source_of(id)` gives the trajectory's current file or its dict. Entries are updated
+    in place with each written file's size and hash, so pass a copy you may change.
+    """
+    with staged_dir(out, overwrite=overwrite) as staging:
+        return fill_dir(staging, index, source_of, progress)
+
+
+def copied_entries(index: Index) -> Index:
+    """A copy of `index` whose entries may be changed without touching the original."""
+    sub = index.subset(index.id_list)
+    sub.entries = {i: dict(e) for i, e in sub.entries.items()}
+    return sub
+
+
+# ------------------------------------------------------------------ save / build
+def save_from_autosave_dir(
+    directory: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    window: int,
+    *,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> tuple[Index, WriteReport]:
+    """What a buffer with auto_save on over `directory` saves: its sampling window."""
+    src_dir, index = open_checkpoint(directory, strict=True)
+    sub = copied_entries(index.subset(window_of(index.id_list, window)))
+    sub.extra_metadata.pop("shard", None)
+    report = write_checkpoint(
+        Path(out), sub, lambda i: src_dir / index.file_name(i), overwrite=overwrite, progress=progress
+    )
+    return sub, report
+
+
+@dataclass
+class Item:
+    """One trajectory found in a source: its file, and its index entry when a directory had one."""
+
+    path: Path
+    entry: dict[str, Any] | None = None
+
+
+def collect_items(sources: Sequence[str | os.PathLike[str]]) -> list[Item]:
+    """Trajectory files named by `sources`, in order.
+
+    A checkpoint or buffer directory gives its list order; any other directory gives its
+    `.pt`/`.pkl` files by trajectory id (then name); a file gives itself.
+    """
+    items: list[Item] = []
+    for source in sources:
+        path = Path(source)
+        if path.is_dir():
+            if is_checkpoint_dir(path):
+                src_dir, index = open_checkpoint(path, strict=True)
+                items.extend(Item(src_dir / index.file_name(i), dict(index.entries[i])) for i in index.id_list)
+            else:
+                files = [p for p in path.iterdir() if p.suffix in (".pt", ".pkl") and not p.name.startswith(".")]
+
+                def order(p: Path) -> tuple[int, str]:
+                    parsed = parse_trajectory_file_name(p.name)
+                    return (parsed[0] if parsed else -1, p.name)
+
+                items.extend(Item(p) for p in sorted(files, key=order))
+                if not files:
+                    raise CheckpointError(f"{path}: holds no trajectory files (.pt or .pkl)")
+        elif path.is_file():
+            if path.suffix not in (".pt", ".pkl"):
+                raise CheckpointError(f"{path}: not a trajectory file (expected .pt or .pkl)")
+            items.append(Item(path))
+        else:
+            raise CheckpointError(f"{path}: no such file or directory")
+    return items
+
+
+@dataclass
+class Checked:
+    """A trajectory file that was opened and checked, ready to be added under a new id."""
+
+    path: Path
+    info: trajfile.TrajectoryInfo
+    sha256: str | None = None
+    uuid: str | None = None
+
+
+def check_item(item: Item) -> Checked:
+    """Open a trajectory file safely and check its tensors (memory-mapped for `.pt`)."""
+    traj = trajfile.load(item.path, mmap=True)
+    mwid = traj.get("model_weights_id")
+    if mwid is None:
+        parsed = parse_trajectory_file_name(item.path.name)
+        traj = {**traj, "model_weights_id": parsed[1] if parsed else ""}
+    info = trajfile.describe(traj, str(item.path))
+    if info.max_episode_length is None and "max_episode_length" not in traj:
+        mel = item.entry.get("max_episode_length") if item.entry else None
+        info = trajfile.TrajectoryInfo(info.shape, mel if mel is not None else info.shape[0], info.model_weights_id)
+    if item.entry is not None and list(item.entry["shape"][:2]) != list(info.shape[:2]):
+        raise CheckpointError(
+            f"{item.path}: tensors are [T, B] = {list(info.shape[:2])} but its index entry says "
+            f"{list(item.entry['shape'][:2])}"
+        )
+    sha = None
+    if item.entry is not None and item.entry.get("file_bytes") == item.path.stat().st_size:
+        sha = item.entry.get("sha256")
+    return Checked(item.path, info, sha)
+
+
+def new_entry(tid: int, info: trajfile.TrajectoryInfo, uuid_hex: str) -> dict[str, Any]:
+    return {
+        "num_samples": info.num_samples,
+        "trajectory_id": tid,
+        "max_episode_length": info.max_episode_length,
+        "shape": list(info.shape),
+        "model_weights_id": info.model_weights_id,
+        "uuid": uuid_hex,
+    }
+
+
+def build_from_files(
+    sources: Sequence[str | os.PathLike[str]],
+    out: str | os.PathLike[str],
+    window: int,
+    *,
+    trajectory_format: str = "pt",
+    seed: int | None = 1234,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> tuple[Index, WriteReport]:
+    """What a buffer with auto_save off saves after adding the sources' trajectories in order.
+
+    Ids are 0..n-1 in source order, the counter is n, and only the last `window`
+    trajectories (all when 0) are written and counted.
+    """
+    if trajectory_format not in FORMATS:
+        raise UsageError(f"format must be 'pt' or 'pkl', got {trajectory_format!r}")
+    items = collect_items(sources)
+    if window < 0:
+        raise UsageError(f"window must be >= 0, got {window}")
+    full = Index(seed=seed, trajectory_format=trajectory_format)
+    paths: dict[int, Path] = {}
+    kept = set(window_of(list(range(len(items))), window))
+    for tid, item in enumerate(items):
+        checked = check_item(item)
+        full.entries[tid] = new_entry(tid, checked.info, uuid.uuid4().hex)
+        if checked.sha256 and item.path.suffix == f".{trajectory_format}" and tid in kept:
+            full.entries[tid]["sha256"] = checked.sha256
+            full.entries[tid]["file_bytes"] = item.path.stat().st_size
+        full.id_list.append(tid)
+        paths[tid] = item.path
+    full.trajectory_counter = len(items)
+    sub = full.subset(window_of(full.id_list, window))
+    report = write_checkpoint(Path(out), sub, paths.__getitem__, overwrite=overwrite, progress=progress)
+    return sub, report
+
+
+# ------------------------------------------------------------------------- load
+def load_state(
+    path: str | os.PathLike[str], *, world_size: int | None = None, rank: int | None = None, strict: bool = True
+) -> tuple[Index, list[int]]:
+    """The index a full or distributed load yields, and the ids dropped for missing files."""
+    if (world_size is None) != (rank is None):
+        raise UsageError("give both --world-size and --rank, or neither")
+    if world_size is not None and rank is not None:
+        Index().rank_block(world_size, rank)  # validate before reading anything
+    directory = Path(path)
+    before = None
+    if not strict:
+        from rbtool.index import read_index
+
+        before = read_index(directory)
+    _, index = open_checkpoint(directory, strict=strict)
+    dropped = [] if before is None else [i for i in before.id_list if i not in index.entries]
+    if world_size is not None and rank is not None:
+        index = index.rank_block(world_size, rank)
+    return index, dropped
+
+
+def restore(
+    ckpt: str | os.PathLike[str],
+    buffer_dir: str | os.PathLike[str],
+    *,
+    world_size: int | None = None,
+    rank: int | None = None,
+    strict: bool = True,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> tuple[Index, WriteReport]:
+    """Restore a (full or per-rank) load of `ckpt` as a buffer directory, so ingest continues its ids."""
+    src = Path(ckpt)
+    index, _ = load_state(src, world_size=world_size, rank=rank, strict=strict)
+    from rbtool.index import read_index
+
+    src_index = read_index(src)
+    out = copied_entries(index)
+    out.extra_metadata.pop("shard", None)
+    report = write_checkpoint(
+        Path(buffer_dir), out, lambda i: src / src_index.file_name(i), overwrite=overwrite, progress=progress
+    )
+    return out, report
+
+
+# ------------------------------------------------------------------ shard / merge
+def shard(
+    ckpt: str | os.PathLike[str],
+    world_size: int,
+    out: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> tuple[list[Index], WriteReport]:
+    """Write `out/rank_r` for each rank: exactly what a distributed load by rank r yields."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise UsageError(f"world_size must be an integer >= 1, got {world_size!r}")
+    src_dir, index = open_checkpoint(ckpt, strict=strict)
+    report = WriteReport()
+    shards: list[Index] = []
+    with staged_dir(Path(out), overwrite=overwrite) as staging:
+        for rank in range(world_size):
+            part = copied_entries(index.rank_block(world_size, rank))
+            part.extra_metadata["shard"] = {
+                "rank": rank,
+                "world_size": world_size,
+                "source_trajectory_counter": index.trajectory_counter,
+            }
+            rank_dir = staging / f"rank_{rank}"
+            rank_dir.mkdir()
+            report.add(fill_dir(rank_dir, part, lambda i: src_dir / index.file_name(i), progress))
+            shards.append(part)
+    return shards, report
+
+
+def expand_merge_inputs(dirs: Sequence[str | os.PathLike[str]]) -> list[Path]:
+    """Checkpoint directories to merge: each given directory, or its `rank_*` children in rank order."""
+    found: list[Path] = []
+    for d in dirs:
+        path = Path(d)
+        if not path.is_dir():
+            raise CheckpointError(f"{path}: no such directory")
+        if is_checkpoint_dir(path):
+            found.append(path)
+            continue
+        ranks = [p for p in path.iterdir() if p.is_dir() and p.name.startswith("rank_") and p.name[5:].isdigit()]
+        if not ranks:
+            raise CheckpointError(f"{path}: neither a checkpoint nor a folder of rank_* checkpoints")
+        found.extend(sorted(ranks, key=lambda p: int(p.name[5:])))
+    return found
+
+
+@dataclass
+class MergeResult:
+    index: Index
+    renumbered: bool
+    mapping: list[dict[str, Any]] = field(default_factory=list)
+    report: WriteReport = field(default_factory=WriteReport)
+
+
+def merge(
+    dirs: Sequence[str | os.PathLike[str]],
+    out: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    trajectory_format: str | None = None,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> MergeResult:
+    """Merge checkpoints into one (SPEC §4).
+
+    Unique ids are kept and the lists concatenated in input order; colliding ids are
+    renumbered from 0 by (original id, input order) and the mapping is written to
+    `merge_map.json` beside the index.
+    """
+    inputs = [open_checkpoint(p, strict=strict) for p in expand_merge_inputs(dirs)]
+    if not inputs:
+        raise UsageError("nothing to merge")
+    fmt = trajectory_format or inputs[0][1].trajectory_format
+    if fmt not in FORMATS:
+        raise UsageError(f"format must be 'pt' or 'pkl', got {fmt!r}")
+    all_ids = [i for _, idx in inputs for i in idx.id_list]
+    renumber = len(set(all_ids)) != len(all_ids)
+    merged = Index(seed=inputs[0][1].seed, trajectory_format=fmt)
+    sources: dict[int, Path] = {}
+    mapping: list[dict[str, Any]] = []
+    if renumber:
+        order = sorted(((i, n) for n, (_, idx) in enumerate(inputs) for i in idx.id_list))
+        for new_id, (old_id, n) in enumerate(order):
+            src_dir, idx = inputs[n]
+            entry = dict(idx.entries[old_id])
+            entry["trajectory_id"] = new_id
+            merged.entries[new_id] = entry
+            merged.id_list.append(new_id)
+            sources[new_id] = src_dir / idx.file_name(old_id)
+            mapping.append({"input": str(src_dir), "old_id": old_id, "new_id": new_id})
+        merged.trajectory_counter = len(order)
+    else:
+        counter = 0
+        for src_dir, idx in inputs:
+            for i in idx.id_list:
+                merged.entries[i] = dict(idx.entries[i])
+                merged.id_list.append(i)
+                sources[i] = src_dir / idx.file_name(i)
+            shard_info = idx.extra_metadata.get("shard")
+            source_counter = shard_info.get("source_trajectory_counter", 0) if isinstance(shard_info, dict) else 0
+            counter = max(counter, idx.trajectory_counter, source_counter if isinstance(source_counter, int) else 0)
+        merged.trajectory_counter = max(counter, merged.next_counter())
+    result = MergeResult(merged, renumber, mapping)
+    with staged_dir(Path(out), overwrite=overwrite) as staging:
+        result.report = fill_dir(staging, merged, sources.__getitem__, progress)
+        if renumber:
+            write_bytes_atomic(staging / MERGE_MAP_FILE, dumps({"renumbered": mapping}))
+    return result
+
+
+__all__ = [
+    "INDEX_FILE",
+    "METADATA_FILE",
+    "MERGE_MAP_FILE",
+    "MergeResult",
+    "WriteReport",
+    "build_from_files",
+    "collect_items",
+    "load_state",
+    "merge",
+    "restore",
+    "save_from_autosave_dir",
+    "shard",
+    "trajectory_file_name",
+    "write_checkpoint",
+]

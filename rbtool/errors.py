@@ -1,0 +1,33 @@
+"""Errors raised by rbtool; the command line turns each into `Error: ...` and exit 1."""
+
+
+class RbtoolError(Exception):
+    """Base class: a problem with the input, a checkpoint, or a request."""
+
+
+class CheckpointError(RbtoolError):
+    """A checkpoint or buffer directory is missing, malformed or inconsistent."""
+
+
+class MissingTrajectoryFilesError(CheckpointError):
+    """The index names trajectory files that do not exist."""
+
+    def __init__(self, message: str, missing_ids: list[int]) -> None:
+        super().__init__(message)
+        self.missing_ids = missing_ids
+
+
+class TrajectoryFileError(RbtoolError):
+    """A trajectory file is corrupt, truncated or not a trajectory."""
+
+
+class UnsafePickleError(TrajectoryFileError):
+    """A .pkl file reaches for something a trajectory never needs."""
+
+
+class InvalidTrajectoryError(RbtoolError):
+    """A trajectory offered to the buffer is malformed."""
+
+
+class UsageError(RbtoolError):
+    """An argument is out of range or contradicts another."""

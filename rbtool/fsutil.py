@@ -1,0 +1,189 @@
+"""File-system primitives: atomic writes, hard links, staged directories, directory locks.
+
+Everything rbtool publishes appears whole or not at all: files are written under a hidden
+temporary name, fsynced and renamed; directories are built in a hidden staging directory
+beside the target and renamed into place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from rbtool.errors import CheckpointError
+
+LOCK_FILE = ".rbtool.lock"
+STAGING_MARK = ".rbtool-staging-"
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make renames and new files in `directory` durable (best effort)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: str | Path) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def write_bytes_atomic(path: Path, data: bytes, *, sync_dir: bool = True) -> None:
+    """Write `data` to a hidden temporary file beside `path`, fsync it, then rename it over."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    if sync_dir:
+        fsync_dir(path.parent)
+
+
+def link_or_copy(src: Path, dst: Path) -> bool:
+    """Place `src` at `dst` by a hard link, or by a copy where linking is impossible.
+
+    Returns True when linked. Either way `dst` appears whole (temporary name, then rename).
+    """
+    if dst.exists() and os.path.samefile(src, dst):
+        return True
+    tmp = dst.parent / f".{dst.name}.{uuid.uuid4().hex[:12]}.tmp"
+    try:
+        os.link(src, tmp)
+        linked = True
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:
+            raise
+        linked = False
+        try:
+            with open(src, "rb") as fin, open(tmp, "wb") as fout:
+                shutil.copyfileobj(fin, fout, 1 << 20)
+                fout.flush()
+                os.fsync(fout.fileno())
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+    try:
+        os.replace(tmp, dst)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    return linked
+
+
+def new_staging_dir(target: Path) -> Path:
+    """A fresh hidden directory beside `target`, on the same file system, for building it."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}{STAGING_MARK}{uuid.uuid4().hex[:12]}"
+    staging.mkdir()
+    return staging
+
+
+def _may_replace(target: Path) -> bool:
+    """An existing target may be replaced only if it is empty or looks like a checkpoint."""
+    if not target.is_dir():
+        return False
+    names = {p.name for p in target.iterdir()}
+    return not names or bool(names & {"metadata.json", "trajectory_index.json", "trajector_index.json"})
+
+
+def publish_dir(staging: Path, target: Path, *, overwrite: bool) -> None:
+    """Rename a finished staging directory to `target`, atomically.
+
+    With `overwrite`, an existing empty or checkpoint directory is swapped out and removed;
+    otherwise an existing target is an error (and the staging directory is removed).
+    """
+    fsync_dir(staging)
+    if target.exists() or target.is_symlink():
+        if not overwrite:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise CheckpointError(f"{target}: already exists; choose a new path or pass --force")
+        if not _may_replace(target):
+            shutil.rmtree(staging, ignore_errors=True)
+            raise CheckpointError(
+                f"{target}: exists and is not a checkpoint directory; refusing to replace it"
+            )
+        old = target.parent / f".{target.name}.rbtool-old-{uuid.uuid4().hex[:12]}"
+        os.rename(target, old)
+        os.rename(staging, target)
+        fsync_dir(target.parent)
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    os.rename(staging, target)
+    fsync_dir(target.parent)
+
+
+@contextlib.contextmanager
+def staged_dir(target: Path, *, overwrite: bool = False) -> Iterator[Path]:
+    """Build a directory in a hidden staging directory; publish it only if the block succeeds."""
+    staging = new_staging_dir(target)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    publish_dir(staging, target, overwrite=overwrite)
+
+
+class DirLock:
+    """An exclusive advisory lock on a buffer directory (fcntl.flock on `.rbtool.lock`).
+
+    `on_wait` is called once, with the lock file's recorded holder, if the lock is busy.
+    """
+
+    def __init__(self, directory: Path, *, wait: bool = True, on_wait: Callable[[str], None] | None = None):
+        self.path = directory / LOCK_FILE
+        self.wait = wait
+        self.on_wait = on_wait
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = ""
+            with contextlib.suppress(OSError):
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+            if not self.wait:
+                os.close(fd)
+                raise CheckpointError(
+                    f"{self.path.parent}: in use by another rbtool process ({holder or 'unknown'})"
+                ) from None
+            if self.on_wait is not None:
+                self.on_wait(holder or "another process")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> DirLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

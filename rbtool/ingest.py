@@ -1,0 +1,128 @@
+"""Add trajectory files to a buffer directory (auto_save on), continuing its ids.
+
+Every source is opened and checked before anything is written. Files are then placed
+(hard-linked when already in the buffer's format) and the index is published after every
+batch, so an interruption leaves a valid directory holding every batch reported as added.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rbtool.buffer import open_checkpoint
+from rbtool.checkpoint import WriteReport, check_item, collect_items, new_entry, place_trajectory
+from rbtool.errors import UsageError
+from rbtool.fsutil import DirLock
+from rbtool.index import FORMATS, Index, is_checkpoint_dir, parse_trajectory_file_name, write_index
+
+_TEMP_RE = re.compile(r"^\.trajectory_.*\.tmp$")
+
+
+@dataclass
+class IngestResult:
+    """What an ingest added."""
+
+    buffer: Path
+    added_ids: list[int] = field(default_factory=list)
+    index: Index = field(default_factory=Index)
+    report: WriteReport = field(default_factory=WriteReport)
+    removed_leftovers: list[str] = field(default_factory=list)
+
+
+def remove_uncommitted(directory: Path, index: Index) -> list[str]:
+    """Delete what an interrupted writer left: temporary files and unlisted files with id >= counter."""
+    listed = {index.file_name(i) for i in index.id_list}
+    removed = []
+    for path in directory.iterdir():
+        name = path.name
+        parsed = parse_trajectory_file_name(name)
+        leftover = bool(_TEMP_RE.match(name)) or (
+            parsed is not None and name not in listed and parsed[0] >= index.trajectory_counter
+        )
+        if leftover and path.is_file():
+            path.unlink(missing_ok=True)
+            removed.append(name)
+    return removed
+
+
+def ingest(
+    sources: Sequence[str | os.PathLike[str]],
+    buffer_dir: str | os.PathLike[str],
+    *,
+    trajectory_format: str | None = None,
+    batch_size: int = 64,
+    batch_seconds: float = 0.5,
+    on_wait: Callable[[str], None] | None = None,
+    on_checked: Callable[[int], None] | None = None,
+    on_published: Callable[[list[int]], None] | None = None,
+) -> IngestResult:
+    """Add the trajectories of `sources` (files, folders of files, checkpoints) to `buffer_dir`.
+
+    A new directory gets `trajectory_format` (default pt); an existing one keeps its own and
+    a differing `trajectory_format` is an error. `on_published` receives the ids of each batch
+    once the index that lists them is on disk.
+    """
+    directory = Path(buffer_dir)
+    if trajectory_format is not None and trajectory_format not in FORMATS:
+        raise UsageError(f"format must be 'pt' or 'pkl', got {trajectory_format!r}")
+    if directory.exists() and not directory.is_dir():
+        raise UsageError(f"{directory}: exists and is not a directory")
+    directory.mkdir(parents=True, exist_ok=True)
+    with DirLock(directory, on_wait=on_wait):
+        if is_checkpoint_dir(directory):
+            _, index = open_checkpoint(directory, strict=True)
+            if trajectory_format is not None and trajectory_format != index.trajectory_format:
+                raise UsageError(
+                    f"{directory}: holds {index.trajectory_format} files; cannot ingest as {trajectory_format}"
+                )
+        else:
+            index = Index(trajectory_format=trajectory_format or "pt")
+        result = IngestResult(directory, index=index)
+        result.removed_leftovers = remove_uncommitted(directory, index)
+
+        items = collect_items(sources)
+        checked = []
+        for item in items:
+            checked.append(check_item(item))
+            if on_checked is not None:
+                on_checked(1)
+
+        batch: list[int] = []
+        last_publish = time.monotonic()
+        try:
+            for item in checked:
+                tid = index.trajectory_counter
+                entry = new_entry(tid, item.info, uuid.uuid4().hex)
+                index.entries[tid] = entry
+                place_trajectory(item.path, directory / index.file_name(tid), entry, result.report)
+                if item.sha256 and "sha256" not in entry and item.path.suffix == f".{index.trajectory_format}":
+                    entry["sha256"] = item.sha256
+                index.id_list.append(tid)
+                index.trajectory_counter = tid + 1
+                batch.append(tid)
+                if len(batch) >= batch_size or time.monotonic() - last_publish >= batch_seconds:
+                    write_index(directory, index)
+                    result.added_ids.extend(batch)
+                    if on_published is not None:
+                        on_published(batch)
+                    batch, last_publish = [], time.monotonic()
+            if batch:
+                write_index(directory, index)
+                result.added_ids.extend(batch)
+                if on_published is not None:
+                    on_published(batch)
+                batch = []
+        except BaseException:
+            # Files of the unpublished batch are not in the on-disk index: remove them.
+            for tid in batch:
+                (directory / index.file_name(tid)).unlink(missing_ok=True)
+            raise
+        if not index.id_list and not is_checkpoint_dir(directory):
+            write_index(directory, index)
+    return result

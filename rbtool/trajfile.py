@@ -1,0 +1,219 @@
+"""Trajectory files: validation of trajectory dicts, safe loading, atomic writing, linking.
+
+torch is imported inside the functions that need tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from rbtool.errors import CheckpointError, InvalidTrajectoryError, TrajectoryFileError, UnsafePickleError
+from rbtool.index import check_weights_id
+
+DONE_LIKE = ("dones", "terminations", "truncations")
+SCALAR_FIELDS = ("max_episode_length", "model_weights_id")
+# RLinf's sampler emits these nested dicts after the top-level tensors, in this order.
+NESTED_ORDER = ("curr_obs", "next_obs", "forward_inputs")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrajectoryInfo:
+    """What the index records of a trajectory, derived from its contents."""
+
+    shape: tuple[int, ...]
+    max_episode_length: int | None
+    model_weights_id: str
+
+    @property
+    def num_samples(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+
+def _as_dict(trajectory: Any) -> dict[str, Any]:
+    """A trajectory given as a dict, a dataclass or an object with attributes, as a plain dict."""
+    if isinstance(trajectory, dict):
+        return dict(trajectory)
+    if dataclasses.is_dataclass(trajectory) and not isinstance(trajectory, type):
+        return {f.name: getattr(trajectory, f.name, None) for f in dataclasses.fields(trajectory)}
+    if hasattr(trajectory, "__dict__"):
+        return {k: v for k, v in vars(trajectory).items() if not k.startswith("_")}
+    raise InvalidTrajectoryError(
+        f"a trajectory must be a dict or an object with attributes, got {type(trajectory).__name__}"
+    )
+
+
+def _clean(value: Any, path: str, tensor_type: type) -> Any:
+    """Copy tensors to contiguous CPU clones and drop None, recursing into dicts."""
+    if isinstance(value, tensor_type):
+        return value.detach().cpu().contiguous().clone()
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise InvalidTrajectoryError(f"field {path}: nested keys must be strings, got {key!r}")
+            if item is not None:
+                out[key] = _clean(item, f"{path}.{key}", tensor_type)
+        return out
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (bool, int, float, str)) for v in value):
+        return list(value)
+    raise InvalidTrajectoryError(
+        f"field {path!r} holds a {type(value).__name__}; only tensors, dicts of tensors, "
+        "numbers and strings can be stored"
+    )
+
+
+def iter_tensors(traj: dict[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """(path, tensor) for every tensor in a trajectory dict, depth first in dict order."""
+    import torch
+
+    for key, value in traj.items():
+        if isinstance(value, torch.Tensor):
+            yield (*prefix, key), value
+        elif isinstance(value, dict):
+            yield from iter_tensors(value, (*prefix, key))
+
+
+def describe(traj: dict[str, Any], where: str) -> TrajectoryInfo:
+    """Check a trajectory dict's tensors agree on [T, B] and return its index information.
+
+    Raises InvalidTrajectoryError naming `where` and the offending field.
+    """
+    import torch
+
+    ref_name = next((n for n in ("prev_logprobs", "rewards") if isinstance(traj.get(n), torch.Tensor)), None)
+    if ref_name is None or traj[ref_name].dim() < 2:
+        raise InvalidTrajectoryError(
+            f"{where}: cannot determine the trajectory shape: it needs a 'prev_logprobs' or "
+            "'rewards' tensor of shape [T, B, ...]"
+        )
+    shape = tuple(int(d) for d in traj[ref_name].shape)
+    t, b = shape[0], shape[1]
+    for path, tensor in iter_tensors(traj):
+        if tensor.dim() < 2:
+            continue
+        name = ".".join(path)
+        lead = (int(tensor.shape[0]), int(tensor.shape[1]))
+        if len(path) == 1 and path[0] in DONE_LIKE:
+            extra = lead[0] - t
+            if lead[1] != b or extra < 0 or (extra > 0 and t % extra != 0):
+                raise InvalidTrajectoryError(
+                    f"{where}: field {name!r} has shape {list(tensor.shape)}; a done-like field must "
+                    f"start with [T + E, B] = [{t} + E, {b}] where E divides T={t}"
+                )
+        elif lead != (t, b):
+            raise InvalidTrajectoryError(
+                f"{where}: field {name!r} has shape {list(tensor.shape)} but {ref_name} gives "
+                f"[T, B] = [{t}, {b}]"
+            )
+    mwid = traj.get("model_weights_id", "")
+    try:
+        mwid = check_weights_id("" if mwid is None else mwid, where)
+    except CheckpointError as exc:
+        raise InvalidTrajectoryError(str(exc)) from None
+    mel = traj.get("max_episode_length")
+    if mel is not None and (isinstance(mel, bool) or not isinstance(mel, int)):
+        raise InvalidTrajectoryError(f"{where}: max_episode_length must be an integer, got {mel!r}")
+    return TrajectoryInfo(shape=shape, max_episode_length=mel, model_weights_id=mwid)
+
+
+def normalize(trajectory: Any, where: str) -> tuple[dict[str, Any], TrajectoryInfo]:
+    """The dict that goes into a trajectory file, and its index information."""
+    import torch
+
+    raw = _as_dict(trajectory)
+    traj: dict[str, Any] = {}
+    for key, value in raw.items():
+        if value is None:
+            continue
+        if not isinstance(key, str):
+            raise InvalidTrajectoryError(f"{where}: field names must be strings, got {key!r}")
+        traj[key] = _clean(value, key, torch.Tensor)
+    info = describe(traj, where)
+    traj["model_weights_id"] = info.model_weights_id
+    if "max_episode_length" not in traj:
+        traj["max_episode_length"] = info.shape[0]
+        info = dataclasses.replace(info, max_episode_length=info.shape[0])
+    return traj, info
+
+
+def to_bytes(traj: dict[str, Any], fmt: str) -> bytes:
+    """Serialize a trajectory dict the way the reference implementation does for `fmt`."""
+    if fmt == "pt":
+        import torch
+
+        buffer = io.BytesIO()
+        torch.save(traj, buffer)
+        return buffer.getvalue()
+    from rbtool.safepickle import dump_pickle_trajectory
+
+    return dump_pickle_trajectory(traj)
+
+
+def _load_pt(path: Path, mmap: bool) -> Any:
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unpickling failed"
+        if "Weights only load failed" in str(exc) or "Unsupported global" in str(exc):
+            raise UnsafePickleError(
+                f"{path}: refused: the file holds objects other than tensors and plain data ({first})"
+            ) from None
+        raise TrajectoryFileError(f"{path}: not a readable .pt trajectory ({first})") from None
+    except FileNotFoundError:
+        raise TrajectoryFileError(f"{path}: file not found") from None
+    except Exception as exc:  # torch raises RuntimeError, EOFError, ValueError... on bad bytes
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TrajectoryFileError(f"{path}: not a readable .pt trajectory ({message})") from None
+
+
+def load(path: str | os.PathLike[str], *, mmap: bool = False) -> dict[str, Any]:
+    """Load a trajectory file safely: `.pt` with weights_only, `.pkl` with a restricted unpickler.
+
+    With `mmap=True`, `.pt` tensors are memory-mapped, so only the rows read are paged in.
+    """
+    path = Path(path)
+    if path.suffix == ".pt":
+        if mmap:
+            try:
+                obj = _load_pt(path, mmap=True)
+            except TrajectoryFileError:
+                obj = _load_pt(path, mmap=False)  # legacy (non-zip) files cannot be mapped
+        else:
+            obj = _load_pt(path, mmap=False)
+    elif path.suffix == ".pkl":
+        from rbtool.safepickle import load_pickle_trajectory
+
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise TrajectoryFileError(f"{path}: cannot read ({exc.strerror})") from None
+        obj = load_pickle_trajectory(data, name=str(path))
+    else:
+        raise TrajectoryFileError(f"{path}: not a trajectory file (expected .pt or .pkl)")
+    if not isinstance(obj, dict):
+        raise TrajectoryFileError(f"{path}: holds a {type(obj).__name__}, expected a trajectory dict")
+    return obj
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
