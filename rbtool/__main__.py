@@ -1,0 +1,5 @@
+"""`python -m rbtool` runs the command line."""
+
+from rbtool.cli import main
+
+main()

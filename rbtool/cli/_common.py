@@ -1,0 +1,81 @@
+"""What every command shares: option aliases, output to stdout/stderr, progress, errors."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import orjson
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from rbtool.errors import RbtoolError
+
+# Results go to stdout; progress, warnings and errors to stderr.
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")]
+ForceOpt = Annotated[
+    bool, typer.Option("--force", help="Replace OUT if it is an existing checkpoint directory.")
+]
+WorldSizeOpt = Annotated[int, typer.Option("--world-size", "-n", min=1, help="Number of ranks.")]
+WindowOpt = Annotated[
+    int, typer.Option("--window", "-w", min=0, help="Sampling window: the last N trajectories (0 = all).")
+]
+StrictOpt = Annotated[
+    bool,
+    typer.Option(
+        "--strict/--non-strict",
+        help="Refuse a checkpoint whose index names missing files (--non-strict keeps what exists).",
+    ),
+]
+FormatOpt = Annotated[str | None, typer.Option("--format", help="Trajectory file format: pt or pkl.")]
+ExistingPath = Annotated[Path, typer.Argument(exists=False, help="A checkpoint or buffer directory.")]
+
+
+def print_json(doc: Any) -> None:
+    """Write one JSON document to stdout."""
+    sys.stdout.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode() + "\n")
+    sys.stdout.flush()
+
+
+def fail(message: str) -> NoReturn:
+    """Report an input or checkpoint error as one line on stderr and exit 1."""
+    first_line = " ".join(str(message).split("\n")[0].split()) or "unknown error"
+    err.print(f"Error: {first_line}", markup=False, highlight=False)
+    raise typer.Exit(1)
+
+
+def show_progress(json_mode: bool) -> bool:
+    """Progress bars only for a person at a terminal, never with --json."""
+    return not json_mode and err.is_terminal
+
+
+@contextmanager
+def progress_bar(description: str, total: int | None, enabled: bool) -> Iterator[Any]:
+    """A Rich progress bar on stderr; yields `advance(n)` (a no-op when disabled)."""
+    if not enabled:
+        yield lambda n=1: None
+        return
+    with Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    ) as progress:
+        task = progress.add_task(description, total=total)
+        yield lambda n=1: progress.advance(task, n)
+
+
+def handle_library_errors(exc: BaseException) -> NoReturn:
+    """The one place where library errors become `Error: ...` and exit status 1."""
+    if isinstance(exc, RbtoolError):
+        fail(str(exc))
+    raise exc
