@@ -1,0 +1,113 @@
+"""Shared test helpers: the reference fixtures, synthetic trajectories, directory snapshots."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "rlinf"
+BUNDLED = Path(__file__).resolve().parents[1] / "fixtures"
+
+# Every reference checkpoint directory, relative to FIXTURES.
+RLINF_DIRS = [
+    "autosave_pt/autosave",
+    "varying_shapes_pt/autosave",
+    "varying_shapes_pt/ckpt",
+    "ranks/rank_0",
+    "ranks/rank_1",
+    "nosave_window2_pt/ckpt",
+    "nosave_window2_pkl/ckpt",
+]
+
+
+def make_traj(
+    t: int = 4,
+    b: int = 2,
+    seed: int = 0,
+    model_weights_id: str = "87a64d8e-0f54-5c7c-a19d-0b3753cad97c",
+    extra_rows: int = 1,
+    image: int = 4,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """A trajectory shaped like the reference fixtures: [T, B, ...] fields, done-like with E extra rows."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    traj: dict[str, Any] = {
+        "max_episode_length": t,
+        "model_weights_id": model_weights_id,
+        "actions": torch.randn(t, b, 7, generator=g),
+        "rewards": torch.randn(t, b, 1, generator=g),
+        "terminations": torch.rand(t + extra_rows, b, 1, generator=g) < 0.2,
+        "truncations": torch.rand(t + extra_rows, b, 1, generator=g) < 0.1,
+        "dones": torch.rand(t + extra_rows, b, 1, generator=g) < 0.3,
+        "prev_logprobs": torch.randn(t, b, 7, generator=g),
+        "prev_values": torch.randn(t, b, 1, generator=g),
+        "versions": torch.full((t, b, 1), float(seed % 3)),
+        "forward_inputs": {"action_tokens": torch.randint(0, 100, (t, b, 7), generator=g)},
+        "curr_obs": {
+            "states": torch.randn(t, b, 8, generator=g),
+            "main_images": torch.randint(0, 255, (t, b, image, image, 3), generator=g, dtype=torch.uint8),
+        },
+        "next_obs": {
+            "states": torch.randn(t, b, 8, generator=g),
+            "main_images": torch.randint(0, 255, (t, b, image, image, 3), generator=g, dtype=torch.uint8),
+        },
+    }
+    traj.update(overrides)
+    return traj
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every file under `root` (to prove inputs were not modified)."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def assert_batches_equal(actual: dict[str, Any], expected: dict[str, Any], prefix: str = "") -> None:
+    """Same keys, same nesting, same dtypes, torch.equal on every tensor."""
+    import torch
+
+    assert list(actual.keys()) == list(expected.keys()), prefix
+    for key, value in expected.items():
+        if isinstance(value, dict):
+            assert_batches_equal(actual[key], value, f"{prefix}{key}.")
+        else:
+            assert actual[key].dtype == value.dtype, f"{prefix}{key}"
+            assert torch.equal(actual[key], value), f"{prefix}{key}"
+
+
+@pytest.fixture
+def rlinf_copy(tmp_path: Path):
+    """Copy a reference fixture directory into tmp_path (writable) and return its path."""
+
+    def copy(rel: str) -> Path:
+        dst = tmp_path / "fx" / rel
+        shutil.copytree(FIXTURES / rel, dst)
+        for p in [dst, *dst.rglob("*")]:
+            p.chmod(0o755 if p.is_dir() else 0o644)
+        return dst
+
+    return copy
+
+
+@pytest.fixture
+def five_files(tmp_path: Path) -> list[Path]:
+    """Five loose trajectory files (.pt), like the seed example."""
+    import torch
+
+    paths = []
+    src = tmp_path / "loose"
+    src.mkdir()
+    for i in range(5):
+        path = src / f"traj_{i}.pt"
+        torch.save(make_traj(seed=i, model_weights_id=f"v{i}"), path)
+        paths.append(path)
+    return paths
