@@ -25,7 +25,7 @@ from rbtool.sampling import FlatView, Schema, draw_uniform, gather, shared_schem
 if TYPE_CHECKING:
     import torch
 
-DEFAULT_MAX_OPEN_FILES = 256
+DEFAULT_MAX_OPEN_FILES = 4096  # memory maps hold no file descriptor; this bounds mappings
 
 
 def missing_files(directory: Path, index: Index) -> list[int]:
@@ -98,6 +98,9 @@ class TrajectoryReplayBuffer:
         self._closed = False
         self._dir_lock: DirLock | None = None
         self._unloaded_size = 0
+        # Bumped whenever the id list changes; keys the cached window plan.
+        self._index_version = 0
+        self._window_cache: tuple[tuple[int, int], tuple[list[int], list[int], Schema]] | None = None
 
         self.random_generator = torch.Generator()
         self._seed_generator(seed)
@@ -192,6 +195,7 @@ class TrajectoryReplayBuffer:
                 self._index.id_list.append(tid)
                 self._memory[tid] = traj
                 ids.append(tid)
+            self._index_version += 1
             if self.auto_save:
                 assert self._writer is not None
                 for tid in ids:
@@ -283,15 +287,24 @@ class TrajectoryReplayBuffer:
             schema = self._schemas[tid] = self._view(tid).schema()
         return schema
 
+    def _window_plan(self) -> tuple[list[int], list[int], Schema]:
+        """The window's ids, their sample counts and shared schema, cached until the window changes."""
+        window = self.window_ids()
+        key = (self._index_version, self.sample_window_size)
+        if self._window_cache is not None and self._window_cache[0] == key:
+            return self._window_cache[1]
+        entries = self._index.entries
+        plan = (window, [entries[i]["num_samples"] for i in window], shared_schema([self._schema(i) for i in window]))
+        self._window_cache = (key, plan)
+        return plan
+
     def sample(self, num_chunks: int) -> dict[str, Any]:
         """Draw `num_chunks` rows uniformly from the window; a dict of `[num_chunks, ...]` tensors."""
         self._check_open()
-        window = self.window_ids()
-        if not window:
+        if not self._index.id_list:
             raise RbtoolError("cannot sample from an empty buffer")
-        entries = self._index.entries
-        draw = draw_uniform(window, [entries[i]["num_samples"] for i in window], num_chunks, self.random_generator)
-        schema = shared_schema([self._schema(i) for i in window])
+        window, sizes, schema = self._window_plan()
+        draw = draw_uniform(window, sizes, num_chunks, self.random_generator)
         return gather(draw, schema, self._view)
 
     # ------------------------------------------------------------ checkpoints
@@ -360,6 +373,7 @@ class TrajectoryReplayBuffer:
             self._views.clear()
             self._schemas.clear()
             self._unloaded_size = 0
+            self._index_version += 1
 
     def _adopt_files(self, new: Index, files: dict[int, Path]) -> dict[int, Path]:
         """auto_save on: bring the loaded files into the auto-save directory and publish its index."""
@@ -396,6 +410,7 @@ class TrajectoryReplayBuffer:
             self._views.clear()
             self._schemas.clear()
             self._unloaded_size = 0
+            self._index_version += 1
             if self.auto_save_path is not None:
                 write_index(self.auto_save_path, self._index)
                 for path in old_files:

@@ -66,14 +66,6 @@ class FlatView:
     def schema(self) -> Schema:
         return {p: (f.rows.dtype, tuple(f.rows.shape[1:])) for p, f in self.fields.items()}
 
-    def source_rows(self, field: FlatField, local: torch.Tensor) -> torch.Tensor:
-        """Row numbers in the stored tensor for flat rows `local` (skips bootstrap rows)."""
-        if field.extra == 0:
-            return local
-        t_idx = local // self.b
-        epoch_len = self.t // field.extra
-        return (t_idx + t_idx // epoch_len + 1) * self.b + local % self.b
-
 
 @dataclass
 class Draw:
@@ -127,23 +119,47 @@ def nest(flat: dict[FieldPath, Any]) -> dict[str, Any]:
     return out
 
 
-def gather(draw: Draw, schema: Schema, view_of: Callable[[int], FlatView]) -> dict[str, Any]:
-    """Build the batch: for each drawn trajectory, copy only its drawn rows into the output."""
+def _done_rows(local: torch.Tensor, t: torch.Tensor, b: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+    """Stored rows of done-like fields for flat rows `local`, per draw (T, B, E vectors)."""
     import torch
 
-    n = int(draw.positions.numel())
-    out = {path: torch.empty((n, *shape), dtype=dtype) for path, (dtype, shape) in schema.items()}
+    t_idx = local // b
+    epoch_len = torch.where(extra > 0, t // extra.clamp(min=1), t + 1)
+    shifted = (t_idx + t_idx // epoch_len + 1) * b + local % b
+    return torch.where(extra > 0, shifted, local)
+
+
+def gather(draw: Draw, schema: Schema, view_of: Callable[[int], FlatView]) -> dict[str, Any]:
+    """Build the batch: for each drawn trajectory, copy only its drawn rows into the output.
+
+    Draws are grouped by trajectory; each (trajectory, field) pair costs one index_select
+    written straight into its slice of the output, then one permutation per field restores
+    the draw order.
+    """
+    import torch
+
     order = torch.argsort(draw.positions, stable=True)
-    sorted_pos = draw.positions[order]
-    unique, counts = torch.unique_consecutive(sorted_pos, return_counts=True)
-    start = 0
-    for k, count in zip(unique.tolist(), counts.tolist()):
-        batch_rows = order[start : start + count]
-        start += count
-        local = draw.local_indices[batch_rows]
-        view = view_of(draw.window_ids[k])
-        for path, target in out.items():
-            field = view.fields[path]
-            picked = field.rows.index_select(0, view.source_rows(field, local))
-            target.index_copy_(0, batch_rows, picked)
+    local = draw.local_indices[order]
+    unique, counts = torch.unique_consecutive(draw.positions[order], return_counts=True)
+    views = [view_of(draw.window_ids[k]) for k in unique.tolist()]
+    sizes = counts.tolist()
+    plain_rows = torch.split(local, sizes)
+    per_draw: dict[str, torch.Tensor] = {}
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+
+    out: dict[FieldPath, torch.Tensor] = {}
+    for path, (dtype, shape) in schema.items():
+        fields = [view.fields[path] for view in views]
+        rows = plain_rows
+        if any(f.extra for f in fields):
+            if not per_draw:
+                per_draw["t"] = torch.repeat_interleave(torch.tensor([v.t for v in views]), counts)
+                per_draw["b"] = torch.repeat_interleave(torch.tensor([v.b for v in views]), counts)
+            extra = torch.repeat_interleave(torch.tensor([f.extra for f in fields]), counts)
+            rows = torch.split(_done_rows(local, per_draw["t"], per_draw["b"], extra), sizes)
+        target = torch.empty((len(order), *shape), dtype=dtype)
+        for field, idx, part in zip(fields, rows, torch.split(target, sizes)):
+            torch.index_select(field.rows, 0, idx, out=part)
+        out[path] = target.index_select(0, inverse)
     return nest(out)
