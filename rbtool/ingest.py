@@ -7,18 +7,19 @@ batch, so an interruption leaves a valid directory holding every batch reported 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rbtool.buffer import open_checkpoint
 from rbtool.checkpoint import WriteReport, check_item, collect_items, new_entry, place_trajectory
 from rbtool.errors import UsageError
-from rbtool.fsutil import DirLock
+from rbtool.fsutil import LOCK_FILE, DirLock
 from rbtool.index import FORMATS, Index, is_checkpoint_dir, parse_trajectory_file_name, write_index
 
 _TEMP_RE = re.compile(r"^\.trajectory_.*\.tmp$")
@@ -51,6 +52,32 @@ def remove_uncommitted(directory: Path, index: Index) -> list[str]:
     return removed
 
 
+def _first_missing(directory: Path) -> Path | None:
+    """The outermost of `directory` and its parents that does not exist yet (None if it exists)."""
+    missing = None
+    for path in (directory, *directory.parents):
+        if path.exists():
+            break
+        missing = path
+    return missing
+
+
+@contextlib.contextmanager
+def _remove_if_failed_new(directory: Path, created: Path | None) -> Iterator[None]:
+    """Remove the directories this call created if it fails before publishing anything."""
+    try:
+        yield
+    except BaseException:
+        if created is not None and {p.name for p in directory.iterdir()} <= {LOCK_FILE}:
+            (directory / LOCK_FILE).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                for path in (directory, *directory.parents):
+                    path.rmdir()
+                    if path == created:
+                        break
+        raise
+
+
 def ingest(
     sources: Sequence[str | os.PathLike[str]],
     buffer_dir: str | os.PathLike[str],
@@ -73,8 +100,9 @@ def ingest(
         raise UsageError(f"format must be 'pt' or 'pkl', got {trajectory_format!r}")
     if directory.exists() and not directory.is_dir():
         raise UsageError(f"{directory}: exists and is not a directory")
+    created = _first_missing(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    with DirLock(directory, on_wait=on_wait):
+    with DirLock(directory, on_wait=on_wait), _remove_if_failed_new(directory, created):
         if is_checkpoint_dir(directory):
             _, index = open_checkpoint(directory, strict=True)
             if trajectory_format is not None and trajectory_format != index.trajectory_format:

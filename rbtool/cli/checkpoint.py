@@ -1,0 +1,270 @@
+"""`rbtool checkpoint save` and `rbtool checkpoint load`."""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from rbtool.cli import app
+from rbtool.cli._common import (
+    ForceOpt,
+    FormatOpt,
+    JsonOpt,
+    StrictOpt,
+    out,
+    print_json,
+    progress_bar,
+    show_progress,
+)
+from rbtool.index import Index, is_checkpoint_dir
+
+checkpoint_app = typer.Typer(
+    name="checkpoint",
+    help="Save a checkpoint the way the buffer would, or show (and restore) what loading one yields.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+app.add_typer(checkpoint_app)
+
+DEFAULT_WINDOW = 100  # the buffer's default sample_window_size
+
+
+class SaveMode(str, enum.Enum):
+    """Which buffer's save to reproduce."""
+
+    auto = "auto"
+    auto_save = "auto-save"
+    in_memory = "in-memory"
+
+
+def refuse_overlap(target: Path, inputs: Sequence[Path], option: str) -> None:
+    """Refuse an output path that is, lies inside, or contains an input: writing it would change the input."""
+    resolved = Path(os.path.realpath(target))
+    for given in inputs:
+        source = Path(os.path.realpath(given))
+        if resolved == source or source in resolved.parents or resolved in source.parents:
+            raise typer.BadParameter(
+                f"{target} overlaps the input {given}; choose a path outside it", param_hint=option
+            )
+
+
+def check_format(value: str | None) -> None:
+    """Reject a --format other than pt or pkl as a usage error."""
+    if value is not None and value not in ("pt", "pkl"):
+        raise typer.BadParameter(f"must be pt or pkl, got {value!r}", param_hint="--format")
+
+
+def state_table(title: str, rows: list[tuple[str, dict[str, Any]]]) -> Table:
+    """A table of (label, state) rows: size, samples, counter and ids of each."""
+    table = Table(title=title, title_justify="left")
+    table.add_column("", style="bold")
+    table.add_column("size", justify="right")
+    table.add_column("total samples", justify="right")
+    table.add_column("counter", justify="right")
+    table.add_column("trajectory ids")
+    for label, state in rows:
+        table.add_row(
+            label,
+            str(state["size"]),
+            str(state["total_samples"]),
+            str(state["trajectory_counter"]),
+            format_ids(state["trajectory_id_list"]),
+        )
+    return table
+
+
+def format_ids(ids: list[int]) -> str:
+    """Ids for a person: runs of consecutive ids collapsed to `a-b`."""
+    if not ids:
+        return "(none)"
+    runs: list[str] = []
+    start = prev = ids[0]
+    for i in [*ids[1:], None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        runs.append(str(start) if start == prev else f"{start}-{prev}")
+        if i is not None:
+            start = prev = i
+    return ", ".join(runs)
+
+
+def files_line(files: dict[str, int]) -> str:
+    """How trajectory files were placed, for a person."""
+    placed = f"{files['linked']} linked, {files['copied']} copied, {files['written']} written"
+    return f"{placed}, {files['bytes']} bytes"
+
+
+# ----------------------------------------------------------------------- save
+@checkpoint_app.command()
+def save(
+    sources: Annotated[
+        list[Path],
+        typer.Argument(
+            metavar="SOURCE",
+            help="A buffer directory (auto-save), or trajectory files/folders/checkpoints (in-memory).",
+            show_default=False,
+        ),
+    ],
+    target: Annotated[Path, typer.Argument(metavar="OUT", help="Checkpoint directory to write.")],
+    window: Annotated[
+        int,
+        typer.Option(
+            "--window", "-w", min=0, help="The buffer's sample_window_size: keep the last N (0 = all)."
+        ),
+    ] = DEFAULT_WINDOW,
+    mode: Annotated[
+        SaveMode,
+        typer.Option(
+            "--mode",
+            help="auto-save: a buffer with auto_save on over the one SOURCE directory; in-memory: a "
+            "buffer with auto_save off fed every SOURCE trajectory; auto: auto-save for a single "
+            "buffer/checkpoint directory, else in-memory.",
+        ),
+    ] = SaveMode.auto,
+    trajectory_format: FormatOpt = None,
+    seed: Annotated[
+        int | None, typer.Option("--seed", help="Seed recorded by an in-memory save (default 1234).")
+    ] = None,
+    force: ForceOpt = False,
+    json: JsonOpt = False,
+) -> None:
+    """Write the checkpoint a buffer's save_checkpoint would write, from files on disk."""
+    from rbtool import checkpoint
+
+    check_format(trajectory_format)
+    refuse_overlap(target, sources, "OUT")
+    chosen = mode
+    if mode is SaveMode.auto:
+        single_dir = len(sources) == 1 and sources[0].is_dir() and is_checkpoint_dir(sources[0])
+        chosen = SaveMode.auto_save if single_dir else SaveMode.in_memory
+    enabled = show_progress(json)
+    if chosen is SaveMode.auto_save:
+        if len(sources) != 1:
+            raise typer.BadParameter("auto-save mode takes exactly one buffer directory", param_hint="SOURCE")
+        if seed is not None:
+            raise typer.BadParameter("applies to --mode in-memory only", param_hint="--seed")
+        from rbtool.index import read_index
+
+        own_format = read_index(sources[0]).trajectory_format
+        if trajectory_format is not None and trajectory_format != own_format:
+            raise typer.BadParameter(
+                f"a buffer with auto_save on saves its own files; {sources[0]} holds {own_format} files",
+                param_hint="--format",
+            )
+        with progress_bar("saving", None, enabled) as advance:
+            index, report = checkpoint.save_from_autosave_dir(
+                sources[0], target, window, overwrite=force, progress=advance
+            )
+    else:
+        with progress_bar("saving", None, enabled) as advance:
+            index, report = checkpoint.build_from_files(
+                sources,
+                target,
+                window,
+                trajectory_format=trajectory_format or "pt",
+                seed=1234 if seed is None else seed,
+                overwrite=force,
+                progress=advance,
+            )
+
+    doc: dict[str, Any] = {
+        "mode": chosen.value,
+        "out": str(target),
+        "window": window,
+        **index.state(),
+        "trajectory_format": index.trajectory_format,
+        "files": report.as_json(),
+    }
+    if json:
+        print_json(doc)
+        return
+    out.print(state_table(f"saved {target} ({chosen.value}, window {window})", [("checkpoint", doc)]))
+    out.print(f"format {doc['trajectory_format']}; files: {files_line(doc['files'])}")
+
+
+# ----------------------------------------------------------------------- load
+def _rank_states(index: Index, world_size: int) -> list[dict[str, Any]]:
+    return [{"rank": r, **index.rank_block(world_size, r).state()} for r in range(world_size)]
+
+
+@checkpoint_app.command()
+def load(
+    ckpt: Annotated[Path, typer.Argument(metavar="CKPT", help="Checkpoint or buffer directory.")],
+    world_size: Annotated[
+        int | None,
+        typer.Option(
+            "--world-size", "-n", min=1, help="Distributed load over N ranks (all ranks unless --rank)."
+        ),
+    ] = None,
+    rank: Annotated[
+        int | None, typer.Option("--rank", "-r", min=0, help="Show (or restore) only this rank's block.")
+    ] = None,
+    strict: StrictOpt = True,
+    buffer: Annotated[
+        Path | None,
+        typer.Option("--buffer", "-b", help="Restore the load into this buffer directory (for ingest)."),
+    ] = None,
+    force: ForceOpt = False,
+    json: JsonOpt = False,
+) -> None:
+    """Show what a full or distributed load of CKPT yields; --buffer restores it as a buffer directory."""
+    from rbtool import checkpoint
+
+    if rank is not None and world_size is None:
+        raise typer.BadParameter("needs --world-size", param_hint="--rank")
+    if rank is not None and world_size is not None and rank >= world_size:
+        raise typer.BadParameter(f"must be in [0, {world_size}), got {rank}", param_hint="--rank")
+    if buffer is not None and world_size is not None and rank is None:
+        raise typer.BadParameter("restoring a distributed load needs --rank", param_hint="--buffer")
+    if buffer is not None:
+        refuse_overlap(buffer, [ckpt], "--buffer")
+
+    full, dropped = checkpoint.load_state(ckpt, strict=strict)
+    doc: dict[str, Any] = {
+        "checkpoint": str(ckpt),
+        "strict": strict,
+        "dropped_missing_ids": dropped,
+        "world_size": world_size,
+        "rank": rank,
+    }
+    if world_size is None:
+        doc.update(full.state())
+    elif rank is None:
+        doc["ranks"] = _rank_states(full, world_size)
+    else:
+        doc.update(full.rank_block(world_size, rank).state())
+
+    doc["restored_to"] = None
+    if buffer is not None:
+        with progress_bar("restoring", None, show_progress(json)) as advance:
+            checkpoint.restore(
+                ckpt,
+                buffer,
+                world_size=world_size,
+                rank=rank,
+                strict=strict,
+                overwrite=force,
+                progress=advance,
+            )
+        doc["restored_to"] = str(buffer)
+
+    if json:
+        print_json(doc)
+        return
+    how = "full load" if world_size is None else f"distributed load, world size {world_size}"
+    if "ranks" in doc:
+        rows = [(f"rank {r['rank']}", r) for r in doc["ranks"]]
+    else:
+        rows = [("full" if rank is None else f"rank {rank}", doc)]
+    out.print(state_table(f"{ckpt} ({how})", rows))
+    if dropped:
+        out.print(f"dropped for missing files (non-strict): ids {format_ids(dropped)}")
+    if buffer is not None:
+        out.print(f"restored into {buffer}; `rbtool ingest ... --buffer {buffer}` continues the ids")

@@ -1,0 +1,103 @@
+"""`rbtool ingest`: add trajectory files, folders or checkpoints to a buffer directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from rbtool.cli import app
+from rbtool.cli._common import FormatOpt, JsonOpt, err, out, print_json, progress_bar, show_progress
+from rbtool.cli.checkpoint import check_format, files_line
+
+
+def id_range(ids: list[int]) -> str:
+    """`first-last`, or the id alone for a single one (the shape other tooling parses)."""
+    return str(ids[0]) if len(ids) == 1 else f"{ids[0]}-{ids[-1]}"
+
+
+def _count_items(sources: list[Path]) -> int | None:
+    """How many trajectories the sources hold, for the progress bar's total (None if unknown)."""
+    from rbtool.checkpoint import collect_items
+    from rbtool.errors import RbtoolError
+
+    try:
+        return len(collect_items(sources))
+    except RbtoolError:
+        return None  # ingest itself reports the problem
+
+
+@app.command()
+def ingest(
+    sources: Annotated[
+        list[Path],
+        typer.Argument(
+            metavar="SOURCE",
+            help="Trajectory files (.pt/.pkl), folders of them, or buffer/checkpoint directories, in order.",
+            show_default=False,
+        ),
+    ],
+    buffer: Annotated[
+        Path,
+        typer.Option("--buffer", "-b", help="Buffer directory (auto_save on) to add to; created if needed."),
+    ],
+    trajectory_format: FormatOpt = None,
+    json: JsonOpt = False,
+) -> None:
+    """Add trajectories to a buffer directory; ids continue from its trajectory_counter.
+
+    Every source is checked before anything is written. After each published batch a line
+    `added trajectory ids FIRST-LAST` goes to stderr.
+    """
+    from rbtool.ingest import ingest as ingest_sources
+
+    check_format(trajectory_format)
+
+    def on_wait(holder: str) -> None:
+        err.print(f"waiting for {buffer} (locked by {holder})", markup=False)
+
+    def on_published(ids: list[int]) -> None:
+        err.print(f"added trajectory ids {id_range(ids)}", markup=False)
+
+    enabled = show_progress(json)
+    total = _count_items(sources) if enabled else None
+    with progress_bar("checking sources", total, enabled) as advance:
+        result = ingest_sources(
+            sources,
+            buffer,
+            trajectory_format=trajectory_format,
+            on_wait=on_wait,
+            on_checked=advance,
+            on_published=on_published,
+        )
+
+    index = result.index
+    doc: dict[str, Any] = {
+        "buffer": str(result.buffer),
+        "added": len(result.added_ids),
+        "trajectory_ids": result.added_ids,
+        "size": index.size,
+        "total_samples": index.total_samples,
+        "trajectory_counter": index.trajectory_counter,
+        "trajectory_format": index.trajectory_format,
+        "files": result.report.as_json(),
+        "removed_leftovers": result.removed_leftovers,
+    }
+    if json:
+        print_json(doc)
+        return
+    table = Table(title=f"ingest into {result.buffer}", show_header=False, title_justify="left")
+    table.add_column("key", style="bold")
+    table.add_column("value")
+    ids = result.added_ids
+    table.add_row("added", f"{len(ids)} (id{'s' if len(ids) > 1 else ''} {id_range(ids)})" if ids else "0")
+    table.add_row("size", str(doc["size"]))
+    table.add_row("total samples", str(doc["total_samples"]))
+    table.add_row("trajectory counter", str(doc["trajectory_counter"]))
+    table.add_row("format", doc["trajectory_format"])
+    table.add_row("files", files_line(doc["files"]))
+    if result.removed_leftovers:
+        table.add_row("removed leftovers", ", ".join(result.removed_leftovers))
+    out.print(table)
