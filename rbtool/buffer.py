@@ -20,10 +20,12 @@ from rbtool.errors import (
 )
 from rbtool.fsutil import DirLock, link_or_copy, write_bytes_atomic
 from rbtool.index import FORMATS, Index, is_checkpoint_dir, read_index, trajectory_file_name, window_of, write_index
-from rbtool.sampling import FlatView, Schema, draw_uniform, gather, shared_schema
+from rbtool.sampling import Draw, FlatView, Schema, draw_uniform, gather, shared_schema
 
 if TYPE_CHECKING:
     import torch
+
+    from rbtool.topk import Candidates, RewardIndex
 
 DEFAULT_MAX_OPEN_FILES = 4096  # memory maps hold no file descriptor; this bounds mappings
 
@@ -101,6 +103,8 @@ class TrajectoryReplayBuffer:
         # Bumped whenever the id list changes; keys the cached window plan.
         self._index_version = 0
         self._window_cache: tuple[tuple[int, int], tuple[list[int], list[int], Schema]] | None = None
+        # Reward scores for top-k sampling; created by the first top-k call, then fed per add.
+        self._rewards: RewardIndex | None = None
 
         self.random_generator = torch.Generator()
         self._seed_generator(seed)
@@ -196,6 +200,11 @@ class TrajectoryReplayBuffer:
                 self._memory[tid] = traj
                 ids.append(tid)
             self._index_version += 1
+            if self._rewards is not None:
+                from rbtool.topk import trajectory_scores
+
+                added = zip(ids, prepared, strict=True)
+                self._rewards.add((tid, trajectory_scores(t, info.num_samples)) for tid, (t, info) in added)
             if self.auto_save:
                 assert self._writer is not None
                 for tid in ids:
@@ -298,14 +307,46 @@ class TrajectoryReplayBuffer:
         self._window_cache = (key, plan)
         return plan
 
-    def sample(self, num_chunks: int) -> dict[str, Any]:
-        """Draw `num_chunks` rows uniformly from the window; a dict of `[num_chunks, ...]` tensors."""
+    def sample(
+        self, num_chunks: int, strategy: str = "uniform", k: int | None = None, temperature: float = 1.0
+    ) -> dict[str, Any]:
+        """Draw `num_chunks` rows from the window; a dict of `[num_chunks, ...]` tensors.
+
+        `strategy="uniform"` (the default) draws every sample of the window alike;
+        `strategy="topk"` draws among the window's `k` highest-reward samples with weights
+        softmax(reward / temperature) (SPEC §6).
+        """
+        return self.sample_with_draw(num_chunks, strategy, k, temperature)[1]
+
+    def sample_with_draw(
+        self, num_chunks: int, strategy: str = "uniform", k: int | None = None, temperature: float = 1.0
+    ) -> tuple[Draw, dict[str, Any]]:
+        """`sample()`, also returning the Draw: which trajectory and row each batch row came from."""
+        from rbtool.topk import check_strategy, draw_topk
+
         self._check_open()
+        check_strategy(strategy, k, temperature)
         if not self._index.id_list:
             raise RbtoolError("cannot sample from an empty buffer")
         window, sizes, schema = self._window_plan()
-        draw = draw_uniform(window, sizes, num_chunks, self.random_generator)
-        return gather(draw, schema, self._view)
+        if strategy == "topk":
+            assert k is not None
+            candidates = self._topk_candidates(window, k)
+            draw = draw_topk(window, sizes, candidates, num_chunks, temperature, self.random_generator)
+        else:
+            draw = draw_uniform(window, sizes, num_chunks, self.random_generator)
+        return draw, gather(draw, schema, self._view)
+
+    def _topk_candidates(self, window: list[int], k: int) -> Candidates:
+        """The window's top-k samples by reward; scores of loaded trajectories are read lazily."""
+        from rbtool.topk import RewardIndex, view_scores
+
+        if self._rewards is None:
+            self._rewards = RewardIndex()
+        self._rewards.fill(window, lambda tid: view_scores(self._view(tid)))
+        if len(self._rewards) > len(window):
+            self._rewards.retain(window)
+        return self._rewards.top_k(k, window)
 
     # ------------------------------------------------------------ checkpoints
     def _held_ids(self) -> list[int]:
@@ -374,6 +415,7 @@ class TrajectoryReplayBuffer:
             self._schemas.clear()
             self._unloaded_size = 0
             self._index_version += 1
+            self._rewards = None
 
     def _adopt_files(self, new: Index, files: dict[int, Path]) -> dict[int, Path]:
         """auto_save on: bring the loaded files into the auto-save directory and publish its index."""
@@ -411,6 +453,7 @@ class TrajectoryReplayBuffer:
             self._schemas.clear()
             self._unloaded_size = 0
             self._index_version += 1
+            self._rewards = None
             if self.auto_save_path is not None:
                 write_index(self.auto_save_path, self._index)
                 for path in old_files:
