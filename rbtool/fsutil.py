@@ -97,12 +97,24 @@ def new_staging_dir(target: Path) -> Path:
     return staging
 
 
+_CHECKPOINT_FILES = {"metadata.json", "trajectory_index.json", "trajector_index.json"}
+
+
 def _may_replace(target: Path) -> bool:
-    """An existing target may be replaced only if it is empty or looks like a checkpoint."""
+    """Replace only an empty directory, a checkpoint, or a folder of rank_<n> checkpoints (a shard)."""
     if not target.is_dir():
         return False
-    names = {p.name for p in target.iterdir()}
-    return not names or bool(names & {"metadata.json", "trajectory_index.json", "trajector_index.json"})
+    children = list(target.iterdir())
+    names = {p.name for p in children}
+    if not names or names & _CHECKPOINT_FILES:
+        return True
+    return all(
+        p.is_dir()
+        and p.name.startswith("rank_")
+        and p.name[5:].isdigit()
+        and bool({c.name for c in p.iterdir()} & _CHECKPOINT_FILES)
+        for p in children
+    )
 
 
 def publish_dir(staging: Path, target: Path, *, overwrite: bool) -> None:

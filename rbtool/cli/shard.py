@@ -1,0 +1,61 @@
+"""`rbtool shard`: split a checkpoint into one checkpoint per rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from rbtool.cli import app
+from rbtool.cli._common import (
+    ForceOpt,
+    JsonOpt,
+    StrictOpt,
+    WorldSizeOpt,
+    out,
+    print_json,
+    progress_bar,
+    show_progress,
+)
+from rbtool.cli.checkpoint import files_line, refuse_overlap, state_table
+
+
+@app.command()
+def shard(
+    ckpt: Annotated[Path, typer.Argument(metavar="CKPT", help="Checkpoint or buffer directory to split.")],
+    world_size: WorldSizeOpt,
+    target: Annotated[
+        Path, typer.Option("--out", "-o", help="Directory to write rank_0 .. rank_{N-1} into.")
+    ],
+    strict: StrictOpt = True,
+    force: ForceOpt = False,
+    json: JsonOpt = False,
+) -> None:
+    """Write OUT/rank_r for every rank: exactly what a distributed load of CKPT by rank r yields."""
+    from rbtool import checkpoint
+
+    refuse_overlap(target, [ckpt], "--out")
+    with progress_bar("sharding", None, show_progress(json)) as advance:
+        shards, report = checkpoint.shard(
+            ckpt, world_size, target, strict=strict, overwrite=force, progress=advance
+        )
+    ranks: list[dict[str, Any]] = [
+        {"rank": r, "path": str(target / f"rank_{r}"), **part.state()} for r, part in enumerate(shards)
+    ]
+    doc: dict[str, Any] = {
+        "source": str(ckpt),
+        "out": str(target),
+        "world_size": world_size,
+        "ranks": ranks,
+        "files": report.as_json(),
+    }
+    if json:
+        print_json(doc)
+        return
+    out.print(
+        state_table(
+            f"{ckpt} sharded over {world_size} ranks into {target}", [(f"rank_{r['rank']}", r) for r in ranks]
+        )
+    )
+    out.print(f"files: {files_line(doc['files'])}")
