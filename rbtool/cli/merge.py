@@ -1,0 +1,67 @@
+"""`rbtool merge`: merge checkpoints (or folders of rank_* checkpoints) into one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from rbtool.cli import app
+from rbtool.cli._common import (
+    ForceOpt,
+    FormatOpt,
+    JsonOpt,
+    StrictOpt,
+    out,
+    print_json,
+    progress_bar,
+    show_progress,
+)
+from rbtool.cli.checkpoint import check_format, files_line, refuse_overlap, state_table
+
+
+@app.command()
+def merge(
+    dirs: Annotated[
+        list[Path],
+        typer.Argument(metavar="DIR", help="Checkpoints, or folders of rank_* checkpoints, in order."),
+    ],
+    target: Annotated[Path, typer.Option("--out", "-o", help="Checkpoint directory to write.")],
+    trajectory_format: FormatOpt = None,
+    strict: StrictOpt = True,
+    force: ForceOpt = False,
+    json: JsonOpt = False,
+) -> None:
+    """Merge checkpoints: unique ids are kept in input order, colliding ids renumbered from 0."""
+    from rbtool import checkpoint
+
+    check_format(trajectory_format)
+    refuse_overlap(target, dirs, "--out")
+    inputs = checkpoint.expand_merge_inputs(dirs)
+    with progress_bar("merging", None, show_progress(json)) as advance:
+        result = checkpoint.merge(
+            dirs,
+            target,
+            strict=strict,
+            trajectory_format=trajectory_format,
+            overwrite=force,
+            progress=advance,
+        )
+    index = result.index
+    doc: dict[str, Any] = {
+        "inputs": [str(p) for p in inputs],
+        "out": str(target),
+        "renumbered": result.renumbered,
+        "mapping_file": str(target / checkpoint.MERGE_MAP_FILE) if result.renumbered else None,
+        **index.state(),
+        "trajectory_format": index.trajectory_format,
+        "files": result.report.as_json(),
+    }
+    if json:
+        print_json(doc)
+        return
+    out.print(state_table(f"merged {len(inputs)} checkpoint(s) into {target}", [("merged", doc)]))
+    if result.renumbered:
+        out.print(f"ids collided and were renumbered; mapping in {doc['mapping_file']}")
+    out.print(f"format {doc['trajectory_format']}; files: {files_line(doc['files'])}")
