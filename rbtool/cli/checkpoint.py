@@ -211,7 +211,9 @@ def load(
         Path | None,
         typer.Option("--buffer", "-b", help="Restore the load into this buffer directory (for ingest)."),
     ] = None,
-    force: ForceOpt = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace the --buffer directory if it is a checkpoint or empty.")
+    ] = False,
     json: JsonOpt = False,
 ) -> None:
     """Show what a full or distributed load of CKPT yields; --buffer restores it as a buffer directory."""

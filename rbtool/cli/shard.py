@@ -9,7 +9,6 @@ import typer
 
 from rbtool.cli import app
 from rbtool.cli._common import (
-    ForceOpt,
     JsonOpt,
     StrictOpt,
     WorldSizeOpt,
@@ -29,7 +28,10 @@ def shard(
         Path, typer.Option("--out", "-o", help="Directory to write rank_0 .. rank_{N-1} into.")
     ],
     strict: StrictOpt = True,
-    force: ForceOpt = False,
+    force: Annotated[
+        bool,
+        typer.Option("--force", help="Replace OUT if it is empty, a checkpoint or an earlier shard output."),
+    ] = False,
     json: JsonOpt = False,
 ) -> None:
     """Write OUT/rank_r for every rank: exactly what a distributed load of CKPT by rank r yields."""
