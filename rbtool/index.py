@@ -5,6 +5,7 @@ This module never imports torch: index-only commands stay fast.
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -12,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+import numpy as np
 import orjson
 
 from rbtool.errors import CheckpointError, UsageError
@@ -166,10 +169,15 @@ def _load_json(path: Path) -> Any:
         raise CheckpointError(f"{path}: file not found") from None
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read ({exc.strerror})") from None
+    enabled = gc.isenabled()
+    gc.disable()  # a large index makes millions of objects; collecting meanwhile finds nothing
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError as exc:
         raise CheckpointError(f"{path}: invalid JSON ({exc})") from None
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _is_int(value: object) -> bool:
@@ -239,6 +247,48 @@ def parse_entry(key: str, entry: Any, where: Path) -> tuple[int, dict[str, Any]]
     return tid, entry
 
 
+def _entries_look_valid(table: dict[str, Any]) -> bool:
+    """A vectorised check that every entry is well formed; False sends the caller to the slow path.
+
+    The slow path (parse_entry per entry) finds and names the first bad entry.
+    """
+    values = list(table.values())
+    if not values:
+        return True
+    if set(map(type, values)) != {dict}:
+        return False
+    try:
+        columns = {key: [e[key] for e in values] for key in ENTRY_KEYS}
+    except KeyError:
+        return False
+    for key in ("num_samples", "trajectory_id"):
+        if set(map(type, columns[key])) != {int}:
+            return False
+    if not set(map(type, columns["max_episode_length"])) <= {int, type(None)}:
+        return False
+    if set(map(type, columns["model_weights_id"])) != {str}:
+        return False
+    shapes = columns["shape"]
+    if set(map(type, shapes)) != {list} or min(map(len, shapes)) < 2:
+        return False
+    if {type(d) for s in shapes for d in s} != {int}:
+        return False
+    try:
+        keys = np.fromiter(map(int, table.keys()), dtype=np.int64, count=len(values))
+        ids = np.fromiter(columns["trajectory_id"], dtype=np.int64, count=len(values))
+        nums = np.fromiter(columns["num_samples"], dtype=np.int64, count=len(values))
+        t = np.fromiter((s[0] for s in shapes), dtype=np.int64, count=len(values))
+        b = np.fromiter((s[1] for s in shapes), dtype=np.int64, count=len(values))
+    except (ValueError, OverflowError):
+        return False
+    canonical = all(key == str(k) for key, k in zip(table.keys(), keys.tolist(), strict=True))
+    if not canonical or (keys < 0).any() or (keys != ids).any() or (nums < 0).any():
+        return False
+    if (t < 0).any() or (b < 0).any() or (nums != t * b).any():
+        return False
+    return all(_SAFE_WEIGHTS_ID.fullmatch(m) and ".." not in m for m in set(columns["model_weights_id"]))
+
+
 def parse_index(raw: Any, where: Path) -> tuple[dict[int, dict[str, Any]], list[int]]:
     """Validate trajectory_index.json contents; returns (entries, id_list)."""
     if not isinstance(raw, dict):
@@ -247,13 +297,16 @@ def parse_index(raw: Any, where: Path) -> tuple[dict[int, dict[str, Any]], list[
     id_list = raw.get("trajectory_id_list")
     if not isinstance(table, dict):
         raise CheckpointError(f"{where}: 'trajectory_index' must be an object")
-    if not isinstance(id_list, list) or not all(_is_int(i) for i in id_list):
+    if not isinstance(id_list, list) or set(map(type, id_list)) - {int}:
         raise CheckpointError(f"{where}: 'trajectory_id_list' must be a list of integer ids")
-    entries = dict(parse_entry(key, entry, where) for key, entry in table.items())
+    if _entries_look_valid(table):
+        entries = dict(zip(map(int, table.keys()), table.values(), strict=True))
+    else:
+        entries = dict(parse_entry(key, entry, where) for key, entry in table.items())
     if len(set(id_list)) != len(id_list):
         seen: set[int] = set()
         dupes = sorted({i for i in id_list if i in seen or seen.add(i)})  # type: ignore[func-returns-value]
-        raise CheckpointError(f"{where}: trajectory_id_list repeats ids {dupes}")
+        raise CheckpointError(f"{where}: trajectory_id_list repeats ids {dupes[:20]}")
     missing = [i for i in id_list if i not in entries]
     if missing:
         raise CheckpointError(f"{where}: trajectory_id_list names ids without an entry: {missing[:20]}")
@@ -295,3 +348,139 @@ def write_index(directory: str | os.PathLike[str], index: Index) -> None:
     directory = Path(directory)
     write_bytes_atomic(directory / INDEX_FILE, dumps(index.index_json()), sync_dir=False)
     write_bytes_atomic(directory / METADATA_FILE, dumps(index.metadata_json()))
+
+
+# --------------------------------------------------------------------------- columns
+# Reading a million-entry index as Python dicts costs seconds; decoding into slotted structs
+# validates types in C and leaves columns that numpy can check and summarise at once.
+
+
+class _Entry(msgspec.Struct, gc=False):
+    num_samples: int
+    trajectory_id: int
+    max_episode_length: int | None
+    shape: list[int]
+    model_weights_id: str
+    uuid: str | None = None
+    file_bytes: int | None = None
+    sha256: str | None = None
+
+
+class _IndexFile(msgspec.Struct, gc=False):
+    trajectory_index: dict[str, _Entry]
+    trajectory_id_list: list[int]
+
+
+_INDEX_DECODER = msgspec.json.Decoder(_IndexFile)
+
+
+@dataclass
+class IndexColumns:
+    """An index as numpy columns, one row per entry of `trajectory_index` (in file order).
+
+    `keys` are the entry keys as ints; `shape_t`/`shape_b` the first two dims and `shape_len`
+    the number of dims; `max_episode_length` and `file_bytes` are -1 where absent.
+    """
+
+    keys: np.ndarray
+    trajectory_id: np.ndarray
+    num_samples: np.ndarray
+    shape_t: np.ndarray
+    shape_b: np.ndarray
+    shape_len: np.ndarray
+    max_episode_length: np.ndarray
+    file_bytes: np.ndarray
+    has_sha256: np.ndarray
+    model_weights_id: list[str]
+    id_list: np.ndarray
+    metadata: dict[str, Any]
+    index_file: Path
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def read_columns(directory: str | os.PathLike[str]) -> IndexColumns:
+    """Read metadata and index as columns, checking JSON types but not cross-entry consistency.
+
+    Raises CheckpointError (one line, naming the file) for unreadable JSON or wrong types;
+    everything else (sums, duplicates, shapes) is left to the caller to check with numpy.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: not a directory")
+    meta_path = directory / METADATA_FILE
+    meta = parse_metadata(_load_json(meta_path), meta_path)
+    idx_path = index_path(directory)
+    try:
+        data = idx_path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{idx_path}: file not found") from None
+    except OSError as exc:
+        raise CheckpointError(f"{idx_path}: cannot read ({exc.strerror})") from None
+    enabled = gc.isenabled()
+    gc.disable()  # millions of fresh objects would trigger collections for nothing
+    try:
+        raw = _INDEX_DECODER.decode(data)
+    except msgspec.DecodeError as exc:
+        raise CheckpointError(f"{idx_path}: invalid index ({exc})") from None
+    finally:
+        if enabled:
+            gc.enable()
+    table = raw.trajectory_index
+    n = len(table)
+    values = list(table.values())
+    try:
+        keys = np.fromiter(map(int, table.keys()), dtype=np.int64, count=n)
+    except (ValueError, OverflowError):
+        bad = next(k for k in table if not k.lstrip("-").isdigit())
+        raise CheckpointError(f"{idx_path}: entry key {bad!r} is not an integer id") from None
+
+    def column(values_iter: Iterable[int]) -> np.ndarray:
+        try:
+            return np.fromiter(values_iter, dtype=np.int64, count=n)
+        except OverflowError:
+            raise CheckpointError(f"{idx_path}: an integer in the index is out of range") from None
+
+    shapes = [e.shape for e in values]
+    return IndexColumns(
+        keys=keys,
+        trajectory_id=column(e.trajectory_id for e in values),
+        num_samples=column(e.num_samples for e in values),
+        shape_t=column(s[0] if s else -1 for s in shapes),
+        shape_b=column(s[1] if len(s) > 1 else -1 for s in shapes),
+        shape_len=column(len(s) for s in shapes),
+        max_episode_length=column(
+            -1 if e.max_episode_length is None else e.max_episode_length for e in values
+        ),
+        file_bytes=column(-1 if e.file_bytes is None else e.file_bytes for e in values),
+        has_sha256=np.fromiter((e.sha256 is not None for e in values), dtype=bool, count=n),
+        model_weights_id=[e.model_weights_id for e in values],
+        id_list=np.asarray(raw.trajectory_id_list, dtype=np.int64),
+        metadata=meta,
+        index_file=idx_path,
+    )
+
+
+def init_buffer_dir(directory: Path, index: Index) -> None:
+    """Make `directory` a valid (empty) buffer directory before anything is written into it.
+
+    A new directory is built beside its final name and renamed into place, so no reader ever
+    sees an index without metadata. If another process creates it meanwhile, theirs is kept.
+    """
+    import shutil
+
+    from rbtool.fsutil import new_staging_dir
+
+    if not directory.exists():
+        staging = new_staging_dir(directory)
+        try:
+            write_index(staging, index)
+            os.rename(staging, directory)
+        except OSError:
+            if not directory.is_dir():
+                raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    if not is_checkpoint_dir(directory):
+        write_index(directory, index)
