@@ -19,7 +19,15 @@ from rbtool.errors import (
     UsageError,
 )
 from rbtool.fsutil import DirLock, link_or_copy, write_bytes_atomic
-from rbtool.index import FORMATS, Index, is_checkpoint_dir, read_index, trajectory_file_name, window_of, write_index
+from rbtool.index import (
+    FORMATS,
+    Index,
+    init_buffer_dir,
+    read_index,
+    trajectory_file_name,
+    window_of,
+    write_index,
+)
 from rbtool.sampling import Draw, FlatView, Schema, draw_uniform, gather, shared_schema
 
 if TYPE_CHECKING:
@@ -110,14 +118,13 @@ class TrajectoryReplayBuffer:
         self._seed_generator(seed)
 
         if self.auto_save_path is not None:
-            self.auto_save_path.mkdir(parents=True, exist_ok=True)
+            init_buffer_dir(self.auto_save_path, self._index)
             self._dir_lock = DirLock(self.auto_save_path, wait=False)
             self._dir_lock.acquire()
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rbtool-writer")
             # A directory that already holds a buffer must be resumed with load_checkpoint()
             # before anything is added, or new ids would collide with the files in it.
-            if is_checkpoint_dir(self.auto_save_path):
-                self._unloaded_size = read_index(self.auto_save_path).size
+            self._unloaded_size = read_index(self.auto_save_path).size
 
     # ----------------------------------------------------------------- state
     def _seed_generator(self, seed: int | None) -> None:
@@ -242,7 +249,9 @@ class TrajectoryReplayBuffer:
         """Writer thread: publish an index whose files were all written before this job ran."""
         assert self.auto_save_path is not None
         with self._lock:
-            snapshot.entries = {i: dict(self._index.entries.get(i, snapshot.entries[i])) for i in snapshot.id_list}
+            snapshot.entries = {
+                i: dict(self._index.entries.get(i, snapshot.entries[i])) for i in snapshot.id_list
+            }
         write_index(self.auto_save_path, snapshot)
 
     def flush(self) -> None:
@@ -255,7 +264,9 @@ class TrajectoryReplayBuffer:
             except BaseException as exc:  # collected and re-raised below
                 errors.append(exc)
         if errors:
-            raise RbtoolError(f"a background write to {self.auto_save_path} failed: {errors[0]}") from errors[0]
+            raise RbtoolError(f"a background write to {self.auto_save_path} failed: {errors[0]}") from errors[
+                0
+            ]
 
     def _raise_writer_error(self) -> None:
         if any(f.done() and f.exception() is not None for f in self._pending):
@@ -303,7 +314,11 @@ class TrajectoryReplayBuffer:
         if self._window_cache is not None and self._window_cache[0] == key:
             return self._window_cache[1]
         entries = self._index.entries
-        plan = (window, [entries[i]["num_samples"] for i in window], shared_schema([self._schema(i) for i in window]))
+        plan = (
+            window,
+            [entries[i]["num_samples"] for i in window],
+            shared_schema([self._schema(i) for i in window]),
+        )
         self._window_cache = (key, plan)
         return plan
 

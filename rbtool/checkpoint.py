@@ -77,7 +77,9 @@ def place_trajectory(src: Source, dst: Path, entry: dict[str, Any], report: Writ
     report.bytes += len(data)
 
 
-def fill_dir(directory: Path, index: Index, source_of: Callable[[int], Source], progress: Progress | None) -> WriteReport:
+def fill_dir(
+    directory: Path, index: Index, source_of: Callable[[int], Source], progress: Progress | None
+) -> WriteReport:
     """Place every listed trajectory into `directory` and write its index and metadata."""
     report = WriteReport()
     for tid in index.id_list:
@@ -151,9 +153,13 @@ def collect_items(sources: Sequence[str | os.PathLike[str]]) -> list[Item]:
         if path.is_dir():
             if is_checkpoint_dir(path):
                 src_dir, index = open_checkpoint(path, strict=True)
-                items.extend(Item(src_dir / index.file_name(i), dict(index.entries[i])) for i in index.id_list)
+                items.extend(
+                    Item(src_dir / index.file_name(i), dict(index.entries[i])) for i in index.id_list
+                )
             else:
-                files = [p for p in path.iterdir() if p.suffix in (".pt", ".pkl") and not p.name.startswith(".")]
+                files = [
+                    p for p in path.iterdir() if p.suffix in (".pt", ".pkl") and not p.name.startswith(".")
+                ]
 
                 def order(p: Path) -> tuple[int, str]:
                     parsed = parse_trajectory_file_name(p.name)
@@ -191,7 +197,9 @@ def check_item(item: Item) -> Checked:
     info = trajfile.describe(traj, str(item.path))
     if info.max_episode_length is None and "max_episode_length" not in traj:
         mel = item.entry.get("max_episode_length") if item.entry else None
-        info = trajfile.TrajectoryInfo(info.shape, mel if mel is not None else info.shape[0], info.model_weights_id)
+        info = trajfile.TrajectoryInfo(
+            info.shape, mel if mel is not None else info.shape[0], info.model_weights_id
+        )
     if item.entry is not None and list(item.entry["shape"][:2]) != list(info.shape[:2]):
         raise CheckpointError(
             f"{item.path}: tensors are [T, B] = {list(info.shape[:2])} but its index entry says "
@@ -253,7 +261,11 @@ def build_from_files(
 
 # ------------------------------------------------------------------------- load
 def load_state(
-    path: str | os.PathLike[str], *, world_size: int | None = None, rank: int | None = None, strict: bool = True
+    path: str | os.PathLike[str],
+    *,
+    world_size: int | None = None,
+    rank: int | None = None,
+    strict: bool = True,
 ) -> tuple[Index, list[int]]:
     """The index a full or distributed load yields, and the ids dropped for missing files."""
     if (world_size is None) != (rank is None):
@@ -338,7 +350,9 @@ def expand_merge_inputs(dirs: Sequence[str | os.PathLike[str]]) -> list[Path]:
         if is_checkpoint_dir(path):
             found.append(path)
             continue
-        ranks = [p for p in path.iterdir() if p.is_dir() and p.name.startswith("rank_") and p.name[5:].isdigit()]
+        ranks = [
+            p for p in path.iterdir() if p.is_dir() and p.name.startswith("rank_") and p.name[5:].isdigit()
+        ]
         if not ranks:
             raise CheckpointError(f"{path}: neither a checkpoint nor a folder of rank_* checkpoints")
         found.extend(sorted(ranks, key=lambda p: int(p.name[5:])))
@@ -398,8 +412,12 @@ def merge(
                 merged.id_list.append(i)
                 sources[i] = src_dir / idx.file_name(i)
             shard_info = idx.extra_metadata.get("shard")
-            source_counter = shard_info.get("source_trajectory_counter", 0) if isinstance(shard_info, dict) else 0
-            counter = max(counter, idx.trajectory_counter, source_counter if isinstance(source_counter, int) else 0)
+            source_counter = (
+                shard_info.get("source_trajectory_counter", 0) if isinstance(shard_info, dict) else 0
+            )
+            counter = max(
+                counter, idx.trajectory_counter, source_counter if isinstance(source_counter, int) else 0
+            )
         merged.trajectory_counter = max(counter, merged.next_counter())
     result = MergeResult(merged, renumber, mapping)
     with staged_dir(Path(out), overwrite=overwrite) as staging:

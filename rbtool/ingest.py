@@ -18,9 +18,19 @@ from pathlib import Path
 
 from rbtool.buffer import open_checkpoint
 from rbtool.checkpoint import WriteReport, check_item, collect_items, new_entry, place_trajectory
-from rbtool.errors import UsageError
+from rbtool.errors import RbtoolError, UsageError
 from rbtool.fsutil import LOCK_FILE, DirLock
-from rbtool.index import FORMATS, Index, is_checkpoint_dir, parse_trajectory_file_name, write_index
+from rbtool.index import (
+    FORMATS,
+    INDEX_FILE,
+    METADATA_FILE,
+    Index,
+    init_buffer_dir,
+    is_checkpoint_dir,
+    parse_trajectory_file_name,
+    read_index,
+    write_index,
+)
 
 _TEMP_RE = re.compile(r"^\.trajectory_.*\.tmp$")
 
@@ -68,14 +78,27 @@ def _remove_if_failed_new(directory: Path, created: Path | None) -> Iterator[Non
     try:
         yield
     except BaseException:
-        if created is not None and {p.name for p in directory.iterdir()} <= {LOCK_FILE}:
-            (directory / LOCK_FILE).unlink(missing_ok=True)
+        untouched = {LOCK_FILE, METADATA_FILE, INDEX_FILE}
+        if (
+            created is not None
+            and {p.name for p in directory.iterdir()} <= untouched
+            and _is_empty(directory)
+        ):
+            for name in untouched:
+                (directory / name).unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 for path in (directory, *directory.parents):
                     path.rmdir()
                     if path == created:
                         break
         raise
+
+
+def _is_empty(directory: Path) -> bool:
+    try:
+        return not read_index(directory).id_list
+    except RbtoolError:
+        return False
 
 
 def ingest(
@@ -101,13 +124,16 @@ def ingest(
     if directory.exists() and not directory.is_dir():
         raise UsageError(f"{directory}: exists and is not a directory")
     created = _first_missing(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    # A new directory appears with an empty index and metadata at once (built aside, renamed).
+    init_buffer_dir(directory, Index(trajectory_format=trajectory_format or "pt"))
     with DirLock(directory, on_wait=on_wait), _remove_if_failed_new(directory, created):
         if is_checkpoint_dir(directory):
             _, index = open_checkpoint(directory, strict=True)
             if trajectory_format is not None and trajectory_format != index.trajectory_format:
                 raise UsageError(
-                    f"{directory}: holds {index.trajectory_format} files; cannot ingest as {trajectory_format}"
+                    f"{directory}: holds {index.trajectory_format} files; "
+                    f"cannot ingest as {trajectory_format}"
                 )
         else:
             index = Index(trajectory_format=trajectory_format or "pt")
@@ -129,7 +155,11 @@ def ingest(
                 entry = new_entry(tid, item.info, uuid.uuid4().hex)
                 index.entries[tid] = entry
                 place_trajectory(item.path, directory / index.file_name(tid), entry, result.report)
-                if item.sha256 and "sha256" not in entry and item.path.suffix == f".{index.trajectory_format}":
+                if (
+                    item.sha256
+                    and "sha256" not in entry
+                    and item.path.suffix == f".{index.trajectory_format}"
+                ):
                     entry["sha256"] = item.sha256
                 index.id_list.append(tid)
                 index.trajectory_counter = tid + 1
@@ -151,6 +181,4 @@ def ingest(
             for tid in batch:
                 (directory / index.file_name(tid)).unlink(missing_ok=True)
             raise
-        if not index.id_list and not is_checkpoint_dir(directory):
-            write_index(directory, index)
     return result

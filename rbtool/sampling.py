@@ -159,7 +159,7 @@ def gather(draw: Draw, schema: Schema, view_of: Callable[[int], FlatView]) -> di
             extra = torch.repeat_interleave(torch.tensor([f.extra for f in fields]), counts)
             rows = torch.split(_done_rows(local, per_draw["t"], per_draw["b"], extra), sizes)
         target = torch.empty((len(order), *shape), dtype=dtype)
-        for field, idx, part in zip(fields, rows, torch.split(target, sizes)):
+        for field, idx, part in zip(fields, rows, torch.split(target, sizes), strict=True):
             torch.index_select(field.rows, 0, idx, out=part)
         out[path] = target.index_select(0, inverse)
     return nest(out)
