@@ -1,0 +1,693 @@
+"""Statistics of a checkpoint or buffer directory: index, schema, data, and how draws spread.
+
+The index part reads only the two JSON files, works column-wise with numpy and never
+imports torch. The data part opens each trajectory file memory-mapped and touches only
+the fields it needs (rewards, done-like fields, versions), never the observations, and
+counts the bytes it touched. Everything is returned as one JSON-ready dict.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import repeat
+from operator import itemgetter, methodcaller
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from rbtool.errors import TrajectoryFileError, UsageError
+from rbtool.index import Index, read_index, trajectory_file_name
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_BINS = 16
+DEFAULT_SEED = 1234  # the buffer's default seed, used when the checkpoint records none
+# Concentration rule: more than this share of the draws ...
+CONCENTRATION_DRAW_SHARE = 0.5
+# ... landing on fewer than this share of the window's samples.
+CONCENTRATION_SAMPLE_SHARE = 0.05
+DONE_LIKE = ("dones", "terminations", "truncations")
+# Episode end causes, as codes in EpisodeTally.ended_by.
+TERMINATED, TRUNCATED, OTHER = 0, 1, 2
+
+Progress = Callable[[int], None]
+
+
+# ------------------------------------------------------------------ summaries
+def _is_integral(values: np.ndarray) -> bool:
+    return bool(values.size) and bool(np.all(values == np.round(values)))
+
+
+def summarize(values: np.ndarray, bins: int = DEFAULT_BINS) -> dict[str, Any]:
+    """count, mean, std (population), min, max and a histogram of the finite values.
+
+    Integer-valued data whose range fits in `bins` gets one bin per integer, so an episode
+    length histogram reads length by length. Non-finite values are only counted.
+    """
+    values = np.asarray(values, dtype=np.float64).reshape(-1)
+    finite = values[np.isfinite(values)]
+    doc: dict[str, Any] = {
+        "count": int(finite.size),
+        "nonfinite": int(values.size - finite.size),
+        "mean": None,
+        "std": None,
+        "min": None,
+        "max": None,
+        "histogram": {"edges": [], "counts": []},
+    }
+    if finite.size == 0:
+        return doc
+    lo, hi = float(finite.min()), float(finite.max())
+    if _is_integral(finite) and hi - lo + 1 <= bins:
+        edges = np.arange(lo - 0.5, hi + 1.0, 1.0)
+        counts, edges = np.histogram(finite, bins=edges)
+    else:
+        counts, edges = np.histogram(finite, bins=bins)
+    doc.update(
+        mean=float(finite.mean()),
+        std=float(finite.std()),
+        min=lo,
+        max=hi,
+        histogram={"edges": edges.tolist(), "counts": counts.tolist()},
+    )
+    return doc
+
+
+def value_counts(values: np.ndarray, key: str) -> list[dict[str, Any]]:
+    """[{key: value, "samples": n}, ...] in ascending order of value."""
+    uniq, counts = np.unique(np.asarray(values), return_counts=True)
+    return [{key: float(v), "samples": int(c)} for v, c in zip(uniq.tolist(), counts.tolist(), strict=True)]
+
+
+# ------------------------------------------------------------------ the index
+@dataclass
+class IndexTable:
+    """An index as columns in list order; everything after parsing is numpy work."""
+
+    ids: np.ndarray
+    t: np.ndarray
+    b: np.ndarray
+    num_samples: np.ndarray
+    model_weights_id: list[str]
+    file_bytes: np.ndarray  # -1 where the index does not record it
+
+    def __len__(self) -> int:
+        return int(self.ids.size)
+
+
+def _recorded_bytes(rows: list[dict[str, Any]]) -> np.ndarray:
+    """The optional `file_bytes` of each entry; -1 where absent or not a non-negative integer."""
+    raw = list(map(methodcaller("get", "file_bytes"), rows))
+    try:
+        values = np.array(raw, dtype=np.float64)  # None becomes NaN
+    except (TypeError, ValueError):
+        values = np.array(
+            [v if isinstance(v, int) and not isinstance(v, bool) else np.nan for v in raw], dtype=np.float64
+        )
+    ok = np.isfinite(values) & (values >= 0) & (values == np.floor(values))
+    return np.where(ok, values, -1).astype(np.int64)
+
+
+def index_table(index: Index) -> IndexTable:
+    """Columns of `index`, picked out of the parsed entries by C-level maps; no Python loop per entry."""
+    n = index.size
+    rows = list(map(index.entries.__getitem__, index.id_list))
+    shapes = list(map(itemgetter("shape"), rows))
+    return IndexTable(
+        ids=np.asarray(index.id_list, dtype=np.int64),
+        t=np.fromiter(map(itemgetter(0), shapes), dtype=np.int64, count=n),
+        b=np.fromiter(map(itemgetter(1), shapes), dtype=np.int64, count=n),
+        num_samples=np.fromiter(map(itemgetter("num_samples"), rows), dtype=np.int64, count=n),
+        model_weights_id=list(map(itemgetter("model_weights_id"), rows)),
+        file_bytes=_recorded_bytes(rows),
+    )
+
+
+def window_mask(present: np.ndarray, window: int) -> np.ndarray:
+    """The last `window` present trajectories in list order (all when 0 or fewer are present)."""
+    if window < 0:
+        raise UsageError(f"window must be >= 0, got {window}")
+    positions = np.flatnonzero(present)
+    if 0 < window < positions.size:
+        positions = positions[positions.size - window :]
+    mask = np.zeros(present.size, dtype=bool)
+    mask[positions] = True
+    return mask
+
+
+def weights_groups(table: IndexTable, in_window: np.ndarray) -> list[dict[str, Any]]:
+    """Trajectories and samples per model_weights_id, in order of first appearance in the list."""
+    codes = {name: c for c, name in enumerate(dict.fromkeys(table.model_weights_id))}  # first-seen order
+    code = np.fromiter(map(codes.__getitem__, table.model_weights_id), dtype=np.int64, count=len(table))
+    k = len(codes)
+    trajectories = np.bincount(code, minlength=k)
+    samples = np.bincount(code, weights=table.num_samples, minlength=k)
+    window_samples = np.bincount(code, weights=np.where(in_window, table.num_samples, 0), minlength=k)
+    first = np.full(k, len(table), dtype=np.int64)
+    np.minimum.at(first, code, np.arange(len(table)))
+    last = np.full(k, -1, dtype=np.int64)
+    np.maximum.at(last, code, np.arange(len(table)))
+    return [
+        {
+            "model_weights_id": name,
+            "trajectories": int(trajectories[c]),
+            "samples": int(samples[c]),
+            "window_samples": int(window_samples[c]),
+            "first_id": int(table.ids[first[c]]),
+            "last_id": int(table.ids[last[c]]),
+        }
+        for name, c in codes.items()
+    ]
+
+
+def file_sizes(directory: Path, index: Index) -> np.ndarray:
+    """Size of each listed trajectory file in list order; -1 where it is missing or not a file."""
+
+    def size(name: str) -> int:
+        try:
+            st = os.stat(directory / name)
+        except OSError:
+            return -1
+        return st.st_size if stat.S_ISREG(st.st_mode) else -1
+
+    return np.fromiter((size(index.file_name(i)) for i in index.id_list), dtype=np.int64, count=index.size)
+
+
+def index_report(index: Index, table: IndexTable, window: int, sizes: np.ndarray | None) -> dict[str, Any]:
+    """The index, files, window and per-trajectory parts of the stats document.
+
+    `sizes` (from `file_sizes`) is None when files were not looked at (index only): the
+    window is then taken over the whole index and file sizes come from the index where it
+    records them; otherwise the window is taken over the trajectories whose files exist,
+    as a non-strict load keeps them.
+    """
+    n = len(table)
+    exists = None if sizes is None else sizes >= 0
+    present = np.ones(n, dtype=bool) if exists is None else exists
+    in_window = window_mask(present, window)
+    window_samples = int(table.num_samples[in_window].sum())
+    probability = (
+        np.where(in_window, table.num_samples / window_samples, 0.0) if window_samples else np.zeros(n)
+    )
+    window_ids = table.ids[in_window]
+    fmt = index.trajectory_format
+    files: dict[str, Any] = {
+        "checked": exists is not None,
+        "present": None,
+        "missing": None,
+        "missing_ids": None,
+    }
+    if exists is None or sizes is None:
+        file_bytes = table.file_bytes
+    else:
+        missing_ids = table.ids[~exists]
+        files.update(
+            present=int(exists.sum()), missing=int(missing_ids.size), missing_ids=missing_ids.tolist()
+        )
+        file_bytes = sizes
+    known = file_bytes >= 0
+    files["bytes"] = int(file_bytes[known].sum()) if known.any() else None
+    files["bytes_known_for"] = int(known.sum())
+    in_window_probs = probability[in_window]
+    return {
+        "index": {
+            "trajectory_format": fmt,
+            "seed": index.seed,
+            "size": n,
+            "total_samples": int(table.num_samples.sum()),
+            "trajectory_counter": index.trajectory_counter,
+            "id_min": int(table.ids.min()) if n else None,
+            "id_max": int(table.ids.max()) if n else None,
+            "model_weights_ids": len(set(table.model_weights_id)),
+        },
+        "files": files,
+        "window": {
+            "requested": window,
+            "trajectories": int(in_window.sum()),
+            "samples": window_samples,
+            "first_id": int(window_ids[0]) if window_ids.size else None,
+            "last_id": int(window_ids[-1]) if window_ids.size else None,
+            "probability_min": float(in_window_probs.min()) if in_window_probs.size else None,
+            "probability_max": float(in_window_probs.max()) if in_window_probs.size else None,
+        },
+        "trajectories": {
+            "id": table.ids.tolist(),
+            "T": table.t.tolist(),
+            "B": table.b.tolist(),
+            "num_samples": table.num_samples.tolist(),
+            "model_weights_id": table.model_weights_id,
+            "file": list(map(trajectory_file_name, table.ids.tolist(), table.model_weights_id, repeat(fmt))),
+            "file_bytes": np.where(known, file_bytes, -1).tolist(),
+            "exists": None if exists is None else exists.tolist(),
+            "in_window": in_window.tolist(),
+            "draw_probability": probability.tolist(),
+        },
+        "model_weights": weights_groups(table, in_window),
+    }
+
+
+# ------------------------------------------------------------------ episodes
+def drop_bootstrap_rows(values: np.ndarray, t: int) -> np.ndarray:
+    """A done-like field `[T + E, B, ...]` without the first row of each of its E epochs (SPEC §1)."""
+    extra = int(values.shape[0]) - t
+    if extra == 0:
+        return values
+    if extra < 0 or t % extra != 0:
+        raise ValueError(f"{values.shape[0]} rows do not fit T={t} plus one bootstrap row per epoch")
+    epochs = values.reshape(extra, 1 + t // extra, *values.shape[1:])
+    return epochs[:, 1:].reshape(t, *values.shape[1:])
+
+
+@dataclass
+class EpisodeTally:
+    """Episodes found in [T, B] done masks, one entry per finished episode."""
+
+    lengths: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    returns: np.ndarray = field(default_factory=lambda: np.empty(0, np.float64))  # NaN without rewards
+    partial_start: np.ndarray = field(default_factory=lambda: np.empty(0, bool))
+    ended_by: np.ndarray = field(default_factory=lambda: np.empty(0, np.int8))
+    open: int = 0
+
+    @staticmethod
+    def combine(parts: Sequence[EpisodeTally]) -> EpisodeTally:
+        if not parts:
+            return EpisodeTally()
+        return EpisodeTally(
+            lengths=np.concatenate([p.lengths for p in parts]),
+            returns=np.concatenate([p.returns for p in parts]),
+            partial_start=np.concatenate([p.partial_start for p in parts]),
+            ended_by=np.concatenate([p.ended_by for p in parts]),
+            open=sum(p.open for p in parts),
+        )
+
+
+def find_episodes(
+    done: np.ndarray,
+    rewards: np.ndarray | None = None,
+    terminated: np.ndarray | None = None,
+    truncated: np.ndarray | None = None,
+) -> EpisodeTally:
+    """Episodes per environment column b of `[T, B]` masks whose bootstrap rows are already dropped.
+
+    A row with done set ends an episode at that step; the episode spans the steps since the
+    previous done of its column (or since row 0: then it may have begun in an earlier
+    trajectory, flagged in `partial_start`). Steps after a column's last done form an open
+    episode, counted in `open` and not among the finished ones. Its return is the sum of the
+    rewards over its steps. An end counts as terminated when `terminated` is set there, else
+    truncated when `truncated` is set, else other.
+    """
+    done = np.asarray(done, dtype=bool)
+    t, b = done.shape
+    cols, steps = np.nonzero(done.T)  # ordered by column, then step
+    same_col = np.zeros(steps.size, dtype=bool)
+    same_col[1:] = cols[1:] == cols[:-1]
+    prev = np.full(steps.size, -1, dtype=np.int64)
+    prev[1:][same_col[1:]] = steps[:-1][same_col[1:]]
+    lengths = steps - prev
+    if rewards is None:
+        returns = np.full(steps.size, np.nan)
+    else:
+        csum = np.cumsum(np.asarray(rewards, dtype=np.float64).T, axis=1)  # [B, T]
+        before = np.where(prev >= 0, csum[cols, np.maximum(prev, 0)], 0.0)
+        returns = csum[cols, steps] - before
+    ended_by = np.full(steps.size, OTHER, dtype=np.int8)
+    if truncated is not None:
+        ended_by[np.asarray(truncated, dtype=bool)[steps, cols]] = TRUNCATED
+    if terminated is not None:
+        ended_by[np.asarray(terminated, dtype=bool)[steps, cols]] = TERMINATED
+    last_done = np.full(b, -1, dtype=np.int64)
+    np.maximum.at(last_done, cols, steps)
+    open_count = int(np.count_nonzero(last_done < t - 1)) if t else 0
+    return EpisodeTally(lengths, returns, prev == -1, ended_by, open_count)
+
+
+def episodes_report(tally: EpisodeTally, trajectories: int, bins: int) -> dict[str, Any]:
+    """Counts by end cause, open episodes, and length and return distributions."""
+    return {
+        "trajectories": trajectories,
+        "finished": int(tally.lengths.size),
+        "terminated": int(np.count_nonzero(tally.ended_by == TERMINATED)),
+        "truncated": int(np.count_nonzero(tally.ended_by == TRUNCATED)),
+        "other": int(np.count_nonzero(tally.ended_by == OTHER)),
+        "partial_start": int(np.count_nonzero(tally.partial_start)),
+        "open": tally.open,
+        "length": summarize(tally.lengths, bins),
+        "return": summarize(tally.returns, bins),
+    }
+
+
+# ------------------------------------------------------------------ reading data
+@dataclass
+class FieldRow:
+    """One tensor of one trajectory, from its metadata (no data read)."""
+
+    path: str
+    dtype: str
+    per_sample_shape: tuple[int, ...] | None  # None for tensors with fewer than 2 dims
+    extra_rows: int
+    nbytes: int
+
+
+@dataclass
+class TrajectoryData:
+    """What the statistics need from one trajectory file."""
+
+    fields: list[FieldRow]
+    rewards: np.ndarray | None  # [T, B] per-sample reward, summed over trailing dims
+    episodes: EpisodeTally | None  # None without any done-like field
+    versions: np.ndarray | None  # [T * B] per-sample version (max over trailing dims)
+    bytes_read: int
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _leading(tensor: torch.Tensor, *lead: int) -> torch.Tensor:
+    """`tensor` reshaped to `[*lead, rest]`, the trailing dims flattened into one."""
+    return tensor.reshape(*lead, math.prod(int(d) for d in tensor.shape) // max(1, math.prod(lead)))
+
+
+def read_trajectory(path: Path, t: int, b: int) -> TrajectoryData:
+    """Read one trajectory's rewards, done-like fields and versions; the rest stays unread.
+
+    `.pt` files are memory-mapped, so only the touched tensors are paged in and counted;
+    a `.pkl` file has to be unpickled whole and counts as its file size.
+    """
+    import torch
+
+    from rbtool import trajfile
+
+    traj = trajfile.load(path, mmap=True)
+    info = trajfile.describe(traj, str(path))
+    if info.shape[:2] != (t, b):
+        raise TrajectoryFileError(
+            f"{path}: tensors are [T, B] = {list(info.shape[:2])} but the index says {[t, b]}"
+        )
+    fields = [
+        FieldRow(
+            ".".join(p),
+            _dtype_name(v),
+            tuple(int(d) for d in v.shape[2:]) if v.dim() >= 2 else None,
+            int(v.shape[0]) - t if (len(p) == 1 and p[0] in DONE_LIKE and v.dim() >= 2) else 0,
+            v.numel() * v.element_size(),
+        )
+        for p, v in trajfile.iter_tensors(traj)
+    ]
+    touched = 0
+
+    def take(name: str) -> torch.Tensor | None:
+        nonlocal touched
+        value = traj.get(name)
+        if not isinstance(value, torch.Tensor) or value.dim() < 2:
+            return None
+        touched += value.numel() * value.element_size()
+        return value
+
+    def per_step(name: str) -> np.ndarray | None:
+        """A done-like field as a [T, B] bool mask: bootstrap rows dropped, any over trailing dims."""
+        value = take(name)
+        if value is None:
+            return None
+        mask = _leading(value != 0, int(value.shape[0]), b).any(dim=2).numpy()
+        try:
+            return drop_bootstrap_rows(mask, t)
+        except ValueError as exc:
+            raise TrajectoryFileError(f"{path}: field {name!r}: {exc}") from None
+
+    raw_rewards = take("rewards")
+    rewards = None
+    if raw_rewards is not None:
+        rewards = _leading(raw_rewards, t, b).to(torch.float64).sum(dim=2).numpy()
+    dones, terms, truncs = per_step("dones"), per_step("terminations"), per_step("truncations")
+    if dones is None and (terms is not None or truncs is not None):
+        dones = np.logical_or(terms if terms is not None else False, truncs if truncs is not None else False)
+    episodes = None if dones is None else find_episodes(dones, rewards, terms, truncs)
+    raw_versions = take("versions")
+    versions = None
+    if raw_versions is not None:
+        versions = _leading(raw_versions, t * b).to(torch.float64).amax(dim=1).numpy()
+    if path.suffix == ".pkl":
+        touched = path.stat().st_size
+    return TrajectoryData(fields, rewards, episodes, versions, touched)
+
+
+def schema_report(
+    per_trajectory: list[tuple[int, list[FieldRow]]], window_ids: set[int]
+) -> list[dict[str, Any]]:
+    """One row per (field, dtype, per-sample shape), in order of first appearance.
+
+    `sampled` says whether the field reaches a batch: every window trajectory carries it
+    with this dtype and per-sample shape, and it has at least 2 dims.
+    """
+    rows: dict[tuple[str, str, tuple[int, ...] | None], dict[str, Any]] = {}
+    window_count = 0
+    for tid, fields in per_trajectory:
+        in_window = tid in window_ids
+        window_count += in_window
+        for f in fields:
+            key = (f.path, f.dtype, f.per_sample_shape)
+            row = rows.setdefault(
+                key,
+                {
+                    "field": f.path,
+                    "dtype": f.dtype,
+                    "per_sample_shape": None if f.per_sample_shape is None else list(f.per_sample_shape),
+                    "extra_rows": set(),
+                    "trajectories": 0,
+                    "window_trajectories": 0,
+                    "bytes": 0,
+                },
+            )
+            row["extra_rows"].add(f.extra_rows)
+            row["trajectories"] += 1
+            row["window_trajectories"] += in_window
+            row["bytes"] += f.nbytes
+    out = []
+    for row in rows.values():
+        row["extra_rows"] = sorted(row["extra_rows"])
+        row["sampled"] = (
+            row["per_sample_shape"] is not None
+            and window_count > 0
+            and row["window_trajectories"] == window_count
+        )
+        out.append(row)
+    return out
+
+
+def data_report(
+    directory: Path,
+    index: Index,
+    table: IndexTable,
+    exists: np.ndarray,
+    in_window: np.ndarray,
+    bins: int,
+    progress: Progress | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, Any], dict[int, np.ndarray]]:
+    """Schema and data statistics over every trajectory whose file exists.
+
+    Returns (schema rows, data section, per-sample reward scores by id for the draw spread).
+    """
+    per_fields: list[tuple[int, list[FieldRow]]] = []
+    rewards: list[np.ndarray] = []
+    scores: dict[int, np.ndarray] = {}
+    tallies: list[EpisodeTally] = []
+    versions: list[np.ndarray] = []
+    bytes_read = 0
+    pkl_bytes = 0
+    for pos in np.flatnonzero(exists).tolist():
+        tid = int(table.ids[pos])
+        path = directory / index.file_name(tid)
+        got = read_trajectory(path, int(table.t[pos]), int(table.b[pos]))
+        per_fields.append((tid, got.fields))
+        bytes_read += got.bytes_read
+        if path.suffix == ".pkl":
+            pkl_bytes += got.bytes_read
+        if got.rewards is not None:
+            rewards.append(got.rewards.reshape(-1))
+            scores[tid] = got.rewards.reshape(-1)
+        if got.episodes is not None:
+            tallies.append(got.episodes)
+        if got.versions is not None:
+            versions.append(got.versions)
+        if progress is not None:
+            progress(1)
+    all_rewards = np.concatenate(rewards) if rewards else np.empty(0)
+    version_doc: dict[str, Any] | None = None
+    if versions:
+        v = np.concatenate(versions)
+        finite = v[np.isfinite(v)]
+        newest = float(finite.max()) if finite.size else math.nan
+        staleness = newest - finite
+        version_doc = {
+            "trajectories": len(versions),
+            "samples": int(v.size),
+            "newest": newest if finite.size else None,
+            "values": value_counts(finite, "version"),
+            "staleness": value_counts(staleness, "staleness"),
+            "staleness_summary": summarize(staleness, bins),
+        }
+    data = {
+        "trajectories_read": len(per_fields),
+        "bytes_read": bytes_read,
+        "pkl_bytes_read": pkl_bytes,
+        "rewards": {"trajectories": len(rewards), **summarize(all_rewards, bins)} if rewards else None,
+        "episodes": episodes_report(EpisodeTally.combine(tallies), len(tallies), bins) if tallies else None,
+        "versions": version_doc,
+    }
+    window_ids = set(table.ids[in_window].tolist())
+    return schema_report(per_fields, window_ids), data, scores
+
+
+# ------------------------------------------------------------------ draw spread
+@dataclass(frozen=True)
+class DrawRequest:
+    """Simulate `n` draws from the window with a strategy, as `rbtool sample` would make them."""
+
+    n: int
+    strategy: str = "uniform"
+    k: int | None = None
+    temperature: float = 1.0
+    seed: int | None = None  # None: the checkpoint's seed, else DEFAULT_SEED
+
+
+def _fewest_holding_half(amounts: np.ndarray, total: float) -> int:
+    """The fewest items that together hold more than half of `total` (largest first)."""
+    if total <= 0 or amounts.size == 0:
+        return 0
+    cum = np.cumsum(np.sort(amounts)[::-1])
+    return int(np.searchsorted(cum, CONCENTRATION_DRAW_SHARE * total, side="right")) + 1
+
+
+def draws_report(
+    window_ids: Sequence[int],
+    num_samples: Sequence[int],
+    request: DrawRequest,
+    seed: int,
+    scores: dict[int, np.ndarray] | None = None,
+) -> dict[str, Any]:
+    """Observed against expected draws per window trajectory, total variation, concentration flag.
+
+    Uniform draws use randint + bucketize as the buffer does; top-k draws use the window's
+    top-k samples by reward and softmax weights. The same seed gives the same draws as a
+    fresh buffer's first `sample(n)` (before n is clamped to the window's samples).
+    """
+    import torch
+
+    from rbtool.topk import RewardIndex, check_strategy, softmax_weights, weighted_draw
+
+    check_strategy(request.strategy, request.k, request.temperature)
+    if request.n < 1:
+        raise UsageError(f"the number of draws must be >= 1, got {request.n}")
+    sizes = np.asarray(num_samples, dtype=np.int64)
+    total = int(sizes.sum())
+    if total == 0:
+        raise UsageError("the window holds no samples to draw from")
+    starts = np.cumsum(sizes) - sizes
+    generator = torch.Generator().manual_seed(seed)
+    if request.strategy == "uniform":
+        global_ids = torch.randint(0, total, (request.n,), generator=generator).numpy()
+        sample_probability = None
+        expected = sizes / total
+        candidates = total
+    else:
+        assert request.k is not None
+        index = RewardIndex()
+        index.add((tid, scores[tid]) for tid in window_ids if scores is not None and tid in scores)
+        ranked = index.top_k(request.k, [tid for tid in window_ids if tid in index])
+        if len(ranked) == 0:
+            raise UsageError("top-k draws need rewards, and no trajectory in the window has any")
+        weights = softmax_weights(ranked.scores, request.temperature)
+        picks = weighted_draw(weights, request.n, generator).numpy()
+        window = np.asarray(window_ids, dtype=np.int64)
+        by_id = np.argsort(window, kind="stable")
+        cand_pos = by_id[np.searchsorted(window[by_id], ranked.trajectory_ids)]
+        cand_global = starts[cand_pos] + ranked.rows
+        global_ids = cand_global[picks]
+        sample_probability = weights
+        expected = np.bincount(cand_pos, weights=weights, minlength=sizes.size)
+        candidates = len(ranked)
+    positions = np.searchsorted(np.cumsum(sizes), global_ids, side="right")
+    draws = np.bincount(positions, minlength=sizes.size)
+    observed = draws / request.n
+    per_sample = np.unique(global_ids, return_counts=True)[1]
+    threshold = CONCENTRATION_SAMPLE_SHARE * total
+    held_obs = _fewest_holding_half(per_sample.astype(np.float64), float(request.n))
+    # Uniform: every sample is equally likely, so just over half of them hold half the mass.
+    uniform_held = total // 2 + 1
+    held_exp = uniform_held if sample_probability is None else _fewest_holding_half(sample_probability, 1.0)
+    concentrated = held_exp < threshold or (request.n >= total and held_obs < threshold)
+    return {
+        "strategy": request.strategy,
+        "n": request.n,
+        "seed": seed,
+        "k": request.k,
+        "temperature": request.temperature if request.strategy == "topk" else None,
+        "window_samples": total,
+        "candidates": candidates,
+        "distinct_samples_drawn": int(per_sample.size),
+        "trajectories": {
+            "id": list(window_ids),
+            "draws": draws.tolist(),
+            "observed": observed.tolist(),
+            "expected": expected.tolist(),
+        },
+        "total_variation": float(0.5 * np.abs(observed - expected).sum()),
+        "concentration": {
+            "threshold_samples": threshold,
+            "samples_holding_half_of_draws": held_obs,
+            "samples_holding_half_of_probability": held_exp,
+            "concentrated": bool(concentrated),
+        },
+    }
+
+
+# ------------------------------------------------------------------ everything
+def collect_stats(
+    path: str | Path,
+    *,
+    window: int = 0,
+    index_only: bool = False,
+    bins: int = DEFAULT_BINS,
+    draws: DrawRequest | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """The whole stats document of a checkpoint or buffer directory.
+
+    Missing trajectory files are reported, not refused. With `index_only`, only the JSON
+    files are read (no torch import unless draws are asked for), and top-k draws, which
+    need rewards, are refused.
+    """
+    if bins < 1:
+        raise UsageError(f"bins must be >= 1, got {bins}")
+    if draws is not None and index_only and draws.strategy == "topk":
+        raise UsageError("top-k draws need rewards from the trajectory files; drop --index-only")
+    directory = Path(path)
+    index = read_index(directory)
+    table = index_table(index)
+    sizes = None if index_only else file_sizes(directory, index)
+    doc: dict[str, Any] = {"path": str(directory), "index_only": index_only}
+    doc.update(index_report(index, table, window, sizes))
+    in_window = np.asarray(doc["trajectories"]["in_window"], dtype=bool)
+    doc["schema"] = doc["data"] = None
+    scores: dict[int, np.ndarray] | None = None
+    if sizes is not None:
+        exists = sizes >= 0
+        doc["schema"], doc["data"], scores = data_report(
+            directory, index, table, exists, in_window, bins, progress
+        )
+    doc["draws"] = None
+    if draws is not None:
+        seed = (
+            draws.seed if draws.seed is not None else (index.seed if index.seed is not None else DEFAULT_SEED)
+        )
+        doc["draws"] = draws_report(
+            table.ids[in_window].tolist(), table.num_samples[in_window].tolist(), draws, seed, scores
+        )
+    return doc
