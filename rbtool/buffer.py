@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import threading
 import uuid
 from collections import OrderedDict
@@ -43,7 +44,7 @@ def missing_files(directory: Path, index: Index) -> list[int]:
     return [i for i in index.id_list if not (directory / index.file_name(i)).is_file()]
 
 
-def open_checkpoint(path: str | Path, *, strict: bool = True) -> tuple[Path, Index]:
+def open_checkpoint(path: str | os.PathLike[str], *, strict: bool = True) -> tuple[Path, Index]:
     """Read a checkpoint's index; refuse (strict) or drop (non-strict) ids whose files are missing."""
     directory = Path(path)
     index = read_index(directory)

@@ -150,17 +150,17 @@ def ingest(
         batch: list[int] = []
         last_publish = time.monotonic()
         try:
-            for item in checked:
+            for ready in checked:
                 tid = index.trajectory_counter
-                entry = new_entry(tid, item.info, uuid.uuid4().hex)
+                entry = new_entry(tid, ready.info, uuid.uuid4().hex)
                 index.entries[tid] = entry
-                place_trajectory(item.path, directory / index.file_name(tid), entry, result.report)
+                place_trajectory(ready.path, directory / index.file_name(tid), entry, result.report)
                 if (
-                    item.sha256
+                    ready.sha256
                     and "sha256" not in entry
-                    and item.path.suffix == f".{index.trajectory_format}"
+                    and ready.path.suffix == f".{index.trajectory_format}"
                 ):
-                    entry["sha256"] = item.sha256
+                    entry["sha256"] = ready.sha256
                 index.id_list.append(tid)
                 index.trajectory_counter = tid + 1
                 batch.append(tid)

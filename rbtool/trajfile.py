@@ -48,7 +48,7 @@ def _as_dict(trajectory: Any) -> dict[str, Any]:
     )
 
 
-def _clean(value: Any, path: str, tensor_type: type) -> Any:
+def _clean(value: Any, path: str, tensor_type: Any) -> Any:
     """Copy tensors to contiguous CPU clones and drop None, recursing into dicts."""
     if isinstance(value, tensor_type):
         return value.detach().cpu().contiguous().clone()
