@@ -4,8 +4,8 @@ The on-disk layout is the one RLinf's `TrajectoryReplayBuffer` writes. Importing
 does not import torch; the functions that handle tensors import it when called.
 """
 
-from rbtool.buffer import TrajectoryReplayBuffer
-from rbtool.checkpoint import build_from_files, load_state, merge, restore, save_from_autosave_dir, shard
+from typing import TYPE_CHECKING, Any
+
 from rbtool.errors import (
     CheckpointError,
     InvalidTrajectoryError,
@@ -15,8 +15,39 @@ from rbtool.errors import (
     UnsafePickleError,
     UsageError,
 )
-from rbtool.index import Index, read_index
-from rbtool.ingest import ingest
+
+if TYPE_CHECKING:
+    from rbtool.buffer import TrajectoryReplayBuffer
+    from rbtool.checkpoint import build_from_files, load_state, merge, restore, save_from_autosave_dir, shard
+    from rbtool.index import Index, read_index
+    from rbtool.ingestion import ingest
+
+# Public names resolved on first use, so `import rbtool` (and the command line's start-up)
+# loads only what a command needs.
+_LAZY = {
+    "TrajectoryReplayBuffer": "rbtool.buffer",
+    "build_from_files": "rbtool.checkpoint",
+    "load_state": "rbtool.checkpoint",
+    "merge": "rbtool.checkpoint",
+    "restore": "rbtool.checkpoint",
+    "save_from_autosave_dir": "rbtool.checkpoint",
+    "shard": "rbtool.checkpoint",
+    "Index": "rbtool.index",
+    "read_index": "rbtool.index",
+    "ingest": "rbtool.ingestion",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rbtool' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __version__ = "0.1.0"
 

@@ -5,20 +5,22 @@ This module never imports torch: index-only commands stay fast.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import msgspec
-import numpy as np
 import orjson
 
 from rbtool.errors import CheckpointError, UsageError
 from rbtool.fsutil import write_bytes_atomic
+
+if TYPE_CHECKING:
+    import numpy as np
 
 METADATA_FILE = "metadata.json"
 INDEX_FILE = "trajectory_index.json"
@@ -252,6 +254,8 @@ def _entries_look_valid(table: dict[str, Any]) -> bool:
 
     The slow path (parse_entry per entry) finds and names the first bad entry.
     """
+    import numpy as np
+
     values = list(table.values())
     if not values:
         return True
@@ -355,23 +359,29 @@ def write_index(directory: str | os.PathLike[str], index: Index) -> None:
 # validates types in C and leaves columns that numpy can check and summarise at once.
 
 
-class _Entry(msgspec.Struct, gc=False):
-    num_samples: int
-    trajectory_id: int
-    max_episode_length: int | None
-    shape: list[int]
-    model_weights_id: str
-    uuid: str | None = None
-    file_bytes: int | None = None
-    sha256: str | None = None
+@functools.cache
+def _index_decoder() -> Any:
+    """A msgspec decoder for trajectory_index.json into slotted structs (built on first use)."""
+    import msgspec
 
-
-class _IndexFile(msgspec.Struct, gc=False):
-    trajectory_index: dict[str, _Entry]
-    trajectory_id_list: list[int]
-
-
-_INDEX_DECODER = msgspec.json.Decoder(_IndexFile)
+    entry = msgspec.defstruct(
+        "Entry",
+        [
+            ("num_samples", int),
+            ("trajectory_id", int),
+            ("max_episode_length", int | None),
+            ("shape", list[int]),
+            ("model_weights_id", str),
+            ("uuid", str | None, None),
+            ("file_bytes", int | None, None),
+            ("sha256", str | None, None),
+        ],
+        gc=False,
+    )
+    index_file = msgspec.defstruct(
+        "IndexFile", [("trajectory_index", dict[str, entry]), ("trajectory_id_list", list[int])], gc=False
+    )
+    return msgspec.json.Decoder(index_file)
 
 
 @dataclass
@@ -406,6 +416,9 @@ def read_columns(directory: str | os.PathLike[str]) -> IndexColumns:
     Raises CheckpointError (one line, naming the file) for unreadable JSON or wrong types;
     everything else (sums, duplicates, shapes) is left to the caller to check with numpy.
     """
+    import msgspec
+    import numpy as np
+
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a directory")
@@ -421,7 +434,7 @@ def read_columns(directory: str | os.PathLike[str]) -> IndexColumns:
     enabled = gc.isenabled()
     gc.disable()  # millions of fresh objects would trigger collections for nothing
     try:
-        raw = _INDEX_DECODER.decode(data)
+        raw = _index_decoder().decode(data)
     except msgspec.DecodeError as exc:
         raise CheckpointError(f"{idx_path}: invalid index ({exc})") from None
     finally:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import pickle
 import re
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -155,8 +155,7 @@ def test_waits_for_a_locked_directory(tmp_path: Path, five_files: list[Path], mo
         waiting.wait(timeout=30)
         holder.release()
 
-    # `rbtool.ingest` the attribute is the function; the module is in sys.modules.
-    monkeypatch.setattr(sys.modules["rbtool.ingest"], "DirLock", SignallingLock)
+    monkeypatch.setattr(importlib.import_module("rbtool.ingestion"), "DirLock", SignallingLock)
     releaser = threading.Thread(target=release_when_waited_on)
     releaser.start()
     try:

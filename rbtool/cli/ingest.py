@@ -51,7 +51,7 @@ def ingest(
     Every source is checked before anything is written. After each published batch a line
     `added trajectory ids FIRST-LAST` goes to stderr.
     """
-    from rbtool.ingest import ingest as ingest_sources
+    from rbtool.ingestion import ingest as ingest_sources
 
     check_format(trajectory_format)
 
