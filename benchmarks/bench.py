@@ -62,14 +62,30 @@ with open(report, "w") as handle:
 """
 
 # A fresh process that loads a checkpoint and samples: argv = ckpt, window, batches, num_chunks.
+# It prints its per-call times and, on Linux, how its resident memory splits at the end:
+# anonymous (allocated) against file-backed (mapped trajectory files, which is page cache).
 SAMPLING_CHILD = """
-import sys
+import json, statistics, sys, time
 from rbtool import TrajectoryReplayBuffer
 ckpt, window, batches, chunks = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 buffer = TrajectoryReplayBuffer(seed=1234, sample_window_size=window)
 buffer.load_checkpoint(ckpt)
+times = []
 for _ in range(batches):
+    start = time.perf_counter()
     buffer.sample(chunks)
+    times.append(time.perf_counter() - start)
+memory = {}
+try:
+    with open("/proc/self/status") as status:
+        for line in status:
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile"):
+                memory[key] = int(value.split()[0]) * 1024
+except OSError:
+    pass
+print(json.dumps({"first_sample_s": times[0], "median_sample_s": statistics.median(times),
+                  "rss_anon_bytes": memory.get("RssAnon"), "rss_file_bytes": memory.get("RssFile")}))
 """
 
 
@@ -497,6 +513,7 @@ class ChildRun:
     peak_rss_bytes: int
     exit_code: int
     stderr_tail: str
+    stdout_tail: str = ""
 
 
 def run_child(argv: list[str]) -> ChildRun:
@@ -520,8 +537,15 @@ def run_child(argv: list[str]) -> ChildRun:
         report = orjson.loads(Path(rep.name).read_bytes())
         err.seek(0)
         lines = err.read().decode(errors="replace").strip().splitlines()
+        out.seek(max(0, out.seek(0, os.SEEK_END) - 4096))
+        tail = out.read().decode(errors="replace").strip()
     return ChildRun(
-        argv, report["wall_s"], report["peak_rss_bytes"], report["exit_code"], lines[-1] if lines else ""
+        argv,
+        report["wall_s"],
+        report["peak_rss_bytes"],
+        report["exit_code"],
+        lines[-1] if lines else "",
+        tail,
     )
 
 
@@ -712,11 +736,18 @@ def measure_sampling_rss(ckpt: Path, cfg: Config) -> dict[str, Any]:
     run = run_child(
         [sys.executable, "-c", SAMPLING_CHILD, str(ckpt), "0", str(cfg.rss_batches), str(cfg.num_chunks)]
     )
+    inside: dict[str, Any] = {}
+    if run.exit_code == 0 and run.stdout_tail:
+        inside = orjson.loads(run.stdout_tail.splitlines()[-1])
     return {
         "window": 0,
         "batches": cfg.rss_batches,
         "num_chunks": cfg.num_chunks,
         "peak_rss_bytes": run.peak_rss_bytes,
+        "rss_anon_bytes": inside.get("rss_anon_bytes"),
+        "rss_file_bytes": inside.get("rss_file_bytes"),
+        "first_sample_s": inside.get("first_sample_s"),
+        "median_sample_s": inside.get("median_sample_s"),
         "wall_s": run.wall_s,
         "exit_code": run.exit_code,
         "stderr_tail": run.stderr_tail,
@@ -894,11 +925,30 @@ def render(doc: dict[str, Any]) -> None:
         "< 1 GiB",
         fmt_met(met["sampling_peak_rss_bytes"]),
     )
+    if rss["rss_anon_bytes"] is not None:
+        table.add_row(
+            "  resident at exit: anonymous / mapped files",
+            f"{fmt_bytes(rss['rss_anon_bytes'])} / {fmt_bytes(rss['rss_file_bytes'])}",
+            "",
+            "",
+            "",
+            "",
+        )
+    if rss["first_sample_s"] is not None:
+        table.add_row(
+            "  sample() in that process: first / median",
+            f"{fmt_s(rss['first_sample_s'])} / {fmt_s(rss['median_sample_s'])}",
+            "",
+            "",
+            "",
+            "",
+        )
     console = Console(width=max(150, shutil.get_terminal_size((150, 40)).columns))
     console.print(
         f"checkpoint: {cfg['trajectories']} trajectories, T={cfg['t']}, B={cfg['b']}, "
         f"{cfg['image']}x{cfg['image']}x3 images, {size}; index: {n} entries; "
-        f"{cfg['repeats']} timed runs per figure; memcpy {fmt_bytes(mem['bytes_per_s'])}/s",
+        f"{cfg['repeats']} timed runs per figure; memcpy {fmt_bytes(mem['bytes_per_s'])}/s"
+        + ("\nquick mode: the goals are set for the full-size run" if cfg["quick"] else ""),
         highlight=False,
     )
     console.print(table)

@@ -109,6 +109,8 @@ def test_quick_json_reports_every_figure(tmp_path: Path) -> None:
     rss = doc["sampling_rss"]
     assert rss["exit_code"] == 0, rss["stderr_tail"]
     assert positive(rss["peak_rss_bytes"]) and rss["batches"] == 5
+    assert positive(rss["first_sample_s"]) and positive(rss["median_sample_s"])
+    assert {"rss_anon_bytes", "rss_file_bytes"} <= rss.keys()
 
     assert {g["name"] for g in doc["goals"]} == GOALS
     for goal in doc["goals"]:
