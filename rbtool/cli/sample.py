@@ -1,0 +1,226 @@
+"""`rbtool sample`: load a checkpoint into a buffer, draw one batch, show it, optionally save it."""
+
+from __future__ import annotations
+
+import enum
+import io
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich import box
+from rich.table import Table
+
+from rbtool.cli import app
+from rbtool.cli._common import ExistingPath, JsonOpt, StrictOpt, WindowOpt, out, print_json
+
+DEFAULT_SEED = 1234  # the buffer's default, used when the checkpoint records no seed
+SHOWN_DRAWS = 16  # draws listed one per row in the human view
+SIDE_BY_SIDE_WIDTH = 110  # fields and draws tables side by side from this terminal width on
+
+
+class Strategy(str, enum.Enum):
+    """How sample positions are drawn from the window."""
+
+    uniform = "uniform"
+    topk = "topk"
+
+
+def _positive_temperature(value: float) -> float:
+    if not value > 0 or value == float("inf"):
+        raise typer.BadParameter(f"must be a finite number > 0, got {value}")
+    return value
+
+
+StrategyOpt = Annotated[
+    Strategy,
+    typer.Option(
+        "--strategy",
+        help="uniform: every sample of the window alike; topk: among the K highest-reward samples.",
+    ),
+]
+KOpt = Annotated[
+    int | None, typer.Option("--k", min=1, help="topk: how many highest-reward samples are candidates.")
+]
+TemperatureOpt = Annotated[
+    float,
+    typer.Option(
+        "--temperature",
+        callback=_positive_temperature,
+        help="topk: weights are softmax(reward / T); larger T spreads draws more evenly.",
+    ),
+]
+SeedOpt = Annotated[
+    int | None, typer.Option("--seed", help="Generator seed (default: the checkpoint's seed, else 1234).")
+]
+
+
+def check_sampling_options(strategy: Strategy, k: int | None) -> None:
+    """Usage errors (exit 2) the option types cannot express: topk needs --k, uniform takes none."""
+    if strategy is Strategy.topk and k is None:
+        raise typer.BadParameter("--strategy topk needs --k", param_hint="--k")
+    if strategy is Strategy.uniform and k is not None:
+        raise typer.BadParameter("--k applies only to --strategy topk", param_hint="--k")
+
+
+def refuse_out_inside(out_path: Path, directory: Path) -> None:
+    """Refuse writing the batch into the checkpoint: inputs are never changed."""
+    target = Path(os.path.realpath(out_path))
+    source = Path(os.path.realpath(directory))
+    if target == source or source in target.parents:
+        raise typer.BadParameter(f"{out_path} lies inside the checkpoint {directory}", param_hint="--out")
+
+
+def save_batch(batch: dict[str, Any], path: Path) -> int:
+    """torch.save the batch to `path` atomically (temporary file, then rename); returns its size."""
+    import torch
+
+    from rbtool.errors import RbtoolError
+    from rbtool.fsutil import write_bytes_atomic
+
+    if path.is_dir():
+        raise RbtoolError(f"{path}: is a directory; --out takes a file name")
+    if not path.parent.is_dir():
+        raise RbtoolError(f"{path}: directory {path.parent} does not exist")
+    buffer = io.BytesIO()
+    torch.save(batch, buffer)
+    data = buffer.getvalue()
+    try:
+        write_bytes_atomic(path, data)
+    except OSError as exc:
+        raise RbtoolError(f"{path}: cannot write ({exc.strerror})") from None
+    return len(data)
+
+
+def field_rows(batch: dict[str, Any], prefix: str = "") -> list[dict[str, Any]]:
+    """[{field, dtype, shape}] for every tensor of a (nested) batch, in batch order."""
+    rows: list[dict[str, Any]] = []
+    for key, value in batch.items():
+        if isinstance(value, dict):
+            rows += field_rows(value, f"{prefix}{key}.")
+        else:
+            rows.append(
+                {
+                    "field": prefix + key,
+                    "dtype": str(value.dtype).removeprefix("torch."),
+                    "shape": list(value.shape),
+                }
+            )
+    return rows
+
+
+@app.command()
+def sample(
+    path: ExistingPath,
+    num_chunks: Annotated[
+        int, typer.Option("--num-chunks", min=1, help="Rows to draw (clamped to the window).")
+    ],
+    window: WindowOpt = 0,
+    strategy: StrategyOpt = Strategy.uniform,
+    k: KOpt = None,
+    temperature: TemperatureOpt = 1.0,
+    seed: SeedOpt = None,
+    strict: StrictOpt = True,
+    out_path: Annotated[
+        Path | None, typer.Option("--out", help="Save the batch here with torch.save (written atomically).")
+    ] = None,
+    json: JsonOpt = False,
+) -> None:
+    """Load a checkpoint into a TrajectoryReplayBuffer and draw one batch from its window.
+
+    Shows each field's shape and dtype and which trajectory and row every batch row came
+    from; with --out, saves the batch (a dict of [num_chunks, ...] tensors).
+    """
+    check_sampling_options(strategy, k)
+    if out_path is not None:
+        refuse_out_inside(out_path, path)
+
+    from rbtool.buffer import TrajectoryReplayBuffer, missing_files
+    from rbtool.index import read_index
+
+    index = read_index(path)
+    missing = missing_files(path, index) if not strict else []
+    buffer = TrajectoryReplayBuffer(seed=DEFAULT_SEED, sample_window_size=window)
+    buffer.load_checkpoint(path, strict=strict)  # reseeds from the checkpoint when it has a seed
+    used_seed = buffer.seed if seed is None else seed
+    if seed is not None:
+        buffer.seed = seed
+        buffer.random_generator.manual_seed(seed)
+    window_ids = buffer.window_ids()
+    draw, batch = buffer.sample_with_draw(num_chunks, strategy.value, k, temperature)
+    written = save_batch(batch, out_path) if out_path is not None else None
+
+    tids = draw.trajectory_ids
+    rows = draw.local_indices.tolist()
+    widths = [index.entries[t]["shape"][1] for t in tids]
+    doc = {
+        "path": str(path),
+        "seed": used_seed,
+        "window": window,
+        "window_trajectories": len(window_ids),
+        "window_samples": sum(index.entries[t]["num_samples"] for t in window_ids),
+        "missing_ids": missing,
+        "strategy": strategy.value,
+        "k": k,
+        "temperature": temperature if strategy is Strategy.topk else None,
+        "requested_chunks": num_chunks,
+        "num_chunks": len(rows),
+        "draws": {
+            "trajectory_id": tids,
+            "row": rows,
+            "t": [r // w for r, w in zip(rows, widths, strict=True)],
+            "b": [r % w for r, w in zip(rows, widths, strict=True)],
+            "global_index": draw.global_indices.tolist(),
+        },
+        "fields": field_rows(batch),
+        "out": None if out_path is None else str(out_path),
+        "out_bytes": written,
+    }
+    if json:
+        print_json(doc)
+    else:
+        render(doc)
+
+
+def render(doc: dict[str, Any]) -> None:
+    """The human view: what was drawn from where, the batch's fields, and the saved file."""
+    how = doc["strategy"] if doc["strategy"] == "uniform" else f"topk k={doc['k']} T={doc['temperature']:g}"
+    window = "all" if doc["window"] == 0 else f"last {doc['window']}"
+    out.print(
+        f"[bold]{doc['num_chunks']}[/bold] chunks ({how}) from {doc['path']}  ·  window {window}: "
+        f"{doc['window_trajectories']} trajectories, {doc['window_samples']} samples  ·  seed {doc['seed']}"
+    )
+    if doc["num_chunks"] < doc["requested_chunks"]:
+        out.print(f"[yellow]clamped from {doc['requested_chunks']} to the window's samples[/yellow]")
+    if doc["missing_ids"]:
+        out.print(f"[yellow]left out {len(doc['missing_ids'])} trajectories whose files are missing[/yellow]")
+
+    fields = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for name in ("field", "dtype", "shape"):
+        fields.add_column(name)
+    for row in doc["fields"]:
+        fields.add_row(row["field"], row["dtype"], str(row["shape"]))
+
+    draws = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for name in ("#", "trajectory", "row", "t", "b"):
+        draws.add_column(name, justify="right")
+    d = doc["draws"]
+    for i in range(min(SHOWN_DRAWS, doc["num_chunks"])):
+        draws.add_row(str(i), str(d["trajectory_id"][i]), str(d["row"][i]), str(d["t"][i]), str(d["b"][i]))
+    if doc["num_chunks"] > SHOWN_DRAWS:
+        draws.add_row("…", f"{doc['num_chunks'] - SHOWN_DRAWS} more", "", "", "")
+    if out.width >= SIDE_BY_SIDE_WIDTH:
+        grid = Table.grid(padding=(0, 4))
+        grid.add_row(fields, draws)
+        out.print(grid)
+    else:
+        out.print(fields, draws)
+
+    counts: dict[int, int] = {}
+    for tid in d["trajectory_id"]:
+        counts[tid] = counts.get(tid, 0) + 1
+    per_traj = ", ".join(f"{tid}: {n}" for tid, n in sorted(counts.items()))
+    out.print(f"draws per trajectory: {per_traj}")
+    if doc["out"] is not None:
+        out.print(f"wrote {doc['out']} ({doc['out_bytes']:,} bytes)")
