@@ -99,6 +99,7 @@ class Config:
     image: int
     index_size: int
     repeats: int
+    sample_calls: int
     num_chunks: int
     windows: list[int]
     world_size: int
@@ -129,6 +130,11 @@ def parse_args(argv: list[str] | None = None) -> Config:
     parser.add_argument(
         "--repeats", type=int, help="Timed runs per figure, after a warm-up (default 5; quick 3)."
     )
+    parser.add_argument(
+        "--sample-calls",
+        type=int,
+        help="Timed sample() calls per sampler and window, after a warm-up (default 20; quick: --repeats).",
+    )
     parser.add_argument("--num-chunks", type=int, default=256, help="Rows per sample() call (default 256).")
     parser.add_argument(
         "--rss-batches", type=int, default=100, help="sample() calls in the memory run (default 100)."
@@ -142,13 +148,15 @@ def parse_args(argv: list[str] | None = None) -> Config:
             parser.error(f"sizes and counts must be >= 1, got {chosen}")
         return chosen
 
+    repeats = pick(args.repeats, 5, 3)
     return Config(
         trajectories=pick(args.trajectories, 200, 40),
         t=pick(args.t, 50, 10),
         b=pick(args.b, 10, 4),
         image=pick(args.image, 64, 64),
         index_size=pick(args.index_size, 1_000_000, 100_000),
-        repeats=pick(args.repeats, 5, 3),
+        repeats=repeats,
+        sample_calls=pick(args.sample_calls, 20, repeats),
         num_chunks=pick(args.num_chunks, 256, 256),
         windows=[0, 20],
         world_size=4,
@@ -453,12 +461,13 @@ def measure_sampling(ckpt: Path, window: int, cfg: Config, memcpy: dict[str, Any
     from rbtool import TrajectoryReplayBuffer
 
     n = cfg.num_chunks
-    log(f"sampling: window {window}, sample({n}), {cfg.repeats} timed calls after a warm-up")
+    calls = cfg.sample_calls
+    log(f"sampling: window {window}, sample({n}), {calls} timed calls per sampler after a warm-up")
     buffer = TrajectoryReplayBuffer(seed=SEED, sample_window_size=window)
     buffer.load_checkpoint(ckpt)
     ours = [buffer.sample(n)]
     ours_times = []
-    for _ in range(cfg.repeats):
+    for _ in range(calls):
         start = time.perf_counter()
         ours.append(buffer.sample(n))
         ours_times.append(time.perf_counter() - start)
@@ -468,7 +477,7 @@ def measure_sampling(ckpt: Path, window: int, cfg: Config, memcpy: dict[str, Any
     eager = EagerSampler(ckpt, window)
     equal = same_batch(ours[0], eager.sample(n))
     eager_times = []
-    for k in range(cfg.repeats):
+    for k in range(calls):
         start = time.perf_counter()
         reference = eager.sample(n)
         eager_times.append(time.perf_counter() - start)
@@ -947,7 +956,8 @@ def render(doc: dict[str, Any]) -> None:
     console.print(
         f"checkpoint: {cfg['trajectories']} trajectories, T={cfg['t']}, B={cfg['b']}, "
         f"{cfg['image']}x{cfg['image']}x3 images, {size}; index: {n} entries; "
-        f"{cfg['repeats']} timed runs per figure; memcpy {fmt_bytes(mem['bytes_per_s'])}/s"
+        f"{cfg['repeats']} timed runs per figure, {cfg['sample_calls']} calls per sampler; "
+        f"memcpy {fmt_bytes(mem['bytes_per_s'])}/s"
         + ("\nquick mode: the goals are set for the full-size run" if cfg["quick"] else ""),
         highlight=False,
     )
@@ -969,6 +979,7 @@ def main(argv: list[str] | None = None) -> int:
             "image": cfg.image,
             "num_chunks": cfg.num_chunks,
             "repeats": cfg.repeats,
+            "sample_calls": cfg.sample_calls,
             "index_size": cfg.index_size,
             "quick": cfg.quick,
             "workdir": str(cfg.workdir),
