@@ -39,8 +39,14 @@ ExistingPath = Annotated[Path, typer.Argument(exists=False, help="A checkpoint o
 
 
 def print_json(doc: Any) -> None:
-    """Write one JSON document to stdout."""
-    sys.stdout.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode() + "\n")
+    """Write one JSON document to stdout (as bytes where possible: documents can be hundreds of MB)."""
+    data = orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE)
+    binary = getattr(sys.stdout, "buffer", None)
+    if binary is None:
+        sys.stdout.write(data.decode())
+    else:
+        sys.stdout.flush()
+        binary.write(data)
     sys.stdout.flush()
 
 
