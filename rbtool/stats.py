@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rbtool.errors import TrajectoryFileError, UsageError
+from rbtool.errors import RbtoolError, TrajectoryFileError, UsageError
 from rbtool.index import Index, read_index, trajectory_file_name
 
 if TYPE_CHECKING:
@@ -591,6 +591,7 @@ def draws_report(
         raise UsageError("the window holds no samples to draw from")
     starts = np.cumsum(sizes) - sizes
     generator = torch.Generator().manual_seed(seed)
+    expected: np.ndarray  # each window trajectory's expected share of the draws
     if request.strategy == "uniform":
         global_ids = torch.randint(0, total, (request.n,), generator=generator).numpy()
         sample_probability = None
@@ -602,7 +603,7 @@ def draws_report(
         index.add((tid, scores[tid]) for tid in window_ids if scores is not None and tid in scores)
         ranked = index.top_k(request.k, [tid for tid in window_ids if tid in index])
         if len(ranked) == 0:
-            raise UsageError("top-k draws need rewards, and no trajectory in the window has any")
+            raise RbtoolError("top-k draws need rewards, and no trajectory in the window has any")
         weights = softmax_weights(ranked.scores, request.temperature)
         picks = weighted_draw(weights, request.n, generator).numpy()
         window = np.asarray(window_ids, dtype=np.int64)
