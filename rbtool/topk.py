@@ -109,15 +109,16 @@ class RewardIndex:
             self._pending.append(staged)
 
     def _commit(self) -> None:
+        """Merge the staged batches; taking the list whole keeps a batch staged meanwhile for later."""
         if not self._pending:
             return
-        for batch in self._pending:
+        pending, self._pending = self._pending, []
+        for batch in pending:
             for tid, scores in batch:
                 if tid not in self._order:
                     self._order[tid] = self._next_seq
                     self._next_seq += 1
                 self._scores[tid] = scores
-        self._pending.clear()
         self._version += 1
 
     def retain(self, ids: Iterable[int]) -> None:
