@@ -78,7 +78,11 @@ PROBLEM_CODES: dict[str, tuple[str, str]] = {
         "a listed trajectory's file has another model_weights_id or format than the index",
     ),
     "file_size_mismatch": (ERROR, "a file's size differs from the file_bytes its entry records"),
-    "stray_file": (ERROR, "a trajectory file that the index does not list (id below trajectory_counter)"),
+    "stray_file": (
+        ERROR,
+        "a trajectory file the index does not list (id below trajectory_counter), or a .pt/.pkl file "
+        "not named like a trajectory",
+    ),
     "uncommitted_file": (
         NOTICE,
         "an unlisted trajectory file with id >= trajectory_counter: left by an interrupted writer, "
