@@ -588,7 +588,7 @@ def draws_report(
     sizes = np.asarray(num_samples, dtype=np.int64)
     total = int(sizes.sum())
     if total == 0:
-        raise UsageError("the window holds no samples to draw from")
+        raise RbtoolError("the window holds no samples to draw from")
     starts = np.cumsum(sizes) - sizes
     generator = torch.Generator().manual_seed(seed)
     expected: np.ndarray  # each window trajectory's expected share of the draws

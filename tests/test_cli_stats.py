@@ -247,3 +247,17 @@ def test_topk_spread_draws_what_sample_draws() -> None:
     drawn = json.loads(sampled.stdout)["draws"]["trajectory_id"]
     spread = stats_json(rel, "--sample-draws", "12", *opts)["draws"]["trajectories"]
     assert spread["draws"] == [drawn.count(tid) for tid in spread["id"]]
+
+
+def test_an_empty_buffer_directory(tmp_path: Path) -> None:
+    (tmp_path / "metadata.json").write_text(json.dumps({"trajectory_format": "pt", "seed": None}))
+    (tmp_path / "trajectory_index.json").write_text(
+        json.dumps({"trajectory_index": {}, "trajectory_id_list": []})
+    )
+    doc = stats_json(str(tmp_path))
+    assert doc["index"]["size"] == 0 and doc["window"]["samples"] == 0 and doc["model_weights"] == []
+    assert doc["data"]["rewards"] is None and doc["data"]["episodes"] is None
+    human = runner.invoke(app, ["stats", str(tmp_path)])
+    assert human.exit_code == 0 and "0 trajectories, 0 samples" in human.stdout
+    drawn = runner.invoke(app, ["stats", str(tmp_path), "--sample-draws", "5"])
+    assert drawn.exit_code == 1 and "no samples" in drawn.stderr

@@ -177,18 +177,22 @@ def render(doc: dict[str, Any], con: Console) -> None:
         con.print(f"files: not opened (--index-only); recorded sizes {size(files['bytes'])}")
     which = "all" if win["requested"] == 0 else f"last {win['requested']}"
     lo, hi = win["probability_min"], win["probability_max"]
-    probs = f"p(draw) {num(lo)} each" if lo == hi else f"p(draw) {num(lo)}..{num(hi)} per trajectory"
-    con.print(f"window {which}: {win['trajectories']} trajectories, {win['samples']} samples, {probs}")
+    line = f"window {which}: {win['trajectories']} trajectories, {win['samples']} samples"
+    if lo is not None:
+        line += f", p(draw) {num(lo)} each" if lo == hi else f", p(draw) {num(lo)}..{num(hi)} per trajectory"
+    con.print(line)
+    if idx["size"] == 0:
+        return
 
     con.print(trajectory_table(doc))
-    weights = weights_table(doc["model_weights"])
-    if doc["schema"] is not None:
+    if doc["schema"]:
         con.print(schema_table(doc["schema"]))
-    if doc["data"] is not None:
-        con.print(data_table(doc["data"]))
-        con.print(episode_line(doc["data"]))
-        version_line(doc["data"], con)
-    con.print(weights)
+    data = doc["data"]
+    if data is not None and data["trajectories_read"]:
+        con.print(data_table(data))
+        con.print(episode_line(data))
+        version_line(data, con)
+    con.print(weights_table(doc["model_weights"]))
     if doc["draws"] is not None:
         draws_view(doc["draws"], con)
 
