@@ -1,0 +1,74 @@
+"""`rbtool repair`: write a consistent checkpoint from what a damaged one really holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from rbtool.cli import app
+from rbtool.cli._common import ForceOpt, JsonOpt, out, print_json, progress_bar, show_progress
+from rbtool.cli.checkpoint import files_line, format_ids, refuse_overlap
+
+
+@app.command()
+def repair(
+    path: Annotated[
+        Path,
+        typer.Argument(
+            metavar="PATH",
+            help="A damaged checkpoint or buffer directory, or a folder of rank_* checkpoints.",
+            show_default=False,
+        ),
+    ],
+    target: Annotated[
+        Path,
+        typer.Option(
+            "--out", "-o", metavar="OUT", help="Where to write the repaired checkpoint.", show_default=False
+        ),
+    ],
+    force: ForceOpt = False,
+    json: JsonOpt = False,
+) -> None:
+    """Write to OUT a consistent checkpoint of what PATH really holds; PATH is never modified.
+
+    Entries whose files are missing, unreadable or altered are dropped, counts are recounted,
+    and a lost or corrupt index or metadata is rebuilt from the trajectory files.
+    """
+    from rbtool.repair import repair as run_repair
+
+    refuse_overlap(target, [path], "--out")
+    with progress_bar("checking trajectory files", None, show_progress(json)) as advance:
+        result = run_repair(path, target, overwrite=force, progress=advance)
+    if json:
+        print_json(result.as_json())
+        return
+    for ckpt in result.checkpoints:
+        table = Table(
+            title=Text(f"repaired {ckpt.source} -> {ckpt.out}"), show_header=False, title_justify="left"
+        )
+        table.add_column("key", style="bold")
+        table.add_column("value")
+        table.add_row("kept", Text(f"{ckpt.index.size} ({format_ids(ckpt.index.id_list)})"))
+        table.add_row("total samples", str(ckpt.index.total_samples))
+        table.add_row("trajectory counter", str(ckpt.index.trajectory_counter))
+        rebuilt = [
+            name
+            for name, flag in (("metadata", ckpt.rebuilt_metadata), ("index", ckpt.rebuilt_index))
+            if flag
+        ]
+        table.add_row("rebuilt", ", ".join(rebuilt) or "nothing")
+        for item in ckpt.dropped:
+            table.add_row(
+                Text(f"dropped {item['trajectory_id']}"), Text(f"{item['file'] or ''}: {item['reason']}")
+            )
+        for item in ckpt.ignored:
+            table.add_row("ignored", Text(f"{item['file'] or ''}: {item['reason']}".lstrip(": ")))
+        for item in ckpt.fixed:
+            label = "fixed" if item["trajectory_id"] is None else f"fixed {item['trajectory_id']}"
+            table.add_row(label, Text(item["message"]))
+        out.print(table)
+    out.print(f"files: {files_line(result.report.as_json())}", markup=False)
