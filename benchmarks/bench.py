@@ -955,7 +955,7 @@ def render(doc: dict[str, Any]) -> None:
     console = Console(width=max(150, shutil.get_terminal_size((150, 40)).columns))
     console.print(
         f"checkpoint: {cfg['trajectories']} trajectories, T={cfg['t']}, B={cfg['b']}, "
-        f"{cfg['image']}x{cfg['image']}x3 images, {size}; index: {n} entries; "
+        f"{cfg['image']}x{cfg['image']}x3 images, {size}; index: {n} entries\n"
         f"{cfg['repeats']} timed runs per figure, {cfg['sample_calls']} calls per sampler; "
         f"memcpy {fmt_bytes(mem['bytes_per_s'])}/s"
         + ("\nquick mode: the goals are set for the full-size run" if cfg["quick"] else ""),
