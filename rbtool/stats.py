@@ -20,8 +20,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rbtool.errors import RbtoolError, TrajectoryFileError, UsageError
-from rbtool.index import Index, read_index, trajectory_file_name
+from rbtool.errors import CheckpointError, RbtoolError, TrajectoryFileError, UsageError
+from rbtool.index import (
+    Index,
+    IndexColumns,
+    check_weights_id,
+    read_columns,
+    read_index,
+    trajectory_file_name,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -129,6 +136,86 @@ def index_table(index: Index) -> IndexTable:
     )
 
 
+@dataclass(frozen=True)
+class IndexHeader:
+    """The metadata the report shows beside the columns."""
+
+    trajectory_format: str
+    seed: int | None
+    trajectory_counter: int
+
+    @staticmethod
+    def of(index: Index) -> IndexHeader:
+        return IndexHeader(index.trajectory_format, index.seed, index.trajectory_counter)
+
+
+def _has_repeats(values: np.ndarray) -> bool:
+    """Whether an integer column repeats a value (a sort: numpy's hashing unique is slower here)."""
+    ordered = np.sort(values)
+    return bool((ordered[1:] == ordered[:-1]).any())
+
+
+def _columns_in_list_order(cols: IndexColumns) -> IndexTable | None:
+    """The table from `read_columns`, checked with numpy; None when a check fails.
+
+    The checks are read_index's, done on whole columns: ids equal their keys and are unique
+    and non-negative, shapes have [T, B] with num_samples = T * B, model_weights_ids are
+    file-name safe, the id list has no repeats and names only listed entries. (Key spelling
+    and dims after B, which no statistic uses, are left to read_index and `rbtool verify`.)
+    """
+    n = len(cols)
+    keys, ids = cols.keys, cols.id_list
+    if n and ((keys < 0).any() or (keys != cols.trajectory_id).any() or _has_repeats(keys)):
+        return None
+    t, b, num = cols.shape_t, cols.shape_b, cols.num_samples
+    if n and ((cols.shape_len < 2).any() or (t < 0).any() or (b < 0).any() or (num != t * b).any()):
+        return None
+    try:
+        for name in set(cols.model_weights_id):
+            check_weights_id(name, str(cols.index_file))
+    except CheckpointError:
+        return None
+    if _has_repeats(ids):
+        return None
+    if ids.size == n and np.array_equal(ids, keys):
+        rows = None  # the usual case: entries are stored in list order
+    else:
+        by_key = np.argsort(keys)
+        slot = np.searchsorted(keys, ids, sorter=by_key).clip(max=max(n - 1, 0))
+        rows = by_key[slot] if n else slot
+        if ids.size and (not n or (keys[rows] != ids).any()):
+            return None  # the list names an id without an entry
+
+    def pick(column: np.ndarray) -> np.ndarray:
+        return column if rows is None else column[rows]
+
+    weights = cols.model_weights_id
+    return IndexTable(
+        ids=ids.astype(np.int64),
+        t=pick(t),
+        b=pick(b),
+        num_samples=pick(num),
+        model_weights_id=weights if rows is None else list(map(weights.__getitem__, rows.tolist())),
+        file_bytes=pick(cols.file_bytes),
+    )
+
+
+def read_table(directory: Path) -> tuple[IndexHeader, IndexTable]:
+    """Header and columns of a directory's index, decoded straight into columns (msgspec).
+
+    When a consistency check fails, `read_index` reads the index again and either raises
+    its one-line error naming the problem or accepts it (then its entries are used).
+    """
+    cols = read_columns(directory)
+    table = _columns_in_list_order(cols)
+    if table is None:
+        index = read_index(directory)
+        return IndexHeader.of(index), index_table(index)
+    meta = cols.metadata
+    counter = max(meta.get("trajectory_counter", 0), int(table.ids.max()) + 1 if len(table) else 0)
+    return IndexHeader(meta.get("trajectory_format", "pt"), meta.get("seed"), counter), table
+
+
 def window_mask(present: np.ndarray, window: int) -> np.ndarray:
     """The last `window` present trajectories in list order (all when 0 or fewer are present)."""
     if window < 0:
@@ -179,8 +266,10 @@ def file_sizes(directory: Path, index: Index) -> np.ndarray:
     return np.fromiter((size(index.file_name(i)) for i in index.id_list), dtype=np.int64, count=index.size)
 
 
-def index_report(index: Index, table: IndexTable, window: int, sizes: np.ndarray | None) -> dict[str, Any]:
-    """The index, files, window and per-trajectory parts of the stats document.
+def index_report(
+    header: IndexHeader, table: IndexTable, window: int, sizes: np.ndarray | None
+) -> tuple[dict[str, Any], np.ndarray]:
+    """The index, files, window and per-trajectory parts of the stats document, and the window mask.
 
     `sizes` (from `file_sizes`) is None when files were not looked at (index only): the
     window is then taken over the whole index and file sizes come from the index where it
@@ -196,7 +285,7 @@ def index_report(index: Index, table: IndexTable, window: int, sizes: np.ndarray
         np.where(in_window, table.num_samples / window_samples, 0.0) if window_samples else np.zeros(n)
     )
     window_ids = table.ids[in_window]
-    fmt = index.trajectory_format
+    fmt = header.trajectory_format
     files: dict[str, Any] = {
         "checked": exists is not None,
         "present": None,
@@ -218,10 +307,10 @@ def index_report(index: Index, table: IndexTable, window: int, sizes: np.ndarray
     return {
         "index": {
             "trajectory_format": fmt,
-            "seed": index.seed,
+            "seed": header.seed,
             "size": n,
             "total_samples": int(table.num_samples.sum()),
-            "trajectory_counter": index.trajectory_counter,
+            "trajectory_counter": header.trajectory_counter,
             "id_min": int(table.ids.min()) if n else None,
             "id_max": int(table.ids.max()) if n else None,
             "model_weights_ids": len(set(table.model_weights_id)),
@@ -249,7 +338,7 @@ def index_report(index: Index, table: IndexTable, window: int, sizes: np.ndarray
             "draw_probability": probability.tolist(),
         },
         "model_weights": weights_groups(table, in_window),
-    }
+    }, in_window
 
 
 # ------------------------------------------------------------------ episodes
@@ -670,15 +759,20 @@ def collect_stats(
     if draws is not None and index_only and draws.strategy == "topk":
         raise UsageError("top-k draws need rewards from the trajectory files; drop --index-only")
     directory = Path(path)
-    index = read_index(directory)
-    table = index_table(index)
-    sizes = None if index_only else file_sizes(directory, index)
+    index: Index | None = None
+    sizes: np.ndarray | None = None
+    if index_only:
+        header, table = read_table(directory)
+    else:
+        index = read_index(directory)
+        header, table = IndexHeader.of(index), index_table(index)
+        sizes = file_sizes(directory, index)
     doc: dict[str, Any] = {"path": str(directory), "index_only": index_only}
-    doc.update(index_report(index, table, window, sizes))
-    in_window = np.asarray(doc["trajectories"]["in_window"], dtype=bool)
+    report, in_window = index_report(header, table, window, sizes)
+    doc.update(report)
     doc["schema"] = doc["data"] = None
     scores: dict[int, np.ndarray] | None = None
-    if sizes is not None:
+    if index is not None and sizes is not None:
         exists = sizes >= 0
         doc["schema"], doc["data"], scores = data_report(
             directory, index, table, exists, in_window, bins, progress
@@ -686,7 +780,9 @@ def collect_stats(
     doc["draws"] = None
     if draws is not None:
         seed = (
-            draws.seed if draws.seed is not None else (index.seed if index.seed is not None else DEFAULT_SEED)
+            draws.seed
+            if draws.seed is not None
+            else (header.seed if header.seed is not None else DEFAULT_SEED)
         )
         doc["draws"] = draws_report(
             table.ids[in_window].tolist(), table.num_samples[in_window].tolist(), draws, seed, scores

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -10,21 +11,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import FIXTURES, make_traj
+from conftest import FIXTURES, RLINF_DIRS, make_traj
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from rbtool import CheckpointError, UsageError, build_from_files
+from rbtool.index import read_index
 from rbtool.stats import (
     OTHER,
     TERMINATED,
     TRUNCATED,
     DrawRequest,
+    IndexHeader,
     collect_stats,
     draws_report,
     drop_bootstrap_rows,
     find_episodes,
+    index_table,
+    read_table,
     read_trajectory,
     summarize,
 )
@@ -168,8 +173,14 @@ def test_read_trajectory_refuses_a_shape_the_index_does_not_say(tmp_path: Path) 
 def test_fixture_index_window_and_data() -> None:
     doc = collect_stats(FIXTURES / "ranks" / "rank_1", window=3)
     assert doc["index"] == {
-        "trajectory_format": "pt", "seed": 1234, "size": 4, "total_samples": 32, "trajectory_counter": 4,
-        "id_min": 0, "id_max": 3, "model_weights_ids": 3,
+        "trajectory_format": "pt",
+        "seed": 1234,
+        "size": 4,
+        "total_samples": 32,
+        "trajectory_counter": 4,
+        "id_min": 0,
+        "id_max": 3,
+        "model_weights_ids": 3,
     }
     assert doc["files"]["missing"] == 0 and doc["files"]["bytes"] == 4 * 19802
     assert doc["window"]["trajectories"] == 3 and doc["window"]["samples"] == 24
@@ -285,3 +296,71 @@ def test_staleness_is_measured_from_the_newest_version(tmp_path: Path, five_file
     assert versions["newest"] == 2.0
     assert [(v["version"], v["samples"]) for v in versions["values"]] == [(0.0, 16), (1.0, 16), (2.0, 8)]
     assert [(v["staleness"], v["samples"]) for v in versions["staleness"]] == [(0.0, 8), (1.0, 16), (2.0, 16)]
+
+
+# ------------------------------------------------------------------ index-only columns
+def assert_same_table(directory: Path) -> None:
+    header, table = read_table(directory)
+    index = read_index(directory)
+    ref = index_table(index)
+    assert header == IndexHeader.of(index)
+    for name in ("ids", "t", "b", "num_samples", "file_bytes"):
+        assert np.array_equal(getattr(table, name), getattr(ref, name)), name
+    assert table.model_weights_id == ref.model_weights_id
+
+
+@pytest.mark.parametrize("rel", RLINF_DIRS)
+def test_columns_agree_with_read_index(rel: str) -> None:
+    assert_same_table(FIXTURES / rel)
+
+
+def write_index(directory: Path, entries: dict, id_list: list, meta: dict | None = None) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "trajectory_index.json").write_text(
+        json.dumps({"trajectory_index": entries, "trajectory_id_list": id_list})
+    )
+    (directory / "metadata.json").write_text(json.dumps(meta or {"trajectory_format": "pt", "seed": 5}))
+    return directory
+
+
+def entry(tid: int, t: int = 4, b: int = 2, **extra: object) -> dict:
+    return {
+        "num_samples": t * b,
+        "trajectory_id": tid,
+        "max_episode_length": t,
+        "shape": [t, b, 7],
+        "model_weights_id": f"w{tid}",
+        **extra,
+    }
+
+
+def test_columns_follow_the_list_order_not_the_file_order(tmp_path: Path) -> None:
+    entries = {"7": entry(7, 3, 1), "2": entry(2, file_bytes=99), "5": entry(5, 5, 2)}
+    directory = write_index(tmp_path / "c", entries, [5, 7, 2], {"trajectory_counter": 3, "seed": None})
+    header, table = read_table(directory)
+    assert table.ids.tolist() == [5, 7, 2] and table.t.tolist() == [5, 3, 4]
+    assert table.model_weights_id == ["w5", "w7", "w2"] and table.file_bytes.tolist() == [-1, -1, 99]
+    assert header.trajectory_counter == 8  # raised above every listed id, as read_index does
+    assert_same_table(directory)
+
+
+@pytest.mark.parametrize(
+    ("entries", "id_list", "message"),
+    [
+        ({"0": entry(0), "1": entry(1)}, [0, 1, 0], "repeats ids"),
+        ({"0": entry(0)}, [0, 3], "without an entry"),
+        ({"0": {**entry(0), "num_samples": 5}}, [0], "num_samples 5"),
+        ({"0": entry(1)}, [0], "trajectory_id 1"),
+        ({"0": {**entry(0), "model_weights_id": "../x"}}, [0], "not file-name safe"),
+        ({"0": {**entry(0), "shape": [4]}}, [0], "invalid shape"),
+    ],
+)
+def test_bad_indexes_get_read_index_errors(
+    tmp_path: Path, entries: dict, id_list: list, message: str
+) -> None:
+    directory = write_index(tmp_path / "bad", entries, id_list)
+    with pytest.raises(CheckpointError, match=message) as fast:
+        read_table(directory)
+    with pytest.raises(CheckpointError) as slow:
+        read_index(directory)
+    assert str(fast.value) == str(slow.value)
