@@ -39,7 +39,6 @@ DEFAULT_SEED = 1234  # the buffer's default seed, used when the checkpoint recor
 CONCENTRATION_DRAW_SHARE = 0.5
 # ... landing on fewer than this share of the window's samples.
 CONCENTRATION_SAMPLE_SHARE = 0.05
-DONE_LIKE = ("dones", "terminations", "truncations")
 # Episode end causes, as codes in EpisodeTally.ended_by.
 TERMINATED, TRUNCATED, OTHER = 0, 1, 2
 
@@ -484,7 +483,7 @@ def read_trajectory(path: Path, t: int, b: int) -> TrajectoryData:
             ".".join(p),
             _dtype_name(v),
             tuple(int(d) for d in v.shape[2:]) if v.dim() >= 2 else None,
-            int(v.shape[0]) - t if (len(p) == 1 and p[0] in DONE_LIKE and v.dim() >= 2) else 0,
+            int(v.shape[0]) - t if (len(p) == 1 and p[0] in trajfile.DONE_LIKE and v.dim() >= 2) else 0,
             v.numel() * v.element_size(),
         )
         for p, v in trajfile.iter_tensors(traj)
