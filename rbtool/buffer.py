@@ -284,23 +284,35 @@ class TrajectoryReplayBuffer:
         with self._lock:
             traj = self._memory.get(tid)
             path = self._files.get(tid)
+        release = None
         if traj is None:
             if path is None:
                 raise RbtoolError(f"trajectory {tid} is neither in memory nor on disk")
-            traj = trajfile.load(path, mmap=True)
-            info = trajfile.describe(traj, str(path))
+            traj, release, info = self._open_file(path)
             if info.shape[:2] != (t, b):
                 raise TrajectoryFileError(
                     f"{path}: tensors are [T, B] = {list(info.shape[:2])} but the index says {[t, b]}"
                 )
         try:
-            view = FlatView(traj, t, b)
+            view = FlatView(traj, t, b, release)
         except RbtoolError as exc:
             raise TrajectoryFileError(f"{path or f'trajectory {tid}'}: {exc}") from None
         self._views[tid] = view
         while len(self._views) > self.max_open_files:
             self._views.popitem(last=False)
         return view
+
+    @staticmethod
+    def _open_file(path: Path) -> tuple[dict[str, Any], Any, trajfile.TrajectoryInfo]:
+        """A trajectory file's fields (large rows left on disk where possible), a close hook, its info."""
+        if path.suffix == ".pt":
+            try:
+                opened = trajfile.FileTrajectory(path)
+                return opened.data, None, opened.info
+            except (OSError, ValueError, RuntimeError):
+                pass  # unusual .pt layouts: torch's own loader decides (and names any problem)
+        traj = trajfile.load(path, mmap=True)
+        return traj, None, trajfile.describe(traj, str(path))
 
     def _schema(self, tid: int) -> Schema:
         schema = self._schemas.get(tid)
@@ -351,7 +363,22 @@ class TrajectoryReplayBuffer:
             draw = draw_topk(window, sizes, candidates, num_chunks, temperature, self.random_generator)
         else:
             draw = draw_uniform(window, sizes, num_chunks, self.random_generator)
-        return draw, gather(draw, schema, self._view)
+        return draw, self._gather(draw, schema)
+
+    def _gather(self, draw: Draw, schema: Schema) -> dict[str, Any]:
+        """Gather a batch, then let every file it read drop the pages it touched."""
+        touched: list[FlatView] = []
+
+        def view_of(tid: int) -> FlatView:
+            view = self._view(tid)
+            touched.append(view)
+            return view
+
+        try:
+            return gather(draw, schema, view_of)
+        finally:
+            for view in touched:
+                view.release()
 
     def _topk_candidates(self, window: list[int], k: int) -> Candidates:
         """The window's top-k samples by reward; scores of loaded trajectories are read lazily."""

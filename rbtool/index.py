@@ -379,7 +379,9 @@ def _index_decoder() -> Any:
         gc=False,
     )
     index_file = msgspec.defstruct(
-        "IndexFile", [("trajectory_index", dict[str, entry]), ("trajectory_id_list", list[int])], gc=False
+        "IndexFile",
+        [("trajectory_index", dict[str, entry]), ("trajectory_id_list", list[int])],  # type: ignore[valid-type]
+        gc=False,
     )
     return msgspec.json.Decoder(index_file)
 

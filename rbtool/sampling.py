@@ -15,6 +15,7 @@ from rbtool.errors import RbtoolError, UsageError
 from rbtool.trajfile import DONE_LIKE, NESTED_ORDER
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 FieldPath = tuple[str, ...]
@@ -35,17 +36,23 @@ def _ordered_items(traj: dict[str, Any], top: bool) -> list[tuple[str, Any]]:
 class FlatField:
     """One field of a trajectory seen as rows of [T*B, ...] without a copy."""
 
-    rows: torch.Tensor  # the stored tensor reshaped to [(T + E) * B, ...]
+    rows: Any  # the stored tensor (or FileRows) reshaped to [(T + E) * B, ...]
     extra: int  # E: leading bootstrap rows of a done-like field (0 otherwise)
 
 
 class FlatView:
     """A trajectory dict seen as [T*B, ...] per field (SPEC §3 step 5), lazily."""
 
-    def __init__(self, traj: dict[str, Any], t: int, b: int) -> None:
+    def __init__(
+        self, traj: dict[str, Any], t: int, b: int, release: Callable[[], None] | None = None
+    ) -> None:
         import torch
 
+        from rbtool.trajfile import FileRows
+
         self.t, self.b = t, b
+        # Called after a batch has been gathered: lets a file-backed trajectory close its file.
+        self.release = release or (lambda: None)
         self.fields: dict[FieldPath, FlatField] = {}
 
         def walk(d: dict[str, Any], prefix: FieldPath, top: bool) -> None:
@@ -53,7 +60,7 @@ class FlatView:
                 path = (*prefix, key)
                 if isinstance(value, dict):
                     walk(value, path, False)
-                elif isinstance(value, torch.Tensor) and value.dim() >= 2:
+                elif isinstance(value, (torch.Tensor, FileRows)) and value.dim() >= 2:
                     extra = int(value.shape[0]) - t if (top and key in DONE_LIKE) else 0
                     if extra < 0 or (extra > 0 and t % extra != 0):
                         raise RbtoolError(
@@ -85,6 +92,7 @@ def draw_uniform(
     window_ids: Sequence[int], num_samples: Sequence[int], num_chunks: int, generator: torch.Generator
 ) -> Draw:
     """SPEC §3 steps 2-4: clamp, randint over the window's total, bucketize to (trajectory, row)."""
+    import numpy as np
     import torch
 
     if num_chunks < 1:
@@ -94,10 +102,12 @@ def draw_uniform(
         raise RbtoolError("cannot sample from an empty buffer (the window holds no samples)")
     num_chunks = min(num_chunks, total)
     ids = torch.randint(0, total, (num_chunks,), generator=generator)
-    cum = torch.as_tensor(list(num_samples), dtype=torch.long).cumsum(0)
-    positions = torch.bucketize(ids, cum, right=True)
-    starts = torch.cat([torch.zeros(1, dtype=torch.long), cum[:-1]])
-    return Draw(list(window_ids), ids, positions, ids - starts[positions])
+    # searchsorted(side="right") is bucketize(right=True); numpy avoids torch's thread pool here.
+    cum = np.cumsum(np.asarray(num_samples, dtype=np.int64))
+    positions = np.searchsorted(cum, ids.numpy(), side="right")
+    starts = cum - np.asarray(num_samples, dtype=np.int64)
+    local = ids.numpy() - starts[positions]
+    return Draw(list(window_ids), ids, torch.from_numpy(positions), torch.from_numpy(local))
 
 
 def shared_schema(schemas: Sequence[Schema]) -> Schema:
@@ -119,34 +129,38 @@ def nest(flat: dict[FieldPath, Any]) -> dict[str, Any]:
     return out
 
 
-def _done_rows(local: torch.Tensor, t: torch.Tensor, b: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+def _done_rows(local: np.ndarray, t: np.ndarray, b: np.ndarray, extra: np.ndarray) -> np.ndarray:
     """Stored rows of done-like fields for flat rows `local`, per draw (T, B, E vectors)."""
-    import torch
+    import numpy as np
 
     t_idx = local // b
-    epoch_len = torch.where(extra > 0, t // extra.clamp(min=1), t + 1)
+    epoch_len = np.where(extra > 0, t // np.maximum(extra, 1), t + 1)
     shifted = (t_idx + t_idx // epoch_len + 1) * b + local % b
-    return torch.where(extra > 0, shifted, local)
+    return np.where(extra > 0, shifted, local)
 
 
 def gather(draw: Draw, schema: Schema, view_of: Callable[[int], FlatView]) -> dict[str, Any]:
     """Build the batch: for each drawn trajectory, copy only its drawn rows into the output.
 
     Draws are grouped by trajectory; each (trajectory, field) pair costs one index_select
-    written straight into its slice of the output, then one permutation per field restores
-    the draw order.
+    (or one read per row for fields left on disk) written straight into its slice of the
+    output, then one permutation per field restores the draw order. The index arithmetic
+    is done in numpy: on a few hundred numbers torch's thread pool costs more than the work.
     """
+    import numpy as np
     import torch
 
-    order = torch.argsort(draw.positions, stable=True)
-    local = draw.local_indices[order]
-    unique, counts = torch.unique_consecutive(draw.positions[order], return_counts=True)
+    positions = draw.positions.numpy()
+    order = np.argsort(positions, kind="stable")
+    local = draw.local_indices.numpy()[order]
+    unique, starts, counts = np.unique(positions[order], return_index=True, return_counts=True)
     views = [view_of(draw.window_ids[k]) for k in unique.tolist()]
-    sizes = counts.tolist()
-    plain_rows = torch.split(local, sizes)
-    per_draw: dict[str, torch.Tensor] = {}
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel())
+    bounds = list(zip(starts.tolist(), (starts + counts).tolist(), strict=True))
+    plain_rows = [torch.from_numpy(local[a:z]) for a, z in bounds]
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(order.size)
+    inverse_t = torch.from_numpy(inverse)
+    per_draw: dict[str, np.ndarray] = {}
 
     out: dict[FieldPath, torch.Tensor] = {}
     for path, (dtype, shape) in schema.items():
@@ -154,12 +168,21 @@ def gather(draw: Draw, schema: Schema, view_of: Callable[[int], FlatView]) -> di
         rows = plain_rows
         if any(f.extra for f in fields):
             if not per_draw:
-                per_draw["t"] = torch.repeat_interleave(torch.tensor([v.t for v in views]), counts)
-                per_draw["b"] = torch.repeat_interleave(torch.tensor([v.b for v in views]), counts)
-            extra = torch.repeat_interleave(torch.tensor([f.extra for f in fields]), counts)
-            rows = torch.split(_done_rows(local, per_draw["t"], per_draw["b"], extra), sizes)
-        target = torch.empty((len(order), *shape), dtype=dtype)
-        for field, idx, part in zip(fields, rows, torch.split(target, sizes), strict=True):
-            torch.index_select(field.rows, 0, idx, out=part)
-        out[path] = target.index_select(0, inverse)
+                per_draw["t"] = np.repeat([v.t for v in views], counts)
+                per_draw["b"] = np.repeat([v.b for v in views], counts)
+            extra = np.repeat([f.extra for f in fields], counts)
+            mapped = _done_rows(local, per_draw["t"], per_draw["b"], extra)
+            rows = [torch.from_numpy(mapped[a:z]) for a, z in bounds]
+        target = torch.empty((order.size, *shape), dtype=dtype)
+        if all(isinstance(f.rows, torch.Tensor) for f in fields):
+            for field, idx, (a, z) in zip(fields, rows, bounds, strict=True):
+                torch.index_select(field.rows, 0, idx, out=target[a:z])
+            out[path] = target.index_select(0, inverse_t)
+        else:  # rows read from files go straight to their final places
+            for field, idx, (a, z) in zip(fields, rows, bounds, strict=True):
+                if isinstance(field.rows, torch.Tensor):
+                    target.index_copy_(0, torch.from_numpy(order[a:z]), field.rows.index_select(0, idx))
+                else:
+                    field.rows.take(idx, target, order[a:z])
+            out[path] = target
     return nest(out)
