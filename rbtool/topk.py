@@ -65,9 +65,23 @@ def trajectory_scores(traj: dict[str, Any], num_samples: int) -> np.ndarray:
 
 
 def view_scores(view: FlatView) -> np.ndarray:
-    """Scores of a trajectory already open as a FlatView (reads only its reward rows)."""
+    """Scores of a trajectory already open as a FlatView (reads only its reward rows).
+
+    Rewards with wide rows may still be in their file (read on demand by the sampler);
+    they are then read whole, once, into a tensor.
+    """
+    import torch
+
     field = view.fields.get(("rewards",))
-    return scores_of_rows(None if field is None else field.rows, view.t * view.b)
+    if field is None:
+        return scores_of_rows(None, view.t * view.b)
+    rows = field.rows
+    if not isinstance(rows, torch.Tensor):
+        every = np.arange(int(rows.shape[0]))
+        full = torch.empty(tuple(rows.shape), dtype=rows.dtype)
+        rows.take(every, full, every)
+        rows = full
+    return scores_of_rows(rows, view.t * view.b)
 
 
 @dataclass(frozen=True)

@@ -231,3 +231,19 @@ def test_buffer_topk_errors() -> None:
     buffer.add_trajectories([make_traj(seed=0, rewards=None)])  # shape from prev_logprobs, no rewards
     with pytest.raises(Exception, match="no sample in the window has a reward"):
         buffer.sample(4, strategy="topk", k=2)
+
+
+def test_topk_reads_rewards_left_in_their_file(tmp_path: Path) -> None:
+    """Wide reward rows (B = 600 environments) stay in the file until drawn; top-k reads them."""
+    traj = make_traj(t=2, b=600, seed=1)
+    traj["rewards"] = torch.zeros(2, 600, 1)
+    traj["rewards"][1, 37, 0] = 5.0
+    writer = TrajectoryReplayBuffer(auto_save=True, auto_save_path=str(tmp_path / "buf"))
+    writer.add_trajectories([traj])
+    writer.close()
+    buffer = TrajectoryReplayBuffer(sample_window_size=0)
+    buffer.load_checkpoint(tmp_path / "buf")
+    assert not isinstance(buffer._view(0).fields[("rewards",)].rows, torch.Tensor)
+    draw, batch = buffer.sample_with_draw(3, strategy="topk", k=1)
+    assert draw.local_indices.tolist() == [600 + 37] * 3
+    assert batch["rewards"].reshape(-1).tolist() == [5.0] * 3
