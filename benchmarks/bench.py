@@ -697,29 +697,26 @@ def measure_index_commands(index_dir: Path, cfg: Config) -> dict[str, Any]:
     result: dict[str, Any] = {"index_size": cfg.index_size}
     log(f"index commands on {cfg.index_size:,} entries: stats --index-only, verify; {cfg.repeats} runs each")
 
+    # The judged figures are the human views; the --json documents (which list every entry
+    # or problem: hundreds of MB on a 1M index) are shown beside them.
     stats_options = cli_options("stats")
     if stats_options is None:
-        result["stats"] = missing("command missing")
+        result["stats"] = result["stats_json"] = missing("command missing")
     elif "--index-only" not in stats_options:
-        result["stats"] = missing("option --index-only missing")
+        result["stats"] = result["stats_json"] = missing("option --index-only missing")
     else:
-        argv = [
-            *rb,
-            "stats",
-            str(index_dir),
-            "--index-only",
-            *(["--json"] if "--json" in stats_options else []),
-        ]
+        argv = [*rb, "stats", str(index_dir), "--index-only"]
         result["stats"] = child_summary([run_child(argv) for _ in range(cfg.repeats)])
+        result["stats_json"] = child_summary([run_child([*argv, "--json"]) for _ in range(cfg.repeats)])
 
     verify_options = cli_options("verify")
     if verify_options is None:
-        result["verify"] = missing("command missing")
+        result["verify"] = result["verify_json"] = missing("command missing")
     else:
         # Quick is `--quick` where the command has it; otherwise its default mode is taken as quick.
-        extra = [o for o in ("--quick", "--json") if o in verify_options]
-        argv = [*rb, "verify", str(index_dir), *extra]
+        argv = [*rb, "verify", str(index_dir), *[o for o in ("--quick",) if o in verify_options]]
         result["verify"] = child_summary([run_child(argv) for _ in range(cfg.repeats)])
+        result["verify_json"] = child_summary([run_child([*argv, "--json"]) for _ in range(cfg.repeats)])
     return result
 
 
@@ -908,6 +905,7 @@ def render(doc: dict[str, Any]) -> None:
         f"< {GOAL_STATS_S:g} s",
         fmt_met(met["stats_index_only_s"]),
     )
+    table.add_row(f"  stats --index-only --json ({n} index)", child_cell(idx["stats_json"]), "", "", "", "")
     table.add_row(
         f"verify, quick ({n} index)",
         child_cell(idx["verify"]),
@@ -916,6 +914,7 @@ def render(doc: dict[str, Any]) -> None:
         f"< {GOAL_VERIFY_S:g} s",
         fmt_met(met["verify_quick_s"]),
     )
+    table.add_row(f"  verify --json ({n} index)", child_cell(idx["verify_json"]), "", "", "", "")
     st = doc["startup"]
     table.add_row(
         "rbtool --help",

@@ -101,6 +101,8 @@ def test_quick_json_reports_every_figure(tmp_path: Path) -> None:
     assert doc["index_commands"]["index_size"] == 10000
     check_child(doc["index_commands"]["stats"])
     check_child(doc["index_commands"]["verify"])
+    check_child(doc["index_commands"]["stats_json"])
+    check_child(doc["index_commands"]["verify_json"])
 
     startup = doc["startup"]
     assert startup["rbtool_help_exit_code"] == 0
