@@ -5,11 +5,12 @@ This module never imports torch: index-only commands stay fast.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -164,22 +165,34 @@ class Index:
         }
 
 
-def _load_json(path: Path) -> Any:
+def _read_bytes(path: Path) -> bytes:
     try:
-        data = path.read_bytes()
+        return path.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read ({exc.strerror})") from None
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Decoding a large index makes millions of objects; collecting meanwhile finds nothing."""
     enabled = gc.isenabled()
-    gc.disable()  # a large index makes millions of objects; collecting meanwhile finds nothing
+    gc.disable()
     try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}: invalid JSON ({exc})") from None
+        yield
     finally:
         if enabled:
             gc.enable()
+
+
+def _load_json(path: Path) -> Any:
+    data = _read_bytes(path)
+    with _gc_paused():
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise CheckpointError(f"{path}: invalid JSON ({exc})") from None
 
 
 def _is_int(value: object) -> bool:
@@ -427,21 +440,12 @@ def read_columns(directory: str | os.PathLike[str]) -> IndexColumns:
     meta_path = directory / METADATA_FILE
     meta = parse_metadata(_load_json(meta_path), meta_path)
     idx_path = index_path(directory)
-    try:
-        data = idx_path.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError(f"{idx_path}: file not found") from None
-    except OSError as exc:
-        raise CheckpointError(f"{idx_path}: cannot read ({exc.strerror})") from None
-    enabled = gc.isenabled()
-    gc.disable()  # millions of fresh objects would trigger collections for nothing
-    try:
-        raw = _index_decoder().decode(data)
-    except msgspec.DecodeError as exc:
-        raise CheckpointError(f"{idx_path}: invalid index ({exc})") from None
-    finally:
-        if enabled:
-            gc.enable()
+    data = _read_bytes(idx_path)
+    with _gc_paused():
+        try:
+            raw = _index_decoder().decode(data)
+        except msgspec.DecodeError as exc:
+            raise CheckpointError(f"{idx_path}: invalid index ({exc})") from None
     table = raw.trajectory_index
     n = len(table)
     values = list(table.values())
