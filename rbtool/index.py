@@ -452,8 +452,8 @@ def read_columns(directory: str | os.PathLike[str]) -> IndexColumns:
     try:
         keys = np.fromiter(map(int, table.keys()), dtype=np.int64, count=n)
     except (ValueError, OverflowError):
-        bad = next(k for k in table if not k.lstrip("-").isdigit())
-        raise CheckpointError(f"{idx_path}: entry key {bad!r} is not an integer id") from None
+        bad = next(k for k in table if not k.lstrip("-").isdigit() or not -(2**63) <= int(k) < 2**63)
+        raise CheckpointError(f"{idx_path}: entry key {bad!r} is not an integer id in range") from None
 
     def column(values_iter: Iterable[int]) -> np.ndarray:
         try:
@@ -461,6 +461,10 @@ def read_columns(directory: str | os.PathLike[str]) -> IndexColumns:
         except OverflowError:
             raise CheckpointError(f"{idx_path}: an integer in the index is out of range") from None
 
+    try:
+        id_list = np.asarray(raw.trajectory_id_list, dtype=np.int64)
+    except OverflowError:
+        raise CheckpointError(f"{idx_path}: trajectory_id_list holds an id out of range") from None
     shapes = [e.shape for e in values]
     return IndexColumns(
         keys=keys,
@@ -475,7 +479,7 @@ def read_columns(directory: str | os.PathLike[str]) -> IndexColumns:
         file_bytes=column(-1 if e.file_bytes is None else e.file_bytes for e in values),
         has_sha256=np.fromiter((e.sha256 is not None for e in values), dtype=bool, count=n),
         model_weights_id=[e.model_weights_id for e in values],
-        id_list=np.asarray(raw.trajectory_id_list, dtype=np.int64),
+        id_list=id_list,
         metadata=meta,
         index_file=idx_path,
     )

@@ -12,6 +12,7 @@ import io
 import math
 import os
 import resource
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
@@ -167,7 +168,11 @@ def _load_pt(path: Path, mmap: bool) -> Any:
     import torch
 
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        with warnings.catch_warnings():
+            # torch warns about odd files (e.g. a plain pickle named .pt) before it refuses them;
+            # the error says enough, and a warning would add lines to a one-line error
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unpickling failed"
         if "Weights only load failed" in str(exc) or "Unsupported global" in str(exc):
