@@ -226,9 +226,14 @@ class _Planner:
         if isinstance(recorded, str) and trajfile.sha256_file(path) != recorded:
             self.drop(tid, path.name, "content differs from the sha256 its entry records")
             return None
+        # The file's own model_weights_id and max_episode_length win over its name and entry:
+        # the name may have been changed, the data not.
+        weights_id = info.model_weights_id
+        if weights_id != name_weights_id:
+            self.fixed(tid, f"{path.name} holds model_weights_id {weights_id!r}: named after it")
         if entry is None:
             mel = info.max_episode_length if info.max_episode_length is not None else info.shape[0]
-            info = trajfile.TrajectoryInfo(info.shape, mel, name_weights_id)
+            info = trajfile.TrajectoryInfo(info.shape, mel, weights_id)
             self.fixed(tid, f"entry rebuilt from {path.name}")
             return new_entry(tid, info, uuid.uuid4().hex)
         kept = dict(entry)
@@ -236,9 +241,13 @@ class _Planner:
             self.fixed(tid, f"shape {entry['shape']} corrected to {list(info.shape)} from {path.name}")
             kept["shape"] = list(info.shape)
             kept["num_samples"] = info.num_samples
-        if name_weights_id != entry["model_weights_id"]:
-            self.fixed(tid, f"model_weights_id {entry['model_weights_id']!r} taken from {path.name}")
-            kept["model_weights_id"] = name_weights_id
+        if weights_id != entry["model_weights_id"]:
+            self.fixed(tid, f"model_weights_id {entry['model_weights_id']!r} corrected to {weights_id!r}")
+            kept["model_weights_id"] = weights_id
+        mel = info.max_episode_length
+        if mel is not None and mel != entry["max_episode_length"]:
+            self.fixed(tid, f"max_episode_length {entry['max_episode_length']!r} corrected to {mel}")
+            kept["max_episode_length"] = mel
         if kept.get("file_bytes") not in (None, path.stat().st_size):
             kept.pop("file_bytes")
         return kept

@@ -275,3 +275,20 @@ def test_metadata_values_that_are_valid_survive(rlinf_copy: Any, tmp_path: Path)
     out = read_index(tmp_path / "out")
     assert out.seed == 7 and out.extra_metadata == {"note": {"kept": True}} and out.trajectory_counter == 5
     assert any("trajectory_counter" in f["message"] for f in result.checkpoints[0].fixed)
+
+
+def test_the_file_contents_decide_over_its_name_and_entry(rlinf_copy: Any, tmp_path: Path) -> None:
+    """A renamed file keeps its data's model_weights_id; max_episode_length comes from the data."""
+    src = rlinf_copy(BASE)
+    original = read_index(src)
+    file_of(src, 1).rename(src / "trajectory_1_renamed.pt")
+    doc = orjson.loads((src / "trajectory_index.json").read_bytes())
+    doc["trajectory_index"]["2"]["max_episode_length"] = 0
+    (src / "trajectory_index.json").write_bytes(orjson.dumps(doc))
+    result = repaired(src, tmp_path / "out")  # verifies --deep without problems
+    out = read_index(tmp_path / "out")
+    assert core(out.entries) == core(original.entries)
+    assert file_of(tmp_path / "out", 1).name == original.file_name(1)
+    messages = [f["message"] for f in result.checkpoints[0].fixed]
+    assert any("max_episode_length 0 corrected to 4" in m for m in messages)
+    assert any("named after it" in m for m in messages)
