@@ -12,6 +12,7 @@ import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -385,7 +386,7 @@ def _index_decoder() -> Any:
             ("max_episode_length", int | None),
             ("shape", list[int]),
             ("model_weights_id", str),
-            ("uuid", str | None, None),
+            # uuid is not declared: msgspec skips it without building a string per entry
             ("file_bytes", int | None, None),
             ("sha256", str | None, None),
         ],
@@ -461,24 +462,36 @@ def read_columns(directory: str | os.PathLike[str]) -> IndexColumns:
         except OverflowError:
             raise CheckpointError(f"{idx_path}: an integer in the index is out of range") from None
 
+    def optional(name: str) -> np.ndarray:
+        """A column whose JSON value may be null: -1 there."""
+        items = list(map(attrgetter(name), values))
+        if None not in items:
+            return column(items)
+        return column(-1 if v is None else v for v in items)
+
     try:
         id_list = np.asarray(raw.trajectory_id_list, dtype=np.int64)
     except OverflowError:
         raise CheckpointError(f"{idx_path}: trajectory_id_list holds an id out of range") from None
-    shapes = [e.shape for e in values]
+    # map(attrgetter) and itemgetter keep the per-entry work in C: a million entries in ~0.1 s.
+    shapes = list(map(attrgetter("shape"), values))
+    shape_len = column(map(len, shapes))
+    if n and shape_len.min() >= 2:
+        shape_t, shape_b = column(map(itemgetter(0), shapes)), column(map(itemgetter(1), shapes))
+    else:
+        shape_t = column(s[0] if s else -1 for s in shapes)
+        shape_b = column(s[1] if len(s) > 1 else -1 for s in shapes)
     return IndexColumns(
         keys=keys,
-        trajectory_id=column(e.trajectory_id for e in values),
-        num_samples=column(e.num_samples for e in values),
-        shape_t=column(s[0] if s else -1 for s in shapes),
-        shape_b=column(s[1] if len(s) > 1 else -1 for s in shapes),
-        shape_len=column(len(s) for s in shapes),
-        max_episode_length=column(
-            -1 if e.max_episode_length is None else e.max_episode_length for e in values
-        ),
-        file_bytes=column(-1 if e.file_bytes is None else e.file_bytes for e in values),
-        has_sha256=np.fromiter((e.sha256 is not None for e in values), dtype=bool, count=n),
-        model_weights_id=[e.model_weights_id for e in values],
+        trajectory_id=column(map(attrgetter("trajectory_id"), values)),
+        num_samples=column(map(attrgetter("num_samples"), values)),
+        shape_t=shape_t,
+        shape_b=shape_b,
+        shape_len=shape_len,
+        max_episode_length=optional("max_episode_length"),
+        file_bytes=optional("file_bytes"),
+        has_sha256=np.fromiter(map(bool, map(attrgetter("sha256"), values)), dtype=bool, count=n),
+        model_weights_id=list(map(attrgetter("model_weights_id"), values)),
         id_list=id_list,
         metadata=meta,
         index_file=idx_path,

@@ -266,7 +266,7 @@ def file_sizes(directory: Path, index: Index) -> np.ndarray:
 
 
 def index_report(
-    header: IndexHeader, table: IndexTable, window: int, sizes: np.ndarray | None
+    header: IndexHeader, table: IndexTable, window: int, sizes: np.ndarray | None, file_names: bool = True
 ) -> tuple[dict[str, Any], np.ndarray]:
     """The index, files, window and per-trajectory parts of the stats document, and the window mask.
 
@@ -330,7 +330,9 @@ def index_report(
             "B": table.b.tolist(),
             "num_samples": table.num_samples.tolist(),
             "model_weights_id": table.model_weights_id,
-            "file": list(map(trajectory_file_name, table.ids.tolist(), table.model_weights_id, repeat(fmt))),
+            "file": list(map(trajectory_file_name, table.ids.tolist(), table.model_weights_id, repeat(fmt)))
+            if file_names
+            else None,
             "file_bytes": np.where(known, file_bytes, -1).tolist(),
             "exists": None if exists is None else exists.tolist(),
             "in_window": in_window.tolist(),
@@ -746,8 +748,12 @@ def collect_stats(
     bins: int = DEFAULT_BINS,
     draws: DrawRequest | None = None,
     progress: Progress | None = None,
+    file_names: bool = True,
 ) -> dict[str, Any]:
     """The whole stats document of a checkpoint or buffer directory.
+
+    `file_names=False` leaves out the per-trajectory file names (a view that shows a few rows
+    need not spell a million of them).
 
     Missing trajectory files are reported, not refused. With `index_only`, only the JSON
     files are read (no torch import unless draws are asked for), and top-k draws, which
@@ -767,7 +773,7 @@ def collect_stats(
         header, table = IndexHeader.of(index), index_table(index)
         sizes = file_sizes(directory, index)
     doc: dict[str, Any] = {"path": str(directory), "index_only": index_only}
-    report, in_window = index_report(header, table, window, sizes)
+    report, in_window = index_report(header, table, window, sizes, file_names)
     doc.update(report)
     doc["schema"] = doc["data"] = None
     scores: dict[int, np.ndarray] | None = None

@@ -149,7 +149,13 @@ def stats(
         draws = DrawRequest(sample_draws, strategy.value, k, temperature, seed)
     with progress_bar("reading trajectories", None, show_progress(json) and not index_only) as advance:
         doc = collect_stats(
-            path, window=window, index_only=index_only, bins=bins, draws=draws, progress=advance
+            path,
+            window=window,
+            index_only=index_only,
+            bins=bins,
+            draws=draws,
+            progress=advance,
+            file_names=json,  # the human view shows a few rows and no file names
         )
     if json:
         print_json(doc)
