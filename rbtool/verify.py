@@ -423,7 +423,8 @@ def _typed_shape_columns(shapes: list[list[int]]) -> tuple[np.ndarray, np.ndarra
     lens = np.fromiter(map(len, shapes), dtype=np.int64, count=len(shapes))
     if not lens.size or lens.min() != lens.max() or lens[0] < 2:
         return _shape_columns(shapes)
-    dims = np.array(shapes, dtype=np.int64)
+    k = int(lens[0])
+    dims = np.fromiter(chain.from_iterable(shapes), dtype=np.int64, count=k * len(shapes)).reshape(-1, k)
     ok = ((dims >= 0) & (dims < _I64_SAFE)).all(axis=1)
     return dims[:, 0], dims[:, 1], np.asarray(ok)
 
@@ -793,7 +794,7 @@ class _Checker:
         present = np.isin(unique, np.fromiter(listing.by_id, dtype=np.int64, count=len(listing.by_id)))
         missing = unique[~present].tolist()
         entries = self.entries
-        if fmt in FORMATS and entries.keys() >= set(missing):
+        if fmt in FORMATS and (self.entries_ok or entries.keys() >= set(missing)):
             # the bulk case (an index whose files are elsewhere) built list-wise: no per-id calls
             weights = list(map(self._weights_id_of, map(entries.__getitem__, missing)))
             names = [f"trajectory_{t}_{w}.{fmt}" for t, w in zip(missing, weights, strict=True)]
