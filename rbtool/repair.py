@@ -244,10 +244,10 @@ class _Planner:
         if weights_id != entry["model_weights_id"]:
             self.fixed(tid, f"model_weights_id {entry['model_weights_id']!r} corrected to {weights_id!r}")
             kept["model_weights_id"] = weights_id
-        mel = info.max_episode_length
-        if mel is not None and mel != entry["max_episode_length"]:
-            self.fixed(tid, f"max_episode_length {entry['max_episode_length']!r} corrected to {mel}")
-            kept["max_episode_length"] = mel
+        file_mel = info.max_episode_length
+        if file_mel is not None and file_mel != entry["max_episode_length"]:
+            self.fixed(tid, f"max_episode_length {entry['max_episode_length']!r} corrected to {file_mel}")
+            kept["max_episode_length"] = file_mel
         if kept.get("file_bytes") not in (None, path.stat().st_size):
             kept.pop("file_bytes")
         return kept
