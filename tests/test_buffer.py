@@ -8,14 +8,24 @@ from typing import Any
 
 import orjson
 import pytest
-
 from conftest import assert_batches_equal, make_traj
-from rbtool import InvalidTrajectoryError, RbtoolError, TrajectoryReplayBuffer, UsageError, read_index
-from rbtool import trajfile
+
+from rbtool import (
+    InvalidTrajectoryError,
+    RbtoolError,
+    TrajectoryReplayBuffer,
+    UsageError,
+    read_index,
+    trajfile,
+)
 
 
 def files_of(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir() if p.name.startswith("trajectory_") and p.suffix in (".pt", ".pkl"))
+    return sorted(
+        p.name
+        for p in directory.iterdir()
+        if p.name.startswith("trajectory_") and p.suffix in (".pt", ".pkl")
+    )
 
 
 def add_five(buffer: TrajectoryReplayBuffer) -> list[dict[str, Any]]:
@@ -65,12 +75,15 @@ def test_pt_and_pkl_save_the_same_data(tmp_path: Path) -> None:
         add_five(buffer)
         buffer.save_checkpoint(tmp_path / fmt)
         index = read_index(tmp_path / fmt)
-        loaded[fmt] = (index.state(), [trajfile.load(tmp_path / fmt / index.file_name(i)) for i in index.id_list])
+        loaded[fmt] = (
+            index.state(),
+            [trajfile.load(tmp_path / fmt / index.file_name(i)) for i in index.id_list],
+        )
         again = TrajectoryReplayBuffer(sample_window_size=0)
         again.load_checkpoint(tmp_path / fmt)
         loaded[fmt + "-batch"] = again.sample(16)
     assert loaded["pt"][0] == loaded["pkl"][0]
-    for a, b in zip(loaded["pt"][1], loaded["pkl"][1]):
+    for a, b in zip(loaded["pt"][1], loaded["pkl"][1], strict=True):
         assert_batches_equal(a_only_tensors(a), a_only_tensors(b))
     assert_batches_equal(loaded["pt-batch"], loaded["pkl-batch"])
 
@@ -85,7 +98,10 @@ def test_auto_save_on_window_3_copies_the_window(tmp_path: Path) -> None:
     add_five(buffer)
     buffer.save_checkpoint(tmp_path / "ckpt")
     assert read_index(tmp_path / "ckpt").state() == {
-        "size": 3, "total_samples": 24, "trajectory_counter": 5, "trajectory_id_list": [2, 3, 4],
+        "size": 3,
+        "total_samples": 24,
+        "trajectory_counter": 5,
+        "trajectory_id_list": [2, 3, 4],
     }
     assert len(files_of(tmp_path / "ckpt")) == 3
     buffer.flush()
@@ -125,13 +141,15 @@ def test_saving_leaves_the_running_buffer_unchanged(tmp_path: Path, auto_save: b
 
 
 def test_saving_right_after_adding_gives_complete_files(tmp_path: Path) -> None:
-    buffer = TrajectoryReplayBuffer(sample_window_size=0, auto_save=True, auto_save_path=str(tmp_path / "auto"))
+    buffer = TrajectoryReplayBuffer(
+        sample_window_size=0, auto_save=True, auto_save_path=str(tmp_path / "auto")
+    )
     trajs = [make_traj(seed=i, image=64, t=8, b=4) for i in range(6)]
     buffer.add_trajectories(trajs)
     buffer.save_checkpoint(tmp_path / "ckpt")  # no flush, no wait
     index = read_index(tmp_path / "ckpt")
     assert index.id_list == list(range(6))
-    for tid, traj in zip(index.id_list, trajs):
+    for tid, traj in zip(index.id_list, trajs, strict=True):
         path = tmp_path / "ckpt" / index.file_name(tid)
         assert index.entries[tid]["file_bytes"] == path.stat().st_size
         assert index.entries[tid]["sha256"] == trajfile.sha256_file(path)
@@ -230,7 +248,7 @@ def test_rejects_trajectory_without_shape_and_adds_nothing() -> None:
     buffer = TrajectoryReplayBuffer()
     bad = make_traj()
     del bad["prev_logprobs"], bad["rewards"]
-    with pytest.raises(InvalidTrajectoryError, match="trajectory #1.*prev_logprobs"):
+    with pytest.raises(InvalidTrajectoryError, match=r"trajectory #1.*prev_logprobs"):
         buffer.add_trajectories([make_traj(), bad])
     assert buffer.size == 0 and buffer.trajectory_counter == 0
 
@@ -322,16 +340,29 @@ def test_checkpoint_keeps_the_reference_layout(tmp_path: Path) -> None:
     add_five(buffer)
     buffer.save_checkpoint(tmp_path / "c")
     meta = orjson.loads((tmp_path / "c" / "metadata.json").read_bytes())
-    for key, kind in [("trajectory_format", str), ("size", int), ("total_samples", int),
-                      ("trajectory_counter", int), ("seed", int)]:
+    for key, kind in [
+        ("trajectory_format", str),
+        ("size", int),
+        ("total_samples", int),
+        ("trajectory_counter", int),
+        ("seed", int),
+    ]:
         assert type(meta[key]) is kind
     raw = orjson.loads((tmp_path / "c" / "trajectory_index.json").read_bytes())
     assert list(raw) == ["trajectory_index", "trajectory_id_list"]
     assert raw["trajectory_id_list"] == [0, 1, 2, 3, 4]
     for key, entry in raw["trajectory_index"].items():
         assert key == str(entry["trajectory_id"])
-        assert list(entry)[:5] == ["num_samples", "trajectory_id", "max_episode_length", "shape", "model_weights_id"]
-        assert isinstance(entry["shape"], list) and entry["num_samples"] == entry["shape"][0] * entry["shape"][1]
+        assert list(entry)[:5] == [
+            "num_samples",
+            "trajectory_id",
+            "max_episode_length",
+            "shape",
+            "model_weights_id",
+        ]
+        assert (
+            isinstance(entry["shape"], list) and entry["num_samples"] == entry["shape"][0] * entry["shape"][1]
+        )
         name = f"trajectory_{key}_{entry['model_weights_id']}.pt"
         import torch
 

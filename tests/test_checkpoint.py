@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
 import orjson
 import pytest
+from conftest import FIXTURES, make_traj, tree_digest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import FIXTURES, make_traj, tree_digest
 from rbtool import CheckpointError, TrajectoryReplayBuffer, read_index
 from rbtool.checkpoint import MERGE_MAP_FILE, build_from_files, merge, restore, save_from_autosave_dir, shard
 from rbtool.index import rank_bounds
@@ -19,7 +20,9 @@ from rbtool.index import rank_bounds
 def small_checkpoint(path: Path, n: int) -> Path:
     buffer = TrajectoryReplayBuffer(sample_window_size=0)
     for i in range(n):
-        buffer.add_trajectories([make_traj(t=2 + i % 3, b=1 + i % 2, seed=i, image=2, model_weights_id=f"m{i % 2}")])
+        buffer.add_trajectories(
+            [make_traj(t=2 + i % 3, b=1 + i % 2, seed=i, image=2, model_weights_id=f"m{i % 2}")]
+        )
     buffer.save_checkpoint(path)
     return path
 
@@ -27,16 +30,25 @@ def small_checkpoint(path: Path, n: int) -> Path:
 def contents(path: Path) -> tuple[dict, dict[str, str]]:
     """A checkpoint's meaning: its load state and entries, and the bytes of each trajectory file."""
     index = read_index(path)
-    files = {name: digest for name, digest in tree_digest(path).items() if name.startswith("trajectory_") and not name.endswith(".json")}
+    files = {
+        name: digest
+        for name, digest in tree_digest(path).items()
+        if name.startswith("trajectory_") and not name.endswith(".json")
+    }
     assert sorted(files) == sorted(index.file_name(i) for i in index.id_list)
-    return {"state": index.state(), "entries": index.entries, "seed": index.seed, "format": index.trajectory_format}, files
+    return {
+        "state": index.state(),
+        "entries": index.entries,
+        "seed": index.seed,
+        "format": index.trajectory_format,
+    }, files
 
 
 @given(n=st.integers(0, 1000), world=st.integers(1, 64))
 def test_rank_bounds_are_contiguous_and_cover(n: int, world: int) -> None:
     blocks = [rank_bounds(n, world, r) for r in range(world)]
     assert blocks[0][0] == 0 and blocks[-1][1] == n
-    assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(blocks))
     sizes = [e - s for s, e in blocks]
     assert sizes == sorted(sizes, reverse=True) and max(sizes) - min(sizes) <= 1
 
@@ -58,7 +70,10 @@ def test_shard_properties_and_merge_round_trip(tmp_path: Path, n: int) -> None:
             reference.load_checkpoint(source, is_distributed=True, local_rank=rank, world_size=world)
             assert loaded.trajectory_id_list == reference.trajectory_id_list == part.id_list
             assert (loaded.size, loaded.total_samples, loaded.trajectory_counter) == (
-                reference.size, reference.total_samples, reference.trajectory_counter)
+                reference.size,
+                reference.total_samples,
+                reference.trajectory_counter,
+            )
             assert read_index(out / f"rank_{rank}").entries == {i: src_index.entries[i] for i in part.id_list}
             seen.extend(part.id_list)
         assert seen == src_index.id_list  # disjoint, covering, order kept
@@ -88,8 +103,15 @@ def test_merging_the_reference_ranks_renumbers_ids(tmp_path: Path) -> None:
     index = read_index(tmp_path / "m")
     assert index.id_list == list(range(7)) and index.trajectory_counter == 7 and index.total_samples == 56
     pairs = [(m["old_id"], Path(m["input"]).name, m["new_id"]) for m in result.mapping]
-    assert pairs == [(0, "rank_0", 0), (0, "rank_1", 1), (1, "rank_0", 2), (1, "rank_1", 3),
-                     (2, "rank_0", 4), (2, "rank_1", 5), (3, "rank_1", 6)]
+    assert pairs == [
+        (0, "rank_0", 0),
+        (0, "rank_1", 1),
+        (1, "rank_0", 2),
+        (1, "rank_1", 3),
+        (2, "rank_0", 4),
+        (2, "rank_1", 5),
+        (3, "rank_1", 6),
+    ]
     recorded = json.loads((tmp_path / "m" / MERGE_MAP_FILE).read_text())["renumbered"]
     assert recorded == result.mapping
     for m in result.mapping:
@@ -128,9 +150,16 @@ def test_outputs_are_never_half_written(tmp_path: Path) -> None:
 
 def test_save_from_autosave_dir_and_build_from_files(tmp_path: Path, five_files: list[Path]) -> None:
     index, report = build_from_files(five_files, tmp_path / "mem", window=2)
-    assert index.state() == {"size": 2, "total_samples": 16, "trajectory_counter": 5, "trajectory_id_list": [3, 4]}
+    assert index.state() == {
+        "size": 2,
+        "total_samples": 16,
+        "trajectory_counter": 5,
+        "trajectory_id_list": [3, 4],
+    }
     assert report.linked == 2
-    buffer = TrajectoryReplayBuffer(sample_window_size=3, auto_save=True, auto_save_path=str(tmp_path / "auto"))
+    buffer = TrajectoryReplayBuffer(
+        sample_window_size=3, auto_save=True, auto_save_path=str(tmp_path / "auto")
+    )
     import torch
 
     buffer.add_trajectories([torch.load(p, weights_only=True) for p in five_files])

@@ -25,7 +25,13 @@ def command_names() -> list[str]:
 
 
 def test_python_m_rbtool_help_is_clean_and_does_not_import_torch() -> None:
-    code = "import runpy, sys; sys.argv = ['rbtool', '--help']\ntry:\n runpy.run_module('rbtool', run_name='__main__')\nexcept SystemExit as e:\n assert e.code in (0, None)\nprint('torch' in sys.modules, file=sys.stderr)"
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['rbtool', '--help']\n"
+        "try:\n    runpy.run_module('rbtool', run_name='__main__')\n"
+        "except SystemExit as exit:\n    assert exit.code in (0, None)\n"
+        "print('torch' in sys.modules, file=sys.stderr)"
+    )
     probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert probe.returncode == 0
     assert probe.stderr.strip() == "False"

@@ -15,7 +15,7 @@ from rbtool.cli import app
 from rbtool.index import read_index
 
 runner = CliRunner()
-DOC = Path(__file__).resolve().parents[1] / "docs" / "cli_parts" / "repair.md"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 NOSAVE = ["nosave_window2_pt/ckpt", "nosave_window2_pkl/ckpt"]
 TOP_KEYS = {"source", "out", "checkpoints", "files"}
 CKPT_KEYS = {

@@ -198,5 +198,5 @@ def test_json_keys_are_documented() -> None:
     result = runner.invoke(app, ["sample", str(FIXTURES / "ranks" / "rank_0"), "--num-chunks", "2", "--json"])
     doc = json.loads(result.stdout)
     keys = set(doc) | {f"draws.{k}" for k in doc["draws"]} | {f"fields[].{k}" for k in doc["fields"][0]}
-    text = (Path(__file__).resolve().parents[1] / "docs" / "cli_parts" / "sample.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
     assert sorted(k for k in keys if f"`{k}`" not in text) == []

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from rbtool.cli import app
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "cli_parts" / "stats.md"
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 TOP_KEYS = [
     "path",
     "index_only",

@@ -21,7 +21,7 @@ from rbtool.index import Index, read_index, write_index
 from rbtool.verify import PROBLEM_CODES
 
 runner = CliRunner()
-DOC = Path(__file__).resolve().parents[1] / "docs" / "cli_parts" / "verify.md"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 NOSAVE = [rel for rel in RLINF_DIRS if "nosave_window2" in rel]
 CLEAN = [rel for rel in RLINF_DIRS if rel not in NOSAVE]
 

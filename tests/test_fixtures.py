@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import FIXTURES, RLINF_DIRS, assert_batches_equal
+
 from rbtool import MissingTrajectoryFilesError, TrajectoryReplayBuffer
 from rbtool.checkpoint import load_state
 
@@ -47,7 +47,10 @@ def test_distributed_load_matches_reference(rel: str, world_size: int) -> None:
     for rank, record in enumerate(records):
         buffer = TrajectoryReplayBuffer(sample_window_size=0)
         buffer.load_checkpoint(
-            FIXTURES / rel, is_distributed=True, local_rank=rank, world_size=world_size,
+            FIXTURES / rel,
+            is_distributed=True,
+            local_rank=rank,
+            world_size=world_size,
             strict=rel not in NOSAVE,
         )
         assert state_of(buffer) == record
@@ -69,7 +72,9 @@ def sample_cases() -> list[tuple[str, dict]]:
     return [(rel, s) for rel in RLINF_DIRS for s in expected(rel)["samples"]]
 
 
-@pytest.mark.parametrize(("rel", "case"), sample_cases(), ids=lambda v: v if isinstance(v, str) else v["batch_file"])
+@pytest.mark.parametrize(
+    ("rel", "case"), sample_cases(), ids=lambda v: v if isinstance(v, str) else v["batch_file"]
+)
 def test_sampled_batches_are_bit_identical(rel: str, case: dict) -> None:
     import torch
 
@@ -81,7 +86,9 @@ def test_sampled_batches_are_bit_identical(rel: str, case: dict) -> None:
     assert_batches_equal(batch, reference)
 
 
-@pytest.mark.parametrize(("rel", "case"), sample_cases(), ids=lambda v: v if isinstance(v, str) else v["batch_file"])
+@pytest.mark.parametrize(
+    ("rel", "case"), sample_cases(), ids=lambda v: v if isinstance(v, str) else v["batch_file"]
+)
 def test_draws_match_recorded_indices(rel: str, case: dict) -> None:
     import torch
 

@@ -142,8 +142,15 @@ def test_draw_topk_maps_candidates_to_window_positions() -> None:
 
 @pytest.mark.parametrize(
     "args",
-    [("best", None, 1.0), ("topk", None, 1.0), ("topk", 0, 1.0), ("topk", 2, 0.0), ("topk", 2, -1.0),
-     ("topk", 2, float("nan")), ("uniform", 0, 1.0)],
+    [
+        ("best", None, 1.0),
+        ("topk", None, 1.0),
+        ("topk", 0, 1.0),
+        ("topk", 2, 0.0),
+        ("topk", 2, -1.0),
+        ("topk", 2, float("nan")),
+        ("uniform", 0, 1.0),
+    ],
 )
 def test_check_strategy_refuses(args: tuple) -> None:
     check_strategy("uniform", None, 1.0)
