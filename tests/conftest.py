@@ -8,6 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from typer.testing import CliRunner, Result
+
+from rbtool.cli import app
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "rlinf"
 BUNDLED = Path(__file__).resolve().parents[1] / "fixtures"
@@ -22,6 +25,36 @@ RLINF_DIRS = [
     "nosave_window2_pt/ckpt",
     "nosave_window2_pkl/ckpt",
 ]
+
+
+runner = CliRunner()
+
+
+def run(*args: str | Path) -> Result:
+    """Invoke the command line in-process (stdout and stderr kept apart)."""
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def run_json(*args: str | Path) -> dict[str, Any]:
+    """Invoke a command with --json, expect success, and parse its one document."""
+    import json
+
+    result = run(*args, "--json")
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def assert_one_error(result: Result) -> None:
+    """Exit 1, nothing on stdout, exactly one `Error: ...` line on stderr."""
+    assert result.exit_code == 1, (result.stdout, result.stderr)
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+
+
+def staging_left(parent: Path) -> list[str]:
+    """Hidden work directories a command left beside its target (there should be none)."""
+    return [p.name for p in parent.iterdir() if ".rbtool-staging-" in p.name or ".rbtool-old-" in p.name]
 
 
 def make_traj(

@@ -13,25 +13,12 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_traj, tree_digest
-from typer.testing import CliRunner, Result
+from conftest import assert_one_error, make_traj, run, run_json, staging_left, tree_digest
 
 from rbtool import read_index, trajfile
-from rbtool.cli import app
 from rbtool.fsutil import DirLock
 
-runner = CliRunner()
 ADDED_RE = re.compile(r"^added trajectory ids (\d+)(?:-(\d+))?$")
-
-
-def run(*args: str | Path) -> Result:
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def run_json(*args: str | Path) -> dict[str, Any]:
-    result = run(*args, "--json")
-    assert result.exit_code == 0, result.stderr
-    return json.loads(result.stdout)
 
 
 def announced_ids(stderr: str) -> list[int]:
@@ -46,17 +33,6 @@ def announced_ids(stderr: str) -> list[int]:
             assert last > first or match.group(2) is None, line
             ids.extend(range(first, last + 1))
     return ids
-
-
-def assert_one_error(result: Result) -> None:
-    assert result.exit_code == 1, (result.stdout, result.stderr)
-    assert result.stdout == ""
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
-
-
-def staging_left(parent: Path) -> list[str]:
-    return [p.name for p in parent.iterdir() if ".rbtool-staging-" in p.name]
 
 
 def test_ingest_files_assigns_ids_and_reports_json(tmp_path: Path, five_files: list[Path]) -> None:
