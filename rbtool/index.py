@@ -176,20 +176,24 @@ def _read_bytes(path: Path) -> bytes:
 
 
 @contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Decoding a large index makes millions of objects; collecting meanwhile finds nothing."""
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic collector: decoding a big index makes millions of objects and no cycles."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
+        # Move the survivors to the oldest generation without traversing them, so that the
+        # first collections after re-enabling do not walk millions of young objects.
+        gc.freeze()
+        gc.unfreeze()
         if enabled:
             gc.enable()
 
 
 def _load_json(path: Path) -> Any:
     data = _read_bytes(path)
-    with _gc_paused():
+    with gc_paused():
         try:
             return orjson.loads(data)
         except orjson.JSONDecodeError as exc:
@@ -331,18 +335,21 @@ def parse_index(raw: Any, where: Path) -> tuple[dict[int, dict[str, Any]], list[
     return entries, id_list
 
 
+def _metadata_and_index_path(directory: Path) -> tuple[dict[str, Any], Path]:
+    """A directory's validated metadata, and the path of its index file (current or legacy)."""
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: not a directory")
+    meta_path = directory / METADATA_FILE
+    return parse_metadata(_load_json(meta_path), meta_path), index_path(directory)
+
+
 def read_index(directory: str | os.PathLike[str]) -> Index:
     """Read and validate a checkpoint or buffer directory's metadata and index.
 
     `size` and `total_samples` are recounted from the index rather than trusted;
     `trajectory_counter` is raised above every listed id if metadata says less.
     """
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory}: not a directory")
-    meta_path = directory / METADATA_FILE
-    meta = parse_metadata(_load_json(meta_path), meta_path)
-    idx_path = index_path(directory)
+    meta, idx_path = _metadata_and_index_path(Path(directory))
     entries, id_list = parse_index(_load_json(idx_path), idx_path)
     known = {"trajectory_format", "size", "total_samples", "trajectory_counter", "seed", "format_version"}
     index = Index(
@@ -435,14 +442,9 @@ def read_columns(directory: str | os.PathLike[str]) -> IndexColumns:
     import msgspec
     import numpy as np
 
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory}: not a directory")
-    meta_path = directory / METADATA_FILE
-    meta = parse_metadata(_load_json(meta_path), meta_path)
-    idx_path = index_path(directory)
+    meta, idx_path = _metadata_and_index_path(Path(directory))
     data = _read_bytes(idx_path)
-    with _gc_paused():
+    with gc_paused():
         try:
             raw = _index_decoder().decode(data)
         except msgspec.DecodeError as exc:

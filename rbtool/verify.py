@@ -7,10 +7,8 @@ trajectory file safely and checks its tensors against the index.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import chain, compress, repeat
 from operator import attrgetter, itemgetter
@@ -29,6 +27,7 @@ from rbtool.index import (
     LEGACY_INDEX_FILE,
     METADATA_FILE,
     check_weights_id,
+    gc_paused,
     is_checkpoint_dir,
     parse_entry,
     parse_metadata,
@@ -1021,22 +1020,6 @@ def _compare_schemas(schemas: list[tuple[int, str, dict[str, str]]], report: Che
 
 
 # ------------------------------------------------------------------------ entry points
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic collector: a big index creates millions of objects and no cycles."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        # Move the survivors to the oldest generation without traversing them, so that the
-        # first collection after re-enabling does not walk millions of young objects.
-        gc.freeze()
-        gc.unfreeze()
-        if enabled:
-            gc.enable()
-
-
 def verify_checkpoint(
     directory: str | os.PathLike[str], *, deep: bool = False, progress: Progress | None = None
 ) -> CheckpointReport:
@@ -1044,7 +1027,7 @@ def verify_checkpoint(
     path = Path(directory)
     report = CheckpointReport(path)
     checker = _Checker(path, report, deep=deep)
-    with _gc_paused():
+    with gc_paused():
         checker.run_quick()
     if deep:
         checker.run_deep(progress)
