@@ -266,7 +266,7 @@ def file_sizes(directory: Path, index: Index) -> np.ndarray:
 
 
 def index_report(
-    header: IndexHeader, table: IndexTable, window: int, sizes: np.ndarray | None, file_names: bool = True
+    header: IndexHeader, table: IndexTable, window: int, sizes: np.ndarray | None, as_json: bool = True
 ) -> tuple[dict[str, Any], np.ndarray]:
     """The index, files, window and per-trajectory parts of the stats document, and the window mask.
 
@@ -303,6 +303,11 @@ def index_report(
     files["bytes"] = int(file_bytes[known].sum()) if known.any() else None
     files["bytes_known_for"] = int(known.sum())
     in_window_probs = probability[in_window]
+
+    def column(values: np.ndarray) -> Any:
+        # The human view reads a few rows: it keeps numpy columns instead of a million-item list.
+        return values.tolist() if as_json else values
+
     return {
         "index": {
             "trajectory_format": fmt,
@@ -325,18 +330,18 @@ def index_report(
             "probability_max": float(in_window_probs.max()) if in_window_probs.size else None,
         },
         "trajectories": {
-            "id": table.ids.tolist(),
-            "T": table.t.tolist(),
-            "B": table.b.tolist(),
-            "num_samples": table.num_samples.tolist(),
+            "id": column(table.ids),
+            "T": column(table.t),
+            "B": column(table.b),
+            "num_samples": column(table.num_samples),
             "model_weights_id": table.model_weights_id,
             "file": list(map(trajectory_file_name, table.ids.tolist(), table.model_weights_id, repeat(fmt)))
-            if file_names
+            if as_json
             else None,
-            "file_bytes": np.where(known, file_bytes, -1).tolist(),
-            "exists": None if exists is None else exists.tolist(),
-            "in_window": in_window.tolist(),
-            "draw_probability": probability.tolist(),
+            "file_bytes": column(np.where(known, file_bytes, -1)),
+            "exists": None if exists is None else column(exists),
+            "in_window": column(in_window),
+            "draw_probability": column(probability),
         },
         "model_weights": weights_groups(table, in_window),
     }, in_window
@@ -748,12 +753,12 @@ def collect_stats(
     bins: int = DEFAULT_BINS,
     draws: DrawRequest | None = None,
     progress: Progress | None = None,
-    file_names: bool = True,
+    as_json: bool = True,
 ) -> dict[str, Any]:
     """The whole stats document of a checkpoint or buffer directory.
 
-    `file_names=False` leaves out the per-trajectory file names (a view that shows a few rows
-    need not spell a million of them).
+    `as_json=False` gives the per-trajectory columns as numpy arrays and leaves out file
+    names: a view that shows a few rows need not build a million-item list per column.
 
     Missing trajectory files are reported, not refused. With `index_only`, only the JSON
     files are read (no torch import unless draws are asked for), and top-k draws, which
@@ -773,7 +778,7 @@ def collect_stats(
         header, table = IndexHeader.of(index), index_table(index)
         sizes = file_sizes(directory, index)
     doc: dict[str, Any] = {"path": str(directory), "index_only": index_only}
-    report, in_window = index_report(header, table, window, sizes, file_names)
+    report, in_window = index_report(header, table, window, sizes, as_json)
     doc.update(report)
     doc["schema"] = doc["data"] = None
     scores: dict[int, np.ndarray] | None = None

@@ -155,7 +155,7 @@ def stats(
             bins=bins,
             draws=draws,
             progress=advance,
-            file_names=json,  # the human view shows a few rows and no file names
+            as_json=json,  # the human view shows a few rows: numpy columns, no file names
         )
     if json:
         print_json(doc)
