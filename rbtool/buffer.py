@@ -8,6 +8,7 @@ import threading
 import uuid
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,16 @@ from rbtool.index import (
     window_of,
     write_index,
 )
-from rbtool.sampling import Draw, FlatView, Schema, draw_uniform, gather, shared_schema
+from rbtool.sampling import (
+    Draw,
+    FieldPath,
+    FlatView,
+    Schema,
+    draw_uniform,
+    gather,
+    shared_schema,
+    window_cache,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +70,16 @@ def open_checkpoint(path: str | os.PathLike[str], *, strict: bool = True) -> tup
         gone = set(missing)
         index = index.subset([i for i in index.id_list if i not in gone])
     return directory, index
+
+
+@dataclass
+class WindowPlan:
+    """What sampling needs of the current window, computed once per window."""
+
+    window: list[int]
+    sizes: list[int]
+    schema: Schema
+    cached: dict[FieldPath, Any]
 
 
 class TrajectoryReplayBuffer:
@@ -111,7 +131,7 @@ class TrajectoryReplayBuffer:
         self._unloaded_size = 0
         # Bumped whenever the id list changes; keys the cached window plan.
         self._index_version = 0
-        self._window_cache: tuple[tuple[int, int], tuple[list[int], list[int], Schema]] | None = None
+        self._window_cache: tuple[tuple[int, int], WindowPlan] | None = None
         # Reward scores for top-k sampling; created by the first top-k call, then fed per add.
         self._rewards: RewardIndex | None = None
 
@@ -320,17 +340,22 @@ class TrajectoryReplayBuffer:
             schema = self._schemas[tid] = self._view(tid).schema()
         return schema
 
-    def _window_plan(self) -> tuple[list[int], list[int], Schema]:
-        """The window's ids, their sample counts and shared schema, cached until the window changes."""
+    def _window_plan(self) -> WindowPlan:
+        """The window's ids, sample counts, shared schema and in-memory field cache.
+
+        Cached until the id list or the window size changes.
+        """
         window = self.window_ids()
         key = (self._index_version, self.sample_window_size)
         if self._window_cache is not None and self._window_cache[0] == key:
             return self._window_cache[1]
         entries = self._index.entries
-        plan = (
+        schema = shared_schema([self._schema(i) for i in window])
+        plan = WindowPlan(
             window,
             [entries[i]["num_samples"] for i in window],
-            shared_schema([self._schema(i) for i in window]),
+            schema,
+            window_cache(window, schema, self._view),
         )
         self._window_cache = (key, plan)
         return plan
@@ -356,16 +381,17 @@ class TrajectoryReplayBuffer:
         check_strategy(strategy, k, temperature)
         if not self._index.id_list:
             raise RbtoolError("cannot sample from an empty buffer")
-        window, sizes, schema = self._window_plan()
+        plan = self._window_plan()
+        window, sizes = plan.window, plan.sizes
         if strategy == "topk":
             assert k is not None
             candidates = self._topk_candidates(window, k)
             draw = draw_topk(window, sizes, candidates, num_chunks, temperature, self.random_generator)
         else:
             draw = draw_uniform(window, sizes, num_chunks, self.random_generator)
-        return draw, self._gather(draw, schema)
+        return draw, self._gather(draw, plan)
 
-    def _gather(self, draw: Draw, schema: Schema) -> dict[str, Any]:
+    def _gather(self, draw: Draw, plan: WindowPlan) -> dict[str, Any]:
         """Gather a batch, then let every file it read drop the pages it touched."""
         touched: list[FlatView] = []
 
@@ -375,7 +401,7 @@ class TrajectoryReplayBuffer:
             return view
 
         try:
-            return gather(draw, schema, view_of)
+            return gather(draw, plan.schema, view_of, plan.cached)
         finally:
             for view in touched:
                 view.release()

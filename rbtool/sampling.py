@@ -7,6 +7,7 @@ Gathering reads only the drawn rows: a trajectory is never flattened or copied w
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -139,16 +140,64 @@ def _done_rows(local: np.ndarray, t: np.ndarray, b: np.ndarray, extra: np.ndarra
     return np.where(extra > 0, shifted, local)
 
 
-def gather(draw: Draw, schema: Schema, view_of: Callable[[int], FlatView]) -> dict[str, Any]:
-    """Build the batch: for each drawn trajectory, copy only its drawn rows into the output.
+# Fields whose rows are held in memory are concatenated over the window when they total
+# at most this many bytes: then a batch costs one index_select per field.
+WINDOW_CACHE_MAX_BYTES = 512 << 20
 
-    Draws are grouped by trajectory; each (trajectory, field) pair costs one index_select
-    (or one read per row for fields left on disk) written straight into its slice of the
-    output, then one permutation per field restores the draw order. The index arithmetic
-    is done in numpy: on a few hundred numbers torch's thread pool costs more than the work.
+
+def flat_rows(view: FlatView, path: FieldPath) -> torch.Tensor:
+    """A held field as [T*B, ...] rows, done-like bootstrap rows dropped (a copy when E > 0)."""
+    field = view.fields[path]
+    if not field.extra:
+        return field.rows
+    stored = field.rows.reshape(field.extra, -1, view.b, *field.rows.shape[1:])  # [E, 1 + T/E, B, ...]
+    return stored[:, 1:].reshape(-1, *field.rows.shape[1:])
+
+
+def window_cache(
+    window_ids: Sequence[int], schema: Schema, view_of: Callable[[int], FlatView]
+) -> dict[FieldPath, torch.Tensor]:
+    """The window's in-memory fields, each concatenated into one [window samples, ...] tensor.
+
+    Row `g` of each is the window's global sample `g`, so a draw's ids index it directly.
+    Fields left on disk in any trajectory, and windows over the byte budget, are left out.
+    """
+    import torch
+
+    views = [view_of(tid) for tid in window_ids]
+    held = [p for p in schema if all(isinstance(v.fields[p].rows, torch.Tensor) for v in views)]
+    per_row = sum(math.prod(schema[p][1]) * schema[p][0].itemsize for p in held)
+    if per_row * sum(v.t * v.b for v in views) > WINDOW_CACHE_MAX_BYTES:
+        return {}
+    return {p: torch.cat([flat_rows(v, p) for v in views]) for p in held}
+
+
+def gather(
+    draw: Draw,
+    schema: Schema,
+    view_of: Callable[[int], FlatView],
+    cached: dict[FieldPath, torch.Tensor] | None = None,
+) -> dict[str, Any]:
+    """Build the batch, copying only the drawn rows.
+
+    Fields in `cached` (see window_cache) cost one index_select each. Other draws are
+    grouped by trajectory; each (trajectory, field) pair costs one index_select (or one read
+    per row for fields left on disk) written straight into its slice of the output, then one
+    permutation per field restores the draw order. The index arithmetic is done in numpy:
+    on a few hundred numbers torch's thread pool costs more than the work.
     """
     import numpy as np
     import torch
+
+    cached = cached or {}
+    out: dict[FieldPath, torch.Tensor] = {}
+    if cached:
+        global_rows = draw.global_indices
+        for path in schema:
+            if path in cached:
+                out[path] = cached[path].index_select(0, global_rows)
+        if len(out) == len(schema):
+            return nest({path: out[path] for path in schema})
 
     positions = draw.positions.numpy()
     order = np.argsort(positions, kind="stable")
@@ -162,8 +211,9 @@ def gather(draw: Draw, schema: Schema, view_of: Callable[[int], FlatView]) -> di
     inverse_t = torch.from_numpy(inverse)
     per_draw: dict[str, np.ndarray] = {}
 
-    out: dict[FieldPath, torch.Tensor] = {}
     for path, (dtype, shape) in schema.items():
+        if path in out:
+            continue
         fields = [view.fields[path] for view in views]
         rows = plain_rows
         if any(f.extra for f in fields):
@@ -185,4 +235,4 @@ def gather(draw: Draw, schema: Schema, view_of: Callable[[int], FlatView]) -> di
                 else:
                     field.rows.take(idx, target, order[a:z])
             out[path] = target
-    return nest(out)
+    return nest({path: out[path] for path in schema})
