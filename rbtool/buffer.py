@@ -42,11 +42,11 @@ from rbtool.sampling import (
 )
 
 if TYPE_CHECKING:
-    import torch
-
     from rbtool.topk import Candidates, RewardIndex
 
-DEFAULT_MAX_OPEN_FILES = 4096  # memory maps hold no file descriptor; this bounds mappings
+# Trajectories kept open for sampling (small fields in memory, large rows left in their
+# files), least recently used dropped first; file descriptors are bounded separately.
+DEFAULT_MAX_OPEN_FILES = 1024
 
 
 def missing_files(directory: Path, index: Index) -> list[int]:
@@ -556,7 +556,3 @@ class TrajectoryReplayBuffer:
                 self._writer.shutdown(wait=True)
         except Exception:
             pass
-
-
-if TYPE_CHECKING:
-    _G = torch.Generator
