@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import enum
-import os
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from rbtool.cli import app
 from rbtool.cli._common import (
@@ -17,10 +14,15 @@ from rbtool.cli._common import (
     FormatOpt,
     JsonOpt,
     StrictOpt,
+    check_format,
+    files_line,
+    format_ids,
     out,
     print_json,
     progress_bar,
+    refuse_overlap,
     show_progress,
+    state_table,
 )
 from rbtool.index import Index, is_checkpoint_dir
 
@@ -41,64 +43,6 @@ class SaveMode(str, enum.Enum):
     auto = "auto"
     auto_save = "auto-save"
     in_memory = "in-memory"
-
-
-def refuse_overlap(target: Path, inputs: Sequence[Path], option: str) -> None:
-    """Refuse an output path that is, lies inside, or contains an input: writing it would change the input."""
-    resolved = Path(os.path.realpath(target))
-    for given in inputs:
-        source = Path(os.path.realpath(given))
-        if resolved == source or source in resolved.parents or resolved in source.parents:
-            raise typer.BadParameter(
-                f"{target} overlaps the input {given}; choose a path outside it", param_hint=option
-            )
-
-
-def check_format(value: str | None) -> None:
-    """Reject a --format other than pt or pkl as a usage error."""
-    if value is not None and value not in ("pt", "pkl"):
-        raise typer.BadParameter(f"must be pt or pkl, got {value!r}", param_hint="--format")
-
-
-def state_table(title: str, rows: list[tuple[str, dict[str, Any]]]) -> Table:
-    """A table of (label, state) rows: size, samples, counter and ids of each."""
-    table = Table(title=title, title_justify="left")
-    table.add_column("", style="bold")
-    table.add_column("size", justify="right")
-    table.add_column("total samples", justify="right")
-    table.add_column("counter", justify="right")
-    table.add_column("trajectory ids")
-    for label, state in rows:
-        table.add_row(
-            label,
-            str(state["size"]),
-            str(state["total_samples"]),
-            str(state["trajectory_counter"]),
-            format_ids(state["trajectory_id_list"]),
-        )
-    return table
-
-
-def format_ids(ids: list[int]) -> str:
-    """Ids for a person: runs of consecutive ids collapsed to `a-b`."""
-    if not ids:
-        return "(none)"
-    runs: list[str] = []
-    start = prev = ids[0]
-    for i in [*ids[1:], None]:
-        if i is not None and i == prev + 1:
-            prev = i
-            continue
-        runs.append(str(start) if start == prev else f"{start}-{prev}")
-        if i is not None:
-            start = prev = i
-    return ", ".join(runs)
-
-
-def files_line(files: dict[str, int]) -> str:
-    """How trajectory files were placed, for a person."""
-    placed = f"{files['linked']} linked, {files['copied']} copied, {files['written']} written"
-    return f"{placed}, {files['bytes']} bytes"
 
 
 # ----------------------------------------------------------------------- save

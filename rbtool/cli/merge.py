@@ -13,12 +13,15 @@ from rbtool.cli._common import (
     FormatOpt,
     JsonOpt,
     StrictOpt,
+    check_format,
+    files_line,
     out,
     print_json,
     progress_bar,
+    refuse_overlap,
     show_progress,
+    state_table,
 )
-from rbtool.cli.checkpoint import check_format, files_line, refuse_overlap, state_table
 
 
 @app.command()

@@ -10,8 +10,17 @@ from rich.table import Table
 from rich.text import Text
 
 from rbtool.cli import app
-from rbtool.cli._common import ForceOpt, JsonOpt, out, print_json, progress_bar, show_progress
-from rbtool.cli.checkpoint import files_line, format_ids, refuse_overlap
+from rbtool.cli._common import (
+    ForceOpt,
+    JsonOpt,
+    files_line,
+    format_ids,
+    out,
+    print_json,
+    progress_bar,
+    refuse_overlap,
+    show_progress,
+)
 
 
 @app.command()

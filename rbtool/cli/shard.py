@@ -12,12 +12,14 @@ from rbtool.cli._common import (
     JsonOpt,
     StrictOpt,
     WorldSizeOpt,
+    files_line,
     out,
     print_json,
     progress_bar,
+    refuse_overlap,
     show_progress,
+    state_table,
 )
-from rbtool.cli.checkpoint import files_line, refuse_overlap, state_table
 
 
 @app.command()
