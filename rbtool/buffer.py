@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
 import threading
 import uuid
 from collections import OrderedDict
@@ -13,9 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rbtool import trajfile
+from rbtool.dirs import open_checkpoint
 from rbtool.errors import (
     CheckpointError,
-    MissingTrajectoryFilesError,
     RbtoolError,
     TrajectoryFileError,
     UsageError,
@@ -47,29 +46,6 @@ if TYPE_CHECKING:
 # Trajectories kept open for sampling (small fields in memory, large rows left in their
 # files), least recently used dropped first; file descriptors are bounded separately.
 DEFAULT_MAX_OPEN_FILES = 1024
-
-
-def missing_files(directory: Path, index: Index) -> list[int]:
-    """Ids whose trajectory files are not in `directory`."""
-    return [i for i in index.id_list if not (directory / index.file_name(i)).is_file()]
-
-
-def open_checkpoint(path: str | os.PathLike[str], *, strict: bool = True) -> tuple[Path, Index]:
-    """Read a checkpoint's index; refuse (strict) or drop (non-strict) ids whose files are missing."""
-    directory = Path(path)
-    index = read_index(directory)
-    missing = missing_files(directory, index)
-    if missing:
-        if strict:
-            shown = ", ".join(map(str, missing[:20])) + (" ..." if len(missing) > 20 else "")
-            raise MissingTrajectoryFilesError(
-                f"{directory}: the index names {len(missing)} trajectory file(s) that do not exist "
-                f"(ids {shown}); load with strict=False (--non-strict) to keep only what exists",
-                missing,
-            )
-        gone = set(missing)
-        index = index.subset([i for i in index.id_list if i not in gone])
-    return directory, index
 
 
 @dataclass

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rbtool import trajfile
-from rbtool.buffer import open_checkpoint
+from rbtool.dirs import checkpoint_dirs, open_checkpoint
 from rbtool.errors import CheckpointError, UsageError
 from rbtool.fsutil import link_or_copy, staged_dir, write_bytes_atomic
 from rbtool.index import (
@@ -340,25 +340,6 @@ def shard(
     return shards, report
 
 
-def expand_merge_inputs(dirs: Sequence[str | os.PathLike[str]]) -> list[Path]:
-    """Checkpoint directories to merge: each given directory, or its `rank_*` children in rank order."""
-    found: list[Path] = []
-    for d in dirs:
-        path = Path(d)
-        if not path.is_dir():
-            raise CheckpointError(f"{path}: no such directory")
-        if is_checkpoint_dir(path):
-            found.append(path)
-            continue
-        ranks = [
-            p for p in path.iterdir() if p.is_dir() and p.name.startswith("rank_") and p.name[5:].isdigit()
-        ]
-        if not ranks:
-            raise CheckpointError(f"{path}: neither a checkpoint nor a folder of rank_* checkpoints")
-        found.extend(sorted(ranks, key=lambda p: int(p.name[5:])))
-    return found
-
-
 @dataclass
 class MergeResult:
     index: Index
@@ -382,7 +363,7 @@ def merge(
     renumbered from 0 by (original id, input order) and the mapping is written to
     `merge_map.json` beside the index.
     """
-    inputs = [open_checkpoint(p, strict=strict) for p in expand_merge_inputs(dirs)]
+    inputs = [open_checkpoint(p, strict=strict) for d in dirs for p in checkpoint_dirs(d)]
     if not inputs:
         raise UsageError("nothing to merge")
     fmt = trajectory_format or inputs[0][1].trajectory_format

@@ -9,6 +9,10 @@ class CheckpointError(RbtoolError):
     """A checkpoint or buffer directory is missing, malformed or inconsistent."""
 
 
+class OutputExistsError(CheckpointError):
+    """The output path exists and replacing it was not asked for."""
+
+
 class MissingTrajectoryFilesError(CheckpointError):
     """The index names trajectory files that do not exist."""
 
@@ -29,5 +33,5 @@ class InvalidTrajectoryError(RbtoolError):
     """A trajectory offered to the buffer is malformed."""
 
 
-class UsageError(RbtoolError):
-    """An argument is out of range or contradicts another."""
+class UsageError(RbtoolError, ValueError):
+    """An argument is out of range or contradicts another (a ValueError, as RLinf raises)."""

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from rbtool.errors import CheckpointError
+from rbtool.errors import CheckpointError, OutputExistsError
 
 LOCK_FILE = ".rbtool.lock"
 STAGING_MARK = ".rbtool-staging-"
@@ -127,7 +127,7 @@ def publish_dir(staging: Path, target: Path, *, overwrite: bool) -> None:
     if target.exists() or target.is_symlink():
         if not overwrite:
             shutil.rmtree(staging, ignore_errors=True)
-            raise CheckpointError(f"{target}: already exists; choose a new path or pass --force")
+            raise OutputExistsError(f"{target}: already exists; choose a new path or allow replacing it")
         if not _may_replace(target):
             shutil.rmtree(staging, ignore_errors=True)
             raise CheckpointError(

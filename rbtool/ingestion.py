@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rbtool.buffer import open_checkpoint
 from rbtool.checkpoint import WriteReport, check_item, collect_items, new_entry, place_trajectory
+from rbtool.dirs import open_checkpoint
 from rbtool.errors import RbtoolError, UsageError
 from rbtool.fsutil import LOCK_FILE, DirLock
 from rbtool.index import (

@@ -19,6 +19,7 @@ import orjson
 
 from rbtool import trajfile
 from rbtool.checkpoint import WriteReport, fill_dir, new_entry
+from rbtool.dirs import checkpoint_dirs
 from rbtool.errors import CheckpointError, InvalidTrajectoryError, RbtoolError, UsageError
 from rbtool.fsutil import staged_dir
 from rbtool.index import (
@@ -32,7 +33,6 @@ from rbtool.index import (
     parse_trajectory_file_name,
     trajectory_file_name,
 )
-from rbtool.verify import checkpoint_dirs
 
 Progress = Callable[[int], None]
 DEFAULT_SEED = 1234

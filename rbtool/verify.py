@@ -19,6 +19,7 @@ import numpy as np
 import orjson
 
 from rbtool.checkpoint import MERGE_MAP_FILE
+from rbtool.dirs import checkpoint_dirs
 from rbtool.errors import CheckpointError, RbtoolError, UnsafePickleError
 from rbtool.index import (
     ENTRY_KEYS,
@@ -28,7 +29,6 @@ from rbtool.index import (
     METADATA_FILE,
     check_weights_id,
     gc_paused,
-    is_checkpoint_dir,
     parse_entry,
     parse_metadata,
     parse_trajectory_file_name,
@@ -198,39 +198,6 @@ class VerifyReport:
             "checkpoints": [c.as_json(plain=plain) for c in self.checkpoints],
             "counts": self.counts(),
         }
-
-
-# ----------------------------------------------------------------- locating checkpoints
-def has_trajectory_files(directory: Path) -> bool:
-    """True if `directory` holds at least one visible file named like a trajectory."""
-    with os.scandir(directory) as it:
-        return any(not e.name.startswith(".") and parse_trajectory_file_name(e.name) for e in it)
-
-
-def rank_dirs(directory: Path) -> list[Path]:
-    """The `rank_<r>` subdirectories of `directory`, in rank order."""
-    ranks = [
-        p for p in directory.iterdir() if p.is_dir() and p.name.startswith("rank_") and p.name[5:].isdigit()
-    ]
-    return sorted(ranks, key=lambda p: int(p.name[5:]))
-
-
-def checkpoint_dirs(path: str | os.PathLike[str]) -> list[Path]:
-    """The directories to check at `path`: itself if it is a checkpoint, else its rank_* children."""
-    root = Path(path)
-    if not root.exists():
-        raise CheckpointError(f"{root}: no such file or directory")
-    if not root.is_dir():
-        raise CheckpointError(f"{root}: not a directory; give a checkpoint or buffer directory")
-    if is_checkpoint_dir(root) or has_trajectory_files(root):
-        return [root]
-    ranks = rank_dirs(root)
-    if not ranks:
-        raise CheckpointError(
-            f"{root}: neither a checkpoint (no metadata.json, trajectory_index.json or trajectory files) "
-            "nor a folder of rank_* checkpoints"
-        )
-    return ranks
 
 
 # --------------------------------------------------------------------- JSON reading
@@ -1048,7 +1015,6 @@ __all__ = [
     "CheckpointReport",
     "Problem",
     "VerifyReport",
-    "checkpoint_dirs",
     "verify",
     "verify_checkpoint",
 ]

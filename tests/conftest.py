@@ -12,8 +12,8 @@ from typer.testing import CliRunner, Result
 
 from rbtool.cli import app
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "rlinf"
-BUNDLED = Path(__file__).resolve().parents[1] / "fixtures"
+# The reference fixtures travel with the repository, so a fresh clone runs the whole suite.
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "rlinf"
 
 # Every reference checkpoint directory, relative to FIXTURES.
 RLINF_DIRS = [

@@ -16,11 +16,12 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import FIXTURES as REFERENCE
 
 from rbtool.errors import TrajectoryFileError, UnsafePickleError
 from rbtool.safepickle import dump_pickle_trajectory, load_pickle_trajectory
 
-FIXTURE_DIR = Path("/work/shared/fixtures/rlinf/nosave_window2_pkl/ckpt")
+FIXTURE_DIR = REFERENCE / "nosave_window2_pkl" / "ckpt"
 FIXTURES = sorted(FIXTURE_DIR.glob("trajectory_*.pkl"))
 NAME = "trajectory_3_x.pkl"
 

@@ -7,12 +7,20 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from rbtool.cli._common import handle_library_errors
+from rbtool.cli._common import INVOKED, handle_library_errors
 from rbtool.errors import RbtoolError
 
 
-class _Group(TyperGroup):
-    """Root group: turns library errors raised by any command into `Error: ...`, exit 1."""
+class Group(TyperGroup):
+    """Turns library errors raised by any command into `Error: ...`, exit 1.
+
+    Every group records the command it resolves, so the error can name that command's options.
+    """
+
+    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        name, command, rest = super().resolve_command(ctx, args)
+        INVOKED[:] = [command]
+        return name, command, rest
 
     def invoke(self, ctx: Any) -> Any:
         try:
@@ -22,7 +30,7 @@ class _Group(TyperGroup):
 
 
 app = typer.Typer(
-    cls=_Group,
+    cls=Group,
     name="rbtool",
     no_args_is_help=True,
     add_completion=False,

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from rbtool.errors import RbtoolError
+from rbtool.errors import MissingTrajectoryFilesError, OutputExistsError, RbtoolError
 
 # Results go to stdout; progress, warnings and errors to stderr.
 out = Console(highlight=False, soft_wrap=True)
@@ -82,10 +82,24 @@ def progress_bar(description: str, total: int | None, enabled: bool) -> Iterator
         yield lambda n=1: progress.advance(task, n)
 
 
+# The command being run (set by the command-line groups as they resolve it).
+INVOKED: list[Any] = []
+
+
+def _option_hint(exc: RbtoolError) -> str:
+    """The command-line option that answers a library error, for the commands that have it."""
+    options = {opt for c in INVOKED for p in c.params for opt in (*p.opts, *p.secondary_opts)}
+    if isinstance(exc, MissingTrajectoryFilesError) and "--non-strict" in options:
+        return "; pass --non-strict to keep only what exists"
+    if isinstance(exc, OutputExistsError) and "--force" in options:
+        return "; pass --force to replace it"
+    return ""
+
+
 def handle_library_errors(exc: BaseException) -> NoReturn:
     """The one place where library errors become `Error: ...` and exit status 1."""
     if isinstance(exc, RbtoolError):
-        fail(str(exc))
+        fail(str(exc) + _option_hint(exc))
     raise exc
 
 

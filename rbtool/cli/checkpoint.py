@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from rbtool.cli import app
+from rbtool.cli import Group, app
 from rbtool.cli._common import (
     ForceOpt,
     FormatOpt,
@@ -27,6 +27,7 @@ from rbtool.cli._common import (
 from rbtool.index import Index, is_checkpoint_dir
 
 checkpoint_app = typer.Typer(
+    cls=Group,
     name="checkpoint",
     help="Save a checkpoint the way the buffer would, or show (and restore) what loading one yields.",
     no_args_is_help=True,

@@ -41,7 +41,9 @@ def merge(
 
     check_format(trajectory_format)
     refuse_overlap(target, dirs, "--out")
-    inputs = checkpoint.expand_merge_inputs(dirs)
+    from rbtool.dirs import checkpoint_dirs
+
+    inputs = [p for d in dirs for p in checkpoint_dirs(d)]
     with progress_bar("merging", None, show_progress(json)) as advance:
         result = checkpoint.merge(
             dirs,

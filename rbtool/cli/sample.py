@@ -136,7 +136,8 @@ def sample(
     if out_path is not None:
         refuse_out_inside(out_path, path)
 
-    from rbtool.buffer import TrajectoryReplayBuffer, missing_files
+    from rbtool.buffer import TrajectoryReplayBuffer
+    from rbtool.dirs import missing_files
     from rbtool.index import read_index
 
     index = read_index(path)
