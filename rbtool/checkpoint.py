@@ -30,6 +30,7 @@ from rbtool.index import (
     window_of,
     write_index,
 )
+from rbtool.layout import TrajectoryInfo, describe_stored
 
 Source = Path | dict[str, Any]
 Progress = Callable[[int], None]  # called with the number of trajectories just done
@@ -182,7 +183,7 @@ class Checked:
     """A trajectory file that was opened and checked, ready to be added under a new id."""
 
     path: Path
-    info: trajfile.TrajectoryInfo
+    info: TrajectoryInfo
     sha256: str | None = None
     uuid: str | None = None
 
@@ -190,16 +191,10 @@ class Checked:
 def check_item(item: Item) -> Checked:
     """Open a trajectory file safely and check its tensors (memory-mapped for `.pt`)."""
     traj = trajfile.load(item.path, mmap=True)
-    mwid = traj.get("model_weights_id")
-    if mwid is None:
-        parsed = parse_trajectory_file_name(item.path.name)
-        traj = {**traj, "model_weights_id": parsed[1] if parsed else ""}
-    info = trajfile.describe(traj, str(item.path))
+    info = describe_stored(traj, item.path.name, str(item.path))
     if info.max_episode_length is None and "max_episode_length" not in traj:
         mel = item.entry.get("max_episode_length") if item.entry else None
-        info = trajfile.TrajectoryInfo(
-            info.shape, mel if mel is not None else info.shape[0], info.model_weights_id
-        )
+        info = TrajectoryInfo(info.shape, mel if mel is not None else info.shape[0], info.model_weights_id)
     if item.entry is not None and list(item.entry["shape"][:2]) != list(info.shape[:2]):
         raise CheckpointError(
             f"{item.path}: tensors are [T, B] = {list(info.shape[:2])} but its index entry says "
@@ -211,7 +206,7 @@ def check_item(item: Item) -> Checked:
     return Checked(item.path, info, sha)
 
 
-def new_entry(tid: int, info: trajfile.TrajectoryInfo, uuid_hex: str) -> dict[str, Any]:
+def new_entry(tid: int, info: TrajectoryInfo, uuid_hex: str) -> dict[str, Any]:
     return {
         "num_samples": info.num_samples,
         "trajectory_id": tid,

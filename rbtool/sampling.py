@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rbtool.errors import RbtoolError, UsageError
-from rbtool.trajfile import DONE_LIKE, NESTED_ORDER
+from rbtool.layout import DONE_LIKE, NESTED_ORDER, done_extra_rows, done_rows, drop_bootstrap_rows
 
 if TYPE_CHECKING:
     import numpy as np
@@ -62,11 +62,14 @@ class FlatView:
                 if isinstance(value, dict):
                     walk(value, path, False)
                 elif isinstance(value, (torch.Tensor, FileRows)) and value.dim() >= 2:
-                    extra = int(value.shape[0]) - t if (top and key in DONE_LIKE) else 0
-                    if extra < 0 or (extra > 0 and t % extra != 0):
-                        raise RbtoolError(
-                            f"field {'.'.join(path)!r} has {value.shape[0]} rows, which does not fit T={t}"
-                        )
+                    extra = 0
+                    if top and key in DONE_LIKE:
+                        try:
+                            extra = done_extra_rows(int(value.shape[0]), t, int(value.shape[1]), b)
+                        except ValueError as exc:
+                            raise RbtoolError(
+                                f"field {'.'.join(path)!r} has shape {list(value.shape)}; {exc}"
+                            ) from None
                     self.fields[path] = FlatField(value.reshape(-1, *value.shape[2:]), extra)
 
         walk(traj, (), True)
@@ -130,16 +133,6 @@ def nest(flat: dict[FieldPath, Any]) -> dict[str, Any]:
     return out
 
 
-def _done_rows(local: np.ndarray, t: np.ndarray, b: np.ndarray, extra: np.ndarray) -> np.ndarray:
-    """Stored rows of done-like fields for flat rows `local`, per draw (T, B, E vectors)."""
-    import numpy as np
-
-    t_idx = local // b
-    epoch_len = np.where(extra > 0, t // np.maximum(extra, 1), t + 1)
-    shifted = (t_idx + t_idx // epoch_len + 1) * b + local % b
-    return np.where(extra > 0, shifted, local)
-
-
 # Fields whose rows are held in memory are concatenated over the window when they total
 # at most this many bytes: then a batch costs one index_select per field.
 WINDOW_CACHE_MAX_BYTES = 512 << 20
@@ -150,8 +143,8 @@ def flat_rows(view: FlatView, path: FieldPath) -> torch.Tensor:
     field = view.fields[path]
     if not field.extra:
         return field.rows
-    stored = field.rows.reshape(field.extra, -1, view.b, *field.rows.shape[1:])  # [E, 1 + T/E, B, ...]
-    return stored[:, 1:].reshape(-1, *field.rows.shape[1:])
+    stored = field.rows.reshape(view.t + field.extra, view.b, *field.rows.shape[1:])
+    return drop_bootstrap_rows(stored, view.t).reshape(-1, *field.rows.shape[1:])
 
 
 def window_cache(
@@ -221,7 +214,7 @@ def gather(
                 per_draw["t"] = np.repeat([v.t for v in views], counts)
                 per_draw["b"] = np.repeat([v.b for v in views], counts)
             extra = np.repeat([f.extra for f in fields], counts)
-            mapped = _done_rows(local, per_draw["t"], per_draw["b"], extra)
+            mapped = done_rows(local, per_draw["t"], per_draw["b"], extra)
             rows = [torch.from_numpy(mapped[a:z]) for a, z in bounds]
         target = torch.empty((order.size, *shape), dtype=dtype)
         if all(isinstance(f.rows, torch.Tensor) for f in fields):

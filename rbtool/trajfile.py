@@ -14,30 +14,18 @@ import os
 import resource
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from rbtool.errors import CheckpointError, InvalidTrajectoryError, TrajectoryFileError, UnsafePickleError
-from rbtool.index import check_weights_id
+from rbtool.errors import InvalidTrajectoryError, TrajectoryFileError, UnsafePickleError
 
-DONE_LIKE = ("dones", "terminations", "truncations")
-SCALAR_FIELDS = ("max_episode_length", "model_weights_id")
-# RLinf's sampler emits these nested dicts after the top-level tensors, in this order.
-NESTED_ORDER = ("curr_obs", "next_obs", "forward_inputs")
-
-
-@dataclasses.dataclass(frozen=True)
-class TrajectoryInfo:
-    """What the index records of a trajectory, derived from its contents."""
-
-    shape: tuple[int, ...]
-    max_episode_length: int | None
-    model_weights_id: str
-
-    @property
-    def num_samples(self) -> int:
-        return self.shape[0] * self.shape[1]
+# Re-exported for modules that still import them from here; layout owns them.
+from rbtool.layout import DONE_LIKE as DONE_LIKE
+from rbtool.layout import NESTED_ORDER as NESTED_ORDER
+from rbtool.layout import SCALAR_FIELDS as SCALAR_FIELDS
+from rbtool.layout import TrajectoryInfo as TrajectoryInfo
+from rbtool.layout import describe as describe
+from rbtool.layout import iter_tensors as iter_tensors
 
 
 def _as_dict(trajectory: Any) -> dict[str, Any]:
@@ -73,60 +61,6 @@ def _clean(value: Any, path: str, tensor_type: Any) -> Any:
         f"field {path!r} holds a {type(value).__name__}; only tensors, dicts of tensors, "
         "numbers and strings can be stored"
     )
-
-
-def iter_tensors(traj: dict[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
-    """(path, tensor) for every tensor in a trajectory dict, depth first in dict order."""
-    import torch
-
-    for key, value in traj.items():
-        if isinstance(value, torch.Tensor):
-            yield (*prefix, key), value
-        elif isinstance(value, dict):
-            yield from iter_tensors(value, (*prefix, key))
-
-
-def describe(traj: dict[str, Any], where: str) -> TrajectoryInfo:
-    """Check a trajectory dict's tensors agree on [T, B] and return its index information.
-
-    Raises InvalidTrajectoryError naming `where` and the offending field.
-    """
-    import torch
-
-    ref_name = next((n for n in ("prev_logprobs", "rewards") if isinstance(traj.get(n), torch.Tensor)), None)
-    if ref_name is None or traj[ref_name].dim() < 2:
-        raise InvalidTrajectoryError(
-            f"{where}: cannot determine the trajectory shape: it needs a 'prev_logprobs' or "
-            "'rewards' tensor of shape [T, B, ...]"
-        )
-    shape = tuple(int(d) for d in traj[ref_name].shape)
-    t, b = shape[0], shape[1]
-    for path, tensor in iter_tensors(traj):
-        if tensor.dim() < 2:
-            continue
-        name = ".".join(path)
-        lead = (int(tensor.shape[0]), int(tensor.shape[1]))
-        if len(path) == 1 and path[0] in DONE_LIKE:
-            extra = lead[0] - t
-            if lead[1] != b or extra < 0 or (extra > 0 and t % extra != 0):
-                raise InvalidTrajectoryError(
-                    f"{where}: field {name!r} has shape {list(tensor.shape)}; a done-like field must "
-                    f"start with [T + E, B] = [{t} + E, {b}] where E divides T={t}"
-                )
-        elif lead != (t, b):
-            raise InvalidTrajectoryError(
-                f"{where}: field {name!r} has shape {list(tensor.shape)} but {ref_name} gives "
-                f"[T, B] = [{t}, {b}]"
-            )
-    mwid = traj.get("model_weights_id", "")
-    try:
-        mwid = check_weights_id("" if mwid is None else mwid, where)
-    except CheckpointError as exc:
-        raise InvalidTrajectoryError(str(exc)) from None
-    mel = traj.get("max_episode_length")
-    if mel is not None and (isinstance(mel, bool) or not isinstance(mel, int)):
-        raise InvalidTrajectoryError(f"{where}: max_episode_length must be an integer, got {mel!r}")
-    return TrajectoryInfo(shape=shape, max_episode_length=mel, model_weights_id=mwid)
 
 
 def normalize(trajectory: Any, where: str) -> tuple[dict[str, Any], TrajectoryInfo]:
