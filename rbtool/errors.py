@@ -35,3 +35,15 @@ class InvalidTrajectoryError(RbtoolError):
 
 class UsageError(RbtoolError, ValueError):
     """An argument is out of range or contradicts another (a ValueError, as RLinf raises)."""
+
+
+class NeedsTrajectoryFilesError(UsageError):
+    """The request needs the trajectory files, but reading only the index was asked for."""
+
+
+class FieldsLeftOutWarning(UserWarning):
+    """Sampled batches leave out fields the reference sampler ignores (they can be asked for)."""
+
+    def __init__(self, message: str, fields: list[str]) -> None:
+        super().__init__(message)
+        self.fields = fields

@@ -44,9 +44,10 @@ def run_json(*args: str | Path) -> dict[str, Any]:
     return json.loads(result.stdout)
 
 
-def assert_one_error(result: Result) -> None:
-    """Exit 1, nothing on stdout, exactly one `Error: ...` line on stderr."""
-    assert result.exit_code == 1, (result.stdout, result.stderr)
+def assert_one_error(result: Result, status: int = 1) -> None:
+    """Exit `status` (1: bad input; 2: a usage error the library found), nothing on stdout,
+    exactly one `Error: ...` line on stderr."""
+    assert result.exit_code == status, (result.stdout, result.stderr)
     assert result.stdout == ""
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr

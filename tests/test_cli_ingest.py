@@ -93,8 +93,8 @@ def test_ingest_as_pkl_converts_and_keeps_tensors(tmp_path: Path, five_files: li
         want = dict(trajfile.iter_tensors(trajfile.load(src)))
         assert got.keys() == want.keys()
         assert all(torch.equal(got[k], want[k]) for k in want)
-    # An existing pkl buffer keeps its format; asking for another one is refused.
-    assert_one_error(run("ingest", five_files[2], "--buffer", buffer, "--format", "pt"))
+    # An existing pkl buffer keeps its format; asking for another one is a usage error.
+    assert_one_error(run("ingest", five_files[2], "--buffer", buffer, "--format", "pt"), status=2)
 
 
 def test_removes_what_an_interrupted_writer_left(tmp_path: Path, five_files: list[Path]) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURES, RLINF_DIRS, assert_batches_equal, tree_digest
+from conftest import FIXTURES, RLINF_DIRS, assert_batches_equal, assert_one_error, tree_digest
 from typer.testing import CliRunner
 
 from rbtool.cli import app
@@ -56,6 +56,7 @@ def test_json_document_keys_and_field_list() -> None:
         "window_trajectories",
         "window_samples",
         "missing_ids",
+        "all_fields",
         "strategy",
         "k",
         "temperature",
@@ -173,11 +174,9 @@ def test_out_in_a_missing_directory(tmp_path: Path) -> None:
     [
         [],  # --num-chunks is required
         ["--num-chunks", "0"],
-        ["--num-chunks", "4", "--strategy", "topk"],
         ["--num-chunks", "4", "--strategy", "best"],
         ["--num-chunks", "4", "--k", "3"],
         ["--num-chunks", "4", "--strategy", "topk", "--k", "0"],
-        ["--num-chunks", "4", "--strategy", "topk", "--k", "2", "--temperature", "0"],
         ["--num-chunks", "4", "--window", "-1"],
     ],
 )
@@ -187,11 +186,23 @@ def test_usage_errors(extra: list[str]) -> None:
     assert result.stdout == "" and "Usage" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--strategy", "topk"], "needs k"),
+        (["--strategy", "topk", "--k", "2", "--temperature", "0"], "temperature must be"),
+    ],
+)
+def test_usage_errors_found_by_the_library(extra: list[str], message: str) -> None:
+    result = runner.invoke(app, ["sample", str(FIXTURES / "ranks" / "rank_0"), "--num-chunks", "4", *extra])
+    assert_one_error(result, status=2)
+    assert message in result.stderr
+
+
 def test_not_a_checkpoint(tmp_path: Path) -> None:
     result = runner.invoke(app, ["sample", str(tmp_path / "missing"), "--num-chunks", "2"])
-    assert (
-        result.exit_code == 1 and result.stderr.startswith("Error: ") and "not a directory" in result.stderr
-    )
+    assert_one_error(result)
+    assert str(tmp_path / "missing") in result.stderr
 
 
 def test_json_keys_are_documented() -> None:
@@ -200,3 +211,26 @@ def test_json_keys_are_documented() -> None:
     keys = set(doc) | {f"draws.{k}" for k in doc["draws"]} | {f"fields[].{k}" for k in doc["fields"][0]}
     text = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
     assert sorted(k for k in keys if f"`{k}`" not in text) == []
+
+
+NESTED = FIXTURES / "nested_obs_pt"
+
+
+def test_batch_holds_rlinf_fields_unless_all_fields_is_asked() -> None:
+    """RLinf's batch leaves out dicts nested in curr_obs/next_obs; --all-fields samples them too."""
+    expected = json.loads((FIXTURES / "nested_obs_pt.expected.json").read_text())
+    result = runner.invoke(app, ["sample", str(NESTED), "--num-chunks", "4", "--json"])
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["all_fields"] is False
+    assert sorted(row["field"] for row in doc["fields"]) == sorted(expected["batch_keys"])
+    warning = result.stderr.splitlines()  # the left-out fields are named once, on one line
+    assert len(warning) == 1 and warning[0].startswith("Warning: ") and "cams.wrist" in warning[0]
+
+    result = runner.invoke(app, ["sample", str(NESTED), "--num-chunks", "4", "--all-fields", "--json"])
+    assert result.exit_code == 0 and result.stderr == "", result.stderr
+    doc = json.loads(result.stdout)
+    fields = {row["field"]: row for row in doc["fields"]}
+    assert doc["all_fields"] is True and {"curr_obs.cams.wrist", "next_obs.cams.wrist"} <= set(fields)
+    assert fields["curr_obs.cams.wrist"]["shape"] == [4, 5]
+    assert "curr_obs.task_id" not in fields  # 1-dim tensors are never sampled

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, RLINF_DIRS, tree_digest
+from conftest import FIXTURES, RLINF_DIRS, assert_one_error, tree_digest
 from typer.testing import CliRunner
 
 from rbtool.cli import app
@@ -223,10 +223,7 @@ def test_not_a_checkpoint(tmp_path: Path) -> None:
         ["--strategy", "topk"],  # only with --sample-draws
         ["--k", "3"],
         ["--seed", "3"],
-        ["--sample-draws", "10", "--strategy", "topk"],  # needs --k
         ["--sample-draws", "10", "--k", "3"],  # --k with uniform
-        ["--sample-draws", "10", "--strategy", "topk", "--k", "3", "--index-only"],
-        ["--sample-draws", "10", "--strategy", "topk", "--k", "3", "--temperature", "-1"],
         ["--sample-draws", "0"],
         ["--window", "-2"],
         ["--bins", "0"],
@@ -236,6 +233,20 @@ def test_usage_errors(extra: list[str]) -> None:
     result = runner.invoke(app, ["stats", str(FIXTURES / "ranks" / "rank_0"), *extra])
     assert result.exit_code == 2, result.stdout
     assert result.stdout == "" and "Usage" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--sample-draws", "10", "--strategy", "topk"], "needs k"),
+        (["--sample-draws", "10", "--strategy", "topk", "--k", "3", "--index-only"], "--index-only"),
+        (["--sample-draws", "10", "--strategy", "topk", "--k", "3", "--temperature", "-1"], "temperature"),
+    ],
+)
+def test_usage_errors_found_by_the_library(extra: list[str], message: str) -> None:
+    result = runner.invoke(app, ["stats", str(FIXTURES / "ranks" / "rank_0"), *extra])
+    assert_one_error(result, status=2)
+    assert message in result.stderr
 
 
 def test_topk_spread_draws_what_sample_draws() -> None:

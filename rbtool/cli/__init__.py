@@ -1,33 +1,17 @@
-"""The `rbtool` command line: parses, calls the library, prints. Commands live one per module."""
+"""The `rbtool` command line: parses, calls the library, prints.
+
+The command set is the list below. Each command module defines its command functions (the
+`checkpoint` module its sub-group) and imports only `rbtool.cli._common` at import time;
+the library is imported inside each command, so `rbtool --help` loads neither torch nor
+the library. Library errors become exit statuses in one place, `_common.Group.invoke`.
+"""
 
 from __future__ import annotations
 
-from typing import Any
-
 import typer
-from typer.core import TyperGroup
 
-from rbtool.cli._common import INVOKED, handle_library_errors
-from rbtool.errors import RbtoolError
-
-
-class Group(TyperGroup):
-    """Turns library errors raised by any command into `Error: ...`, exit 1.
-
-    Every group records the command it resolves, so the error can name that command's options.
-    """
-
-    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
-        name, command, rest = super().resolve_command(ctx, args)
-        INVOKED[:] = [command]
-        return name, command, rest
-
-    def invoke(self, ctx: Any) -> Any:
-        try:
-            return super().invoke(ctx)
-        except RbtoolError as exc:
-            handle_library_errors(exc)
-
+from rbtool.cli import checkpoint, ingest, merge, repair, sample, shard, stats, verify, version
+from rbtool.cli._common import Group
 
 app = typer.Typer(
     cls=Group,
@@ -48,19 +32,18 @@ def _root() -> None:
     """
 
 
-def _register() -> None:
-    """Import the command modules, each of which adds its commands to `app`."""
-    import importlib
-    import pkgutil
-
-    for module in pkgutil.iter_modules(__path__):
-        if not module.name.startswith("_"):
-            importlib.import_module(f"{__name__}.{module.name}")
-
-
-_register()
+# The command set, in the order `rbtool --help` lists it.
+app.command()(ingest.ingest)
+app.add_typer(checkpoint.checkpoint_app)  # checkpoint save, checkpoint load
+app.command()(shard.shard)
+app.command()(merge.merge)
+app.command()(stats.stats)
+app.command()(sample.sample)
+app.command()(verify.verify)
+app.command()(repair.repair)
+app.command()(version.version)
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point, also run by `python -m rbtool`."""
     app()

@@ -1,25 +1,134 @@
-"""What every command shares: option aliases, output to stdout/stderr, progress, errors."""
+"""What every command shares: the group class, option aliases, output, progress, error reporting.
+
+Command modules import only this module (never each other, never the library at import
+time: each command imports what it calls inside its function, so `rbtool --help` stays fast).
+"""
 
 from __future__ import annotations
 
+import enum
 import os
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any
 
 import orjson
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from typer.core import TyperGroup
 
-from rbtool.errors import MissingTrajectoryFilesError, OutputExistsError, RbtoolError
+from rbtool.errors import (
+    FieldsLeftOutWarning,
+    MissingTrajectoryFilesError,
+    NeedsTrajectoryFilesError,
+    OutputExistsError,
+    RbtoolError,
+    UsageError,
+)
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 # Results go to stdout; progress, warnings and errors to stderr.
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+# ------------------------------------------------------------ errors
+# Library errors that a command-line option answers: (error class, option, hint). The hint
+# is added only when the running command has the option; library messages never name flags.
+OPTION_HINTS: tuple[tuple[type[Exception], str, str], ...] = (
+    (MissingTrajectoryFilesError, "--non-strict", "pass --non-strict to keep only what exists"),
+    (OutputExistsError, "--force", "pass --force to replace it"),
+    (NeedsTrajectoryFilesError, "--index-only", "drop --index-only"),
+)
+
+# ctx.meta key (shared by every nested context) under which groups record the command they run.
+_COMMAND = "rbtool.command"
+
+
+def _options(command: Any) -> set[str]:
+    return {opt for p in getattr(command, "params", []) for opt in (*p.opts, *p.secondary_opts)}
+
+
+def option_hint(exc: Exception, command: Any) -> str:
+    """`; <hint>` for the first option that answers `exc`, if the command has that option."""
+    options = _options(command)
+    for cls, option, hint in OPTION_HINTS:
+        if isinstance(exc, cls) and option in options and option not in str(exc):
+            return f"; {hint}"
+    return ""
+
+
+def one_line(message: object) -> str:
+    """The first line of a message, whitespace collapsed."""
+    return " ".join(str(message).split("\n")[0].split())
+
+
+def print_error(message: str) -> None:
+    """`Error: <first line of message>` on stderr."""
+    err.print(f"Error: {one_line(message) or 'unknown error'}", markup=False, highlight=False)
+
+
+def print_warning(warning: Warning | str, command: Any) -> None:
+    """A library warning as one line `Warning: ...` on stderr, in the command line's terms."""
+    if isinstance(warning, FieldsLeftOutWarning) and "--all-fields" in _options(command):
+        text = (
+            f"sampled batches leave out {', '.join(warning.fields)} (RLinf's sampler ignores them); "
+            "pass --all-fields to sample them"
+        )
+    else:
+        text = one_line(warning)
+        if isinstance(warning, Warning):
+            text += option_hint(warning, command)
+    err.print(f"Warning: {text}", markup=False, highlight=False)
+
+
+def exit_status(exc: RbtoolError) -> int:
+    """2 for a usage error found by the library's checks, 1 for anything wrong with the input."""
+    return 2 if isinstance(exc, UsageError) else 1
+
+
+class Group(TyperGroup):
+    """A command group that records the command it resolves.
+
+    The root group is the one place where library errors become exit statuses: a
+    `UsageError` is `Error: ...` and exit 2, any other `RbtoolError` `Error: ...` and exit 1,
+    each with the hint of the running command's option that answers it; anything else is a
+    bug and keeps its traceback. Library warnings become one line `Warning: ...` each.
+    """
+
+    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        name, command, rest = super().resolve_command(ctx, args)
+        ctx.meta[_COMMAND] = command
+        return name, command, rest
+
+    def invoke(self, ctx: Any) -> Any:
+        if ctx.parent is not None:  # a nested group: the root maps what it raises
+            return super().invoke(ctx)
+
+        def show_warning(message: Warning | str, *args: Any, **kwargs: Any) -> None:
+            print_warning(message, ctx.meta.get(_COMMAND))
+
+        with warnings.catch_warnings():  # restores showwarning afterwards
+            warnings.showwarning = show_warning
+            try:
+                return super().invoke(ctx)
+            except RbtoolError as exc:
+                print_error(str(exc) + option_hint(exc, ctx.meta.get(_COMMAND)))
+                raise typer.Exit(exit_status(exc)) from None
+
+
+# ------------------------------------------------------------ options
+class TrajectoryFormat(str, enum.Enum):
+    """How trajectory files are serialised."""
+
+    pt = "pt"
+    pkl = "pkl"
+
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")]
 ForceOpt = Annotated[
@@ -36,10 +145,47 @@ StrictOpt = Annotated[
         help="Refuse a checkpoint whose index names missing files (--non-strict keeps what exists).",
     ),
 ]
-FormatOpt = Annotated[str | None, typer.Option("--format", help="Trajectory file format: pt or pkl.")]
+FormatOpt = Annotated[
+    TrajectoryFormat | None, typer.Option("--format", help="Trajectory file format.", show_default=False)
+]
 ExistingPath = Annotated[Path, typer.Argument(exists=False, help="A checkpoint or buffer directory.")]
 
 
+class Strategy(str, enum.Enum):
+    """How sample positions are drawn from the window."""
+
+    uniform = "uniform"
+    topk = "topk"
+
+
+StrategyOpt = Annotated[
+    Strategy,
+    typer.Option(
+        "--strategy",
+        help="uniform: every sample of the window alike; topk: among the K highest-reward samples.",
+    ),
+]
+KOpt = Annotated[
+    int | None, typer.Option("--k", min=1, help="topk: how many highest-reward samples are candidates.")
+]
+TemperatureOpt = Annotated[
+    float,
+    typer.Option(
+        "--temperature", help="topk: weights are softmax(reward / T); larger T spreads draws more evenly."
+    ),
+]
+SeedOpt = Annotated[
+    int | None, typer.Option("--seed", help="Generator seed (default: the checkpoint's seed, else 1234).")
+]
+
+
+def refuse_k_without_topk(strategy: Strategy, k: int | None) -> None:
+    """--k means nothing to uniform draws (the library ignores it): a usage error, exit 2."""
+    if strategy is Strategy.uniform and k is not None:
+        raise typer.BadParameter("applies only to --strategy topk", param_hint="--k")
+
+
+# ------------------------------------------------------------ output
 def print_json(doc: Any) -> None:
     """Write one JSON document to stdout (as bytes where possible: documents can be hundreds of MB)."""
     data = orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE)
@@ -50,13 +196,6 @@ def print_json(doc: Any) -> None:
         sys.stdout.flush()
         binary.write(data)
     sys.stdout.flush()
-
-
-def fail(message: str) -> NoReturn:
-    """Report an input or checkpoint error as one line on stderr and exit 1."""
-    first_line = " ".join(str(message).split("\n")[0].split()) or "unknown error"
-    err.print(f"Error: {first_line}", markup=False, highlight=False)
-    raise typer.Exit(1)
 
 
 def show_progress(json_mode: bool) -> bool:
@@ -70,6 +209,8 @@ def progress_bar(description: str, total: int | None, enabled: bool) -> Iterator
     if not enabled:
         yield lambda n=1: None
         return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     with Progress(
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
@@ -80,27 +221,6 @@ def progress_bar(description: str, total: int | None, enabled: bool) -> Iterator
     ) as progress:
         task = progress.add_task(description, total=total)
         yield lambda n=1: progress.advance(task, n)
-
-
-# The command being run (set by the command-line groups as they resolve it).
-INVOKED: list[Any] = []
-
-
-def _option_hint(exc: RbtoolError) -> str:
-    """The command-line option that answers a library error, for the commands that have it."""
-    options = {opt for c in INVOKED for p in c.params for opt in (*p.opts, *p.secondary_opts)}
-    if isinstance(exc, MissingTrajectoryFilesError) and "--non-strict" in options:
-        return "; pass --non-strict to keep only what exists"
-    if isinstance(exc, OutputExistsError) and "--force" in options:
-        return "; pass --force to replace it"
-    return ""
-
-
-def handle_library_errors(exc: BaseException) -> NoReturn:
-    """The one place where library errors become `Error: ...` and exit status 1."""
-    if isinstance(exc, RbtoolError):
-        fail(str(exc) + _option_hint(exc))
-    raise exc
 
 
 # ------------------------------------------------------------ shared by commands
@@ -115,14 +235,10 @@ def refuse_overlap(target: Path, inputs: Sequence[Path], option: str) -> None:
             )
 
 
-def check_format(value: str | None) -> None:
-    """Reject a --format other than pt or pkl as a usage error."""
-    if value is not None and value not in ("pt", "pkl"):
-        raise typer.BadParameter(f"must be pt or pkl, got {value!r}", param_hint="--format")
-
-
 def state_table(title: str, rows: list[tuple[str, dict[str, Any]]]) -> Table:
     """A table of (label, state) rows: size, samples, counter and ids of each."""
+    from rich.table import Table
+
     table = Table(title=title, title_justify="left")
     table.add_column("", style="bold")
     table.add_column("size", justify="right")

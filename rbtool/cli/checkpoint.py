@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import enum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from rbtool.cli import Group, app
 from rbtool.cli._common import (
     ForceOpt,
     FormatOpt,
+    Group,
     JsonOpt,
     StrictOpt,
-    check_format,
     files_line,
     format_ids,
     out,
@@ -24,7 +23,9 @@ from rbtool.cli._common import (
     show_progress,
     state_table,
 )
-from rbtool.index import Index, is_checkpoint_dir
+
+if TYPE_CHECKING:
+    from rbtool.index import Index
 
 checkpoint_app = typer.Typer(
     cls=Group,
@@ -33,7 +34,6 @@ checkpoint_app = typer.Typer(
     no_args_is_help=True,
     rich_markup_mode=None,
 )
-app.add_typer(checkpoint_app)
 
 DEFAULT_WINDOW = 100  # the buffer's default sample_window_size
 
@@ -82,8 +82,9 @@ def save(
 ) -> None:
     """Write the checkpoint a buffer's save_checkpoint would write, from files on disk."""
     from rbtool import checkpoint
+    from rbtool.index import is_checkpoint_dir, read_index
 
-    check_format(trajectory_format)
+    fmt = None if trajectory_format is None else trajectory_format.value
     refuse_overlap(target, sources, "OUT")
     chosen = mode
     if mode is SaveMode.auto:
@@ -95,10 +96,8 @@ def save(
             raise typer.BadParameter("auto-save mode takes exactly one buffer directory", param_hint="SOURCE")
         if seed is not None:
             raise typer.BadParameter("applies to --mode in-memory only", param_hint="--seed")
-        from rbtool.index import read_index
-
         own_format = read_index(sources[0]).trajectory_format
-        if trajectory_format is not None and trajectory_format != own_format:
+        if fmt is not None and fmt != own_format:
             raise typer.BadParameter(
                 f"a buffer with auto_save on saves its own files; {sources[0]} holds {own_format} files",
                 param_hint="--format",
@@ -113,7 +112,7 @@ def save(
                 sources,
                 target,
                 window,
-                trajectory_format=trajectory_format or "pt",
+                trajectory_format=fmt or "pt",
                 seed=1234 if seed is None else seed,
                 overwrite=force,
                 progress=advance,
@@ -164,16 +163,15 @@ def load(
     """Show what a full or distributed load of CKPT yields; --buffer restores it as a buffer directory."""
     from rbtool import checkpoint
 
-    if rank is not None and world_size is None:
-        raise typer.BadParameter("needs --world-size", param_hint="--rank")
-    if rank is not None and world_size is not None and rank >= world_size:
-        raise typer.BadParameter(f"must be in [0, {world_size}), got {rank}", param_hint="--rank")
-    if buffer is not None and world_size is not None and rank is None:
-        raise typer.BadParameter("restoring a distributed load needs --rank", param_hint="--buffer")
     if buffer is not None:
         refuse_overlap(buffer, [ckpt], "--buffer")
 
-    full, dropped = checkpoint.load_state(ckpt, strict=strict)
+    # The library checks --world-size and --rank (both or neither, rank in range) before it
+    # reads anything; without --rank every rank's block is shown.
+    if rank is not None:
+        shown, dropped = checkpoint.load_state(ckpt, world_size=world_size, rank=rank, strict=strict)
+    else:
+        shown, dropped = checkpoint.load_state(ckpt, strict=strict)
     doc: dict[str, Any] = {
         "checkpoint": str(ckpt),
         "strict": strict,
@@ -181,12 +179,10 @@ def load(
         "world_size": world_size,
         "rank": rank,
     }
-    if world_size is None:
-        doc.update(full.state())
-    elif rank is None:
-        doc["ranks"] = _rank_states(full, world_size)
+    if world_size is not None and rank is None:
+        doc["ranks"] = _rank_states(shown, world_size)
     else:
-        doc.update(full.rank_block(world_size, rank).state())
+        doc.update(shown.state())
 
     doc["restored_to"] = None
     if buffer is not None:

@@ -8,9 +8,16 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from rbtool.cli import app
-from rbtool.cli._common import FormatOpt, JsonOpt, err, out, print_json, progress_bar, show_progress
-from rbtool.cli.checkpoint import check_format, files_line
+from rbtool.cli._common import (
+    FormatOpt,
+    JsonOpt,
+    err,
+    files_line,
+    out,
+    print_json,
+    progress_bar,
+    show_progress,
+)
 
 
 def id_range(ids: list[int]) -> str:
@@ -29,7 +36,6 @@ def _count_items(sources: list[Path]) -> int | None:
         return None  # ingest itself reports the problem
 
 
-@app.command()
 def ingest(
     sources: Annotated[
         list[Path],
@@ -53,8 +59,6 @@ def ingest(
     """
     from rbtool.ingestion import ingest as ingest_sources
 
-    check_format(trajectory_format)
-
     def on_wait(holder: str) -> None:
         err.print(f"waiting for {buffer} (locked by {holder})", markup=False)
 
@@ -67,7 +71,7 @@ def ingest(
         result = ingest_sources(
             sources,
             buffer,
-            trajectory_format=trajectory_format,
+            trajectory_format=None if trajectory_format is None else trajectory_format.value,
             on_wait=on_wait,
             on_checked=advance,
             on_published=on_published,

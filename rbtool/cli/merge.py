@@ -7,13 +7,11 @@ from typing import Annotated, Any
 
 import typer
 
-from rbtool.cli import app
 from rbtool.cli._common import (
     ForceOpt,
     FormatOpt,
     JsonOpt,
     StrictOpt,
-    check_format,
     files_line,
     out,
     print_json,
@@ -24,7 +22,6 @@ from rbtool.cli._common import (
 )
 
 
-@app.command()
 def merge(
     dirs: Annotated[
         list[Path],
@@ -38,10 +35,9 @@ def merge(
 ) -> None:
     """Merge checkpoints: unique ids are kept in input order, colliding ids renumbered from 0."""
     from rbtool import checkpoint
-
-    check_format(trajectory_format)
-    refuse_overlap(target, dirs, "--out")
     from rbtool.dirs import checkpoint_dirs
+
+    refuse_overlap(target, dirs, "--out")
 
     inputs = [p for d in dirs for p in checkpoint_dirs(d)]
     with progress_bar("merging", None, show_progress(json)) as advance:
@@ -49,7 +45,7 @@ def merge(
             dirs,
             target,
             strict=strict,
-            trajectory_format=trajectory_format,
+            trajectory_format=None if trajectory_format is None else trajectory_format.value,
             overwrite=force,
             progress=advance,
         )

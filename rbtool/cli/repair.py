@@ -9,7 +9,6 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from rbtool.cli import app
 from rbtool.cli._common import (
     ForceOpt,
     JsonOpt,
@@ -18,12 +17,10 @@ from rbtool.cli._common import (
     out,
     print_json,
     progress_bar,
-    refuse_overlap,
     show_progress,
 )
 
 
-@app.command()
 def repair(
     path: Annotated[
         Path,
@@ -49,7 +46,7 @@ def repair(
     """
     from rbtool.repair import repair as run_repair
 
-    refuse_overlap(target, [path], "--out")
+    # The library refuses an OUT equal to, inside or containing PATH (a usage error, exit 2).
     with progress_bar("checking trajectory files", None, show_progress(json)) as advance:
         result = run_repair(path, target, overwrite=force, progress=advance)
     if json:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 import io
 import os
 from pathlib import Path
@@ -12,56 +11,24 @@ import typer
 from rich import box
 from rich.table import Table
 
-from rbtool.cli import app
-from rbtool.cli._common import ExistingPath, JsonOpt, StrictOpt, WindowOpt, out, print_json
+from rbtool.cli._common import (
+    ExistingPath,
+    JsonOpt,
+    KOpt,
+    SeedOpt,
+    Strategy,
+    StrategyOpt,
+    StrictOpt,
+    TemperatureOpt,
+    WindowOpt,
+    out,
+    print_json,
+    refuse_k_without_topk,
+)
 
 DEFAULT_SEED = 1234  # the buffer's default, used when the checkpoint records no seed
 SHOWN_DRAWS = 16  # draws listed one per row in the human view
 SIDE_BY_SIDE_WIDTH = 110  # fields and draws tables side by side from this terminal width on
-
-
-class Strategy(str, enum.Enum):
-    """How sample positions are drawn from the window."""
-
-    uniform = "uniform"
-    topk = "topk"
-
-
-def _positive_temperature(value: float) -> float:
-    if not value > 0 or value == float("inf"):
-        raise typer.BadParameter(f"must be a finite number > 0, got {value}")
-    return value
-
-
-StrategyOpt = Annotated[
-    Strategy,
-    typer.Option(
-        "--strategy",
-        help="uniform: every sample of the window alike; topk: among the K highest-reward samples.",
-    ),
-]
-KOpt = Annotated[
-    int | None, typer.Option("--k", min=1, help="topk: how many highest-reward samples are candidates.")
-]
-TemperatureOpt = Annotated[
-    float,
-    typer.Option(
-        "--temperature",
-        callback=_positive_temperature,
-        help="topk: weights are softmax(reward / T); larger T spreads draws more evenly.",
-    ),
-]
-SeedOpt = Annotated[
-    int | None, typer.Option("--seed", help="Generator seed (default: the checkpoint's seed, else 1234).")
-]
-
-
-def check_sampling_options(strategy: Strategy, k: int | None) -> None:
-    """Usage errors (exit 2) the option types cannot express: topk needs --k, uniform takes none."""
-    if strategy is Strategy.topk and k is None:
-        raise typer.BadParameter("--strategy topk needs --k", param_hint="--k")
-    if strategy is Strategy.uniform and k is not None:
-        raise typer.BadParameter("--k applies only to --strategy topk", param_hint="--k")
 
 
 def refuse_out_inside(out_path: Path, directory: Path) -> None:
@@ -110,7 +77,6 @@ def field_rows(batch: dict[str, Any], prefix: str = "") -> list[dict[str, Any]]:
     return rows
 
 
-@app.command()
 def sample(
     path: ExistingPath,
     num_chunks: Annotated[
@@ -122,6 +88,14 @@ def sample(
     temperature: TemperatureOpt = 1.0,
     seed: SeedOpt = None,
     strict: StrictOpt = True,
+    all_fields: Annotated[
+        bool,
+        typer.Option(
+            "--all-fields",
+            help="Also sample the fields RLinf's sampler leaves out (top-level keys outside its "
+            "Trajectory fields, dicts nested deeper).",
+        ),
+    ] = False,
     out_path: Annotated[
         Path | None, typer.Option("--out", help="Save the batch here with torch.save (written atomically).")
     ] = None,
@@ -132,7 +106,7 @@ def sample(
     Shows each field's shape and dtype and which trajectory and row every batch row came
     from; with --out, saves the batch (a dict of [num_chunks, ...] tensors).
     """
-    check_sampling_options(strategy, k)
+    refuse_k_without_topk(strategy, k)
     if out_path is not None:
         refuse_out_inside(out_path, path)
 
@@ -142,7 +116,7 @@ def sample(
 
     index = read_index(path)
     missing = missing_files(path, index) if not strict else []
-    buffer = TrajectoryReplayBuffer(seed=DEFAULT_SEED, sample_window_size=window)
+    buffer = TrajectoryReplayBuffer(seed=DEFAULT_SEED, sample_window_size=window, extra_fields=all_fields)
     buffer.load_checkpoint(path, strict=strict)  # reseeds from the checkpoint when it has a seed
     used_seed = buffer.seed if seed is None else seed
     if seed is not None:
@@ -162,6 +136,7 @@ def sample(
         "window_trajectories": len(window_ids),
         "window_samples": sum(index.entries[t]["num_samples"] for t in window_ids),
         "missing_ids": missing,
+        "all_fields": all_fields,
         "strategy": strategy.value,
         "k": k,
         "temperature": temperature if strategy is Strategy.topk else None,

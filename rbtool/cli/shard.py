@@ -7,7 +7,6 @@ from typing import Annotated, Any
 
 import typer
 
-from rbtool.cli import app
 from rbtool.cli._common import (
     JsonOpt,
     StrictOpt,
@@ -22,7 +21,6 @@ from rbtool.cli._common import (
 )
 
 
-@app.command()
 def shard(
     ckpt: Annotated[Path, typer.Argument(metavar="CKPT", help="Checkpoint or buffer directory to split.")],
     world_size: WorldSizeOpt,

@@ -10,9 +10,21 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from rbtool.cli import app
-from rbtool.cli._common import ExistingPath, JsonOpt, WindowOpt, out, print_json, progress_bar, show_progress
-from rbtool.cli.sample import KOpt, SeedOpt, Strategy, StrategyOpt, TemperatureOpt, check_sampling_options
+from rbtool.cli._common import (
+    ExistingPath,
+    JsonOpt,
+    KOpt,
+    SeedOpt,
+    Strategy,
+    StrategyOpt,
+    TemperatureOpt,
+    WindowOpt,
+    out,
+    print_json,
+    progress_bar,
+    refuse_k_without_topk,
+    show_progress,
+)
 
 SPARK = "▁▂▃▄▅▆▇█"
 EIGHTHS = " ▏▎▍▌▋▊▉█"
@@ -105,7 +117,6 @@ def dist_row(label: str, doc: dict[str, Any]) -> list[str | Text]:
 
 
 # ------------------------------------------------------------------ the command
-@app.command()
 def stats(
     path: ExistingPath,
     window: WindowOpt = 0,
@@ -136,11 +147,7 @@ def stats(
         if strategy is not Strategy.uniform or k is not None or seed is not None:
             raise typer.BadParameter("--strategy, --k and --seed apply only with --sample-draws")
     else:
-        check_sampling_options(strategy, k)
-        if index_only and strategy is Strategy.topk:
-            raise typer.BadParameter(
-                "top-k draws need rewards from the trajectory files", param_hint="--index-only"
-            )
+        refuse_k_without_topk(strategy, k)
 
     from rbtool.stats import DrawRequest, collect_stats
 

@@ -10,8 +10,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from rbtool.cli import app
-from rbtool.cli._common import JsonOpt, fail, out, print_json, progress_bar, show_progress
+from rbtool.cli._common import JsonOpt, out, print_json, progress_bar, show_progress
 
 if TYPE_CHECKING:
     from rbtool.verify import CheckpointReport
@@ -56,7 +55,6 @@ def _print_human(reports: list[CheckpointReport]) -> None:
             out.print(f"... and {len(hidden)} more ({shown}); --json lists every problem", markup=False)
 
 
-@app.command()
 def verify(
     path: Annotated[
         Path,
@@ -80,6 +78,7 @@ def verify(
     The quick check reads only the index files and the directory listing. Notices (files an
     interrupted writer left) and warnings (differing field schemas) do not fail it.
     """
+    from rbtool.errors import CheckpointError
     from rbtool.verify import verify as run_verify
 
     enabled = deep and show_progress(json)
@@ -92,4 +91,4 @@ def verify(
     if not result.ok:
         counts = Counter(p.code for c in result.checkpoints for p in c.problems if p.severity == "error")
         codes = ", ".join(f"{code} x{n}" for code, n in counts.most_common())
-        fail(f"{path}: verification failed with {sum(counts.values())} error(s): {codes}")
+        raise CheckpointError(f"{path}: verification failed with {sum(counts.values())} error(s): {codes}")

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import rbtool
-from rbtool.cli import app
 from rbtool.cli._common import JsonOpt, out, print_json
 
 
-@app.command()
 def version(json: JsonOpt = False) -> None:
     """Print rbtool's version."""
     if json:
