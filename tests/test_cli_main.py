@@ -111,3 +111,25 @@ def test_every_json_key_is_documented(tmp_path: Path) -> None:
         if missing:
             undocumented[" ".join(args[:2])] = missing
     assert not undocumented, f"JSON keys missing from docs/cli.md: {undocumented}"
+
+
+def test_start_up_imports_no_library_module() -> None:
+    """`rbtool --help` loads the command modules only: the library, numpy and torch wait for a command."""
+    code = (
+        "import sys, rbtool.cli\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith(('rbtool', 'numpy', 'torch')))))"
+    )
+    probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert probe.returncode == 0, probe.stderr
+    loaded = set(probe.stdout.split())
+    assert loaded - {"rbtool", "rbtool.errors"} == {m for m in loaded if m.startswith("rbtool.cli")}
+
+
+def test_commands_import_only_the_shared_helpers() -> None:
+    """Command modules never import each other; what they share lives in rbtool.cli._common."""
+    cli = Path(__file__).resolve().parents[1] / "rbtool" / "cli"
+    for path in cli.glob("*.py"):
+        if path.name == "__init__.py":
+            continue
+        imports = set(re.findall(r"^\s*(?:from|import) (rbtool\.cli[\w.]*)", path.read_text(), flags=re.M))
+        assert imports <= {"rbtool.cli._common"}, (path.name, imports)
