@@ -1,44 +1,27 @@
-"""TrajectoryReplayBuffer: RLinf's constructor and methods over rbtool's index, files and sampler."""
+"""TrajectoryReplayBuffer: RLinf's constructor and methods, composed of rbtool's parts.
+
+index (rbtool.index: ids, entries, counters) + storage (rbtool.storage: where each
+trajectory's rows are) + samplers (rbtool.sampling, rbtool.topk: draws only) + writer
+(rbtool.writer: the auto-save thread, publish order, directory lock).
+"""
 
 from __future__ import annotations
 
 import copy
 import threading
 import uuid
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rbtool import trajfile
 from rbtool.dirs import open_checkpoint
-from rbtool.errors import (
-    CheckpointError,
-    RbtoolError,
-    TrajectoryFileError,
-    UsageError,
-)
-from rbtool.fsutil import DirLock, link_or_copy, write_bytes_atomic
-from rbtool.index import (
-    FORMATS,
-    Index,
-    init_buffer_dir,
-    read_index,
-    trajectory_file_name,
-    window_of,
-    write_index,
-)
-from rbtool.sampling import (
-    Draw,
-    FieldPath,
-    FlatView,
-    Schema,
-    draw_uniform,
-    gather,
-    shared_schema,
-    window_cache,
-)
+from rbtool.errors import BufferClosedError, CheckpointError, EmptyBufferError, UsageError
+from rbtool.index import FORMATS, Index, init_buffer_dir, read_index, trajectory_file_name, window_of
+from rbtool.sampling import Draw, check_draw, draw_uniform
+from rbtool.storage import FieldPath, FlatView, Schema, TrajectoryStore, gather, shared_schema, window_cache
+from rbtool.writer import AutoSaveWriter, WriteReport, place_trajectory, write_checkpoint
 
 if TYPE_CHECKING:
     from rbtool.topk import Candidates, RewardIndex
@@ -56,13 +39,15 @@ class WindowPlan:
     sizes: list[int]
     schema: Schema
     cached: dict[FieldPath, Any]
+    left_out: list[str]
 
 
 class TrajectoryReplayBuffer:
     """A trajectory-level replay buffer with RLinf's API and checkpoint layout.
 
     Trajectories are `[T, B, ...]` dicts (or objects with those attributes); sampling draws
-    `(t, b)` rows uniformly from the last `sample_window_size` trajectories.
+    `(t, b)` rows uniformly from the last `sample_window_size` trajectories. Batches hold
+    the fields RLinf's sampler keeps; `extra_fields=True` samples every tensor of >= 2 dims.
     """
 
     def __init__(
@@ -76,6 +61,7 @@ class TrajectoryReplayBuffer:
         trajectory_format: str = "pt",
         *,
         max_open_files: int = DEFAULT_MAX_OPEN_FILES,
+        extra_fields: bool = False,
     ) -> None:
         import torch
 
@@ -92,44 +78,38 @@ class TrajectoryReplayBuffer:
         self.auto_save = auto_save
         self.auto_save_path = Path(auto_save_path) if auto_save else None
         self.trajectory_format = trajectory_format
+        self.extra_fields = bool(extra_fields)
         self.max_open_files = max(1, max_open_files, cache_size if enable_cache else 0)
 
         self._lock = threading.RLock()
         self._index = Index(seed=seed, trajectory_format=trajectory_format)
-        self._memory: dict[int, dict[str, Any]] = {}  # trajectories held in memory
-        self._files: dict[int, Path] = {}  # where each trajectory's file is
-        self._views: OrderedDict[int, FlatView] = OrderedDict()  # bounded LRU of open views
-        self._schemas: dict[int, Schema] = {}
-        self._writer: ThreadPoolExecutor | None = None
-        self._pending: list[Future[None]] = []
+        self._store = TrajectoryStore(
+            max_open=self.max_open_files, extra_fields=self.extra_fields, lock=self._lock
+        )
+        self._writer: AutoSaveWriter | None = None
         self._closed = False
-        self._dir_lock: DirLock | None = None
         self._unloaded_size = 0
-        # Bumped whenever the id list changes; keys the cached window plan.
+        self._warned_left_out = False
+        # Bumped whenever the id list or what is held changes; keys the cached window plan.
         self._index_version = 0
         self._window_cache: tuple[tuple[int, int], WindowPlan] | None = None
         # Reward scores for top-k sampling; created by the first top-k call, then fed per add.
         self._rewards: RewardIndex | None = None
 
         self.random_generator = torch.Generator()
-        self._seed_generator(seed)
-
-        if self.auto_save_path is not None:
-            init_buffer_dir(self.auto_save_path, self._index)
-            self._dir_lock = DirLock(self.auto_save_path, wait=False)
-            self._dir_lock.acquire()
-            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rbtool-writer")
-            # A directory that already holds a buffer must be resumed with load_checkpoint()
-            # before anything is added, or new ids would collide with the files in it.
-            self._unloaded_size = read_index(self.auto_save_path).size
-
-    # ----------------------------------------------------------------- state
-    def _seed_generator(self, seed: int | None) -> None:
         if seed is None:
             self.random_generator.seed()
         else:
             self.random_generator.manual_seed(int(seed))
 
+        if self.auto_save_path is not None:
+            init_buffer_dir(self.auto_save_path, self._index)
+            self._writer = AutoSaveWriter(self.auto_save_path)
+            # A directory that already holds a buffer must be resumed with load_checkpoint()
+            # before anything is added, or new ids would collide with the files in it.
+            self._unloaded_size = read_index(self.auto_save_path).size
+
+    # ----------------------------------------------------------------- state
     @property
     def size(self) -> int:
         return self._index.size
@@ -150,10 +130,31 @@ class TrajectoryReplayBuffer:
         return self._index.trajectory_counter
 
     def window_ids(self) -> list[int]:
-        """Ids of the current sampling window (SPEC §3 step 1)."""
-        return window_of(self._index.id_list, self.sample_window_size)
+        """Ids of the current sampling window (SPEC §3 step 1).
 
-    def get_stats(self) -> dict[str, Any]:
+        With auto_save off only held trajectories can be sampled: after the window shrank
+        and grew again, the window is the last `sample_window_size` of those still held.
+        """
+        ids = self._index.id_list
+        if self.auto_save:
+            return window_of(ids, self.sample_window_size)
+        want = self.sample_window_size or len(ids)
+        held = len(self._store)
+        taken: list[int] = []
+        for tid in reversed(ids):
+            if len(taken) >= want or len(taken) >= held:
+                break
+            if self._store.holds(tid):
+                taken.append(tid)
+        return taken[::-1]
+
+    def get_stats(self) -> dict[str, int]:
+        """RLinf's statistics: `num_trajectories`, `total_samples`, `cache_size`, all numbers."""
+        cached = len(self._store.views) if self.auto_save else len(self._store)
+        return {"num_trajectories": self.size, "total_samples": self.total_samples, "cache_size": cached}
+
+    def info(self) -> dict[str, Any]:
+        """rbtool's own facts about the buffer (window, memory, files, format, seed)."""
         window = self.window_ids()
         return {
             "size": self.size,
@@ -162,17 +163,26 @@ class TrajectoryReplayBuffer:
             "sample_window_size": self.sample_window_size,
             "window_size": len(window),
             "window_samples": sum(self._index.entries[i]["num_samples"] for i in window),
-            "in_memory": len(self._memory),
-            "open_files": len(self._views),
+            "in_memory": len(self._store.memory),
+            "open_files": len(self._store.views),
             "auto_save": self.auto_save,
             "trajectory_format": self.trajectory_format,
             "seed": self.seed,
+            "extra_fields": self.extra_fields,
         }
+
+    def is_ready(self, min_size: int) -> bool:
+        """True when the buffer holds at least `min_size` trajectories (RLinf's meaning)."""
+        return self.size >= min_size
+
+    async def is_ready_async(self, min_size: int) -> bool:
+        """is_ready() for async callers."""
+        return self.is_ready(min_size)
 
     # ---------------------------------------------------------------- adding
     def _check_open(self) -> None:
         if self._closed:
-            raise RbtoolError("the buffer is closed")
+            raise BufferClosedError("the buffer is closed")
 
     def _check_resumed(self) -> None:
         if self._unloaded_size:
@@ -185,7 +195,8 @@ class TrajectoryReplayBuffer:
         """Add trajectories; all are validated before any is added. Returns their new ids."""
         self._check_open()
         self._check_resumed()
-        self._raise_writer_error()
+        if self._writer is not None and self._writer.failed():
+            self._writer.flush()
         prepared = [trajfile.normalize(t, f"trajectory #{n}") for n, t in enumerate(trajectories)]
         ids: list[int] = []
         with self._lock:
@@ -201,7 +212,7 @@ class TrajectoryReplayBuffer:
                     "uuid": uuid.uuid4().hex,
                 }
                 self._index.id_list.append(tid)
-                self._memory[tid] = traj
+                self._store.put(tid, traj)
                 ids.append(tid)
             self._index_version += 1
             if self._rewards is not None:
@@ -209,129 +220,78 @@ class TrajectoryReplayBuffer:
 
                 added = zip(ids, prepared, strict=True)
                 self._rewards.add((tid, trajectory_scores(t, info.num_samples)) for tid, (t, info) in added)
-            if self.auto_save:
-                assert self._writer is not None
+            if self._writer is not None:
                 for tid in ids:
-                    self._pending.append(self._writer.submit(self._write_one, tid))
+                    self._writer.submit(lambda tid=tid: self._write_one(tid))  # type: ignore[misc]
                 snapshot = self._index.subset(self._index.id_list)
-                self._pending.append(self._writer.submit(self._publish, snapshot))
+                self._writer.submit(lambda: self._publish(snapshot))
             else:
                 self._evict_outside_window()
         return ids
 
     def _evict_outside_window(self) -> None:
         """auto_save off: hold only the sampling window's trajectories."""
-        keep = set(self.window_ids())
-        for tid in [t for t in self._memory if t not in keep]:
-            del self._memory[tid]
-            self._views.pop(tid, None)
+        keep = set(window_of(self._index.id_list, self.sample_window_size))
+        for tid in [t for t in (self._store.memory.keys() | self._store.files.keys()) if t not in keep]:
+            self._store.drop(tid)
 
     def _write_one(self, tid: int) -> None:
-        """Writer thread: write one trajectory file atomically and record its size and hash."""
-        assert self.auto_save_path is not None
+        """Writer thread: write one trajectory file and record its size and hash."""
+        assert self._writer is not None
         with self._lock:
-            traj = self._memory[tid]
+            traj = self._store.memory[tid]
             entry = self._index.entries[tid]
             name = trajectory_file_name(tid, entry["model_weights_id"], self.trajectory_format)
         data = trajfile.to_bytes(traj, self.trajectory_format)
-        path = self.auto_save_path / name
-        write_bytes_atomic(path, data, sync_dir=False)
+        path = self._writer.write_file(name, data)
         with self._lock:
             entry["file_bytes"] = len(data)
             entry["sha256"] = trajfile.sha256_bytes(data)
-            self._files[tid] = path
-            self._memory.pop(tid, None)
+            self._store.written(tid, path)
 
     def _publish(self, snapshot: Index) -> None:
         """Writer thread: publish an index whose files were all written before this job ran."""
-        assert self.auto_save_path is not None
+        assert self._writer is not None
         with self._lock:
             snapshot.entries = {
                 i: dict(self._index.entries.get(i, snapshot.entries[i])) for i in snapshot.id_list
             }
-        write_index(self.auto_save_path, snapshot)
+        self._writer.publish(snapshot)
 
     def flush(self) -> None:
         """Wait until every background write is complete; re-raise the first that failed."""
-        pending, self._pending = self._pending, []
-        errors = []
-        for fut in pending:
-            try:
-                fut.result()
-            except BaseException as exc:  # collected and re-raised below
-                errors.append(exc)
-        if errors:
-            raise RbtoolError(f"a background write to {self.auto_save_path} failed: {errors[0]}") from errors[
-                0
-            ]
-
-    def _raise_writer_error(self) -> None:
-        if any(f.done() and f.exception() is not None for f in self._pending):
-            self.flush()
+        if self._writer is not None:
+            self._writer.flush()
 
     # -------------------------------------------------------------- sampling
     def _view(self, tid: int) -> FlatView:
-        view = self._views.get(tid)
-        if view is not None:
-            self._views.move_to_end(tid)
-            return view
-        entry = self._index.entries[tid]
-        t, b = entry["shape"][0], entry["shape"][1]
-        with self._lock:
-            traj = self._memory.get(tid)
-            path = self._files.get(tid)
-        release = None
-        if traj is None:
-            if path is None:
-                raise RbtoolError(f"trajectory {tid} is neither in memory nor on disk")
-            traj, release, info = self._open_file(path)
-            if info.shape[:2] != (t, b):
-                raise TrajectoryFileError(
-                    f"{path}: tensors are [T, B] = {list(info.shape[:2])} but the index says {[t, b]}"
-                )
-        try:
-            view = FlatView(traj, t, b, release)
-        except RbtoolError as exc:
-            raise TrajectoryFileError(f"{path or f'trajectory {tid}'}: {exc}") from None
-        self._views[tid] = view
-        while len(self._views) > self.max_open_files:
-            self._views.popitem(last=False)
-        return view
-
-    @staticmethod
-    def _open_file(path: Path) -> tuple[dict[str, Any], Any, trajfile.TrajectoryInfo]:
-        """A trajectory file's fields (large rows left on disk where possible), a close hook, its info."""
-        if path.suffix == ".pt":
-            try:
-                opened = trajfile.FileTrajectory(path)
-                return opened.data, None, opened.info
-            except (OSError, ValueError, RuntimeError):
-                pass  # unusual .pt layouts: torch's own loader decides (and names any problem)
-        traj = trajfile.load(path, mmap=True)
-        return traj, None, trajfile.describe(traj, str(path))
-
-    def _schema(self, tid: int) -> Schema:
-        schema = self._schemas.get(tid)
-        if schema is None:
-            schema = self._schemas[tid] = self._view(tid).schema()
-        return schema
+        shape = self._index.entries[tid]["shape"]
+        return self._store.view(tid, shape[0], shape[1])
 
     def _window_plan(self) -> WindowPlan:
         """The window's ids, sample counts, shared schema and in-memory field cache.
 
-        Cached until the id list or the window size changes.
+        Cached until the id list, what is held, or the window size changes. Opening the
+        window's trajectories here means a bad file fails before anything is drawn.
         """
         window = self.window_ids()
         key = (self._index_version, self.sample_window_size)
         if self._window_cache is not None and self._window_cache[0] == key:
             return self._window_cache[1]
         entries = self._index.entries
-        schema = shared_schema([self._schema(i) for i in window])
+        schemas = []
+        left_out: dict[str, None] = {}
+        for tid in window:
+            shape = entries[tid]["shape"]
+            schemas.append(self._store.schema(tid, shape[0], shape[1]))
+            left_out.update(dict.fromkeys(".".join(p) for p in self._store.left_out.get(tid, [])))
+        schema = shared_schema(schemas)
         plan = WindowPlan(
             window,
             [entries[i]["num_samples"] for i in window],
             schema,
             window_cache(window, schema, self._view),
+            list(left_out),
         )
         self._window_cache = (key, plan)
         return plan
@@ -347,44 +307,45 @@ class TrajectoryReplayBuffer:
         """
         return self.sample_with_draw(num_chunks, strategy, k, temperature)[1]
 
+    def sample_chunks(self, num_chunks: int) -> dict[str, Any]:
+        """RLinf's name for a uniform sample()."""
+        return self.sample(num_chunks)
+
     def sample_with_draw(
         self, num_chunks: int, strategy: str = "uniform", k: int | None = None, temperature: float = 1.0
     ) -> tuple[Draw, dict[str, Any]]:
-        """`sample()`, also returning the Draw: which trajectory and row each batch row came from."""
+        """`sample()`, also returning the Draw: which trajectory and row each batch row came from.
+
+        Everything that can fail is checked before a random number is drawn.
+        """
         from rbtool.topk import check_strategy, draw_topk
 
         self._check_open()
         check_strategy(strategy, k, temperature)
         if not self._index.id_list:
-            raise RbtoolError("cannot sample from an empty buffer")
+            raise EmptyBufferError("cannot sample from an empty buffer")
         plan = self._window_plan()
         window, sizes = plan.window, plan.sizes
+        check_draw(sizes, num_chunks)
         if strategy == "topk":
             assert k is not None
             candidates = self._topk_candidates(window, k)
             draw = draw_topk(window, sizes, candidates, num_chunks, temperature, self.random_generator)
         else:
             draw = draw_uniform(window, sizes, num_chunks, self.random_generator)
-        return draw, self._gather(draw, plan)
-
-    def _gather(self, draw: Draw, plan: WindowPlan) -> dict[str, Any]:
-        """Gather a batch, then let every file it read drop the pages it touched."""
-        touched: list[FlatView] = []
-
-        def view_of(tid: int) -> FlatView:
-            view = self._view(tid)
-            touched.append(view)
-            return view
-
-        try:
-            return gather(draw, plan.schema, view_of, plan.cached)
-        finally:
-            for view in touched:
-                view.release()
+        if plan.left_out and not self._warned_left_out:
+            self._warned_left_out = True
+            warnings.warn(
+                f"sampled batches leave out {', '.join(plan.left_out)} (the reference sampler ignores "
+                "them); construct the buffer with extra_fields=True to sample them",
+                stacklevel=3,
+            )
+        return draw, gather(draw, plan.schema, self._view, plan.cached)
 
     def _topk_candidates(self, window: list[int], k: int) -> Candidates:
         """The window's top-k samples by reward; scores of loaded trajectories are read lazily."""
-        from rbtool.topk import RewardIndex, view_scores
+        from rbtool.storage import view_scores
+        from rbtool.topk import RewardIndex
 
         if self._rewards is None:
             self._rewards = RewardIndex()
@@ -393,30 +354,35 @@ class TrajectoryReplayBuffer:
             self._rewards.retain(window)
         return self._rewards.top_k(k, window)
 
-    # ------------------------------------------------------------ checkpoints
-    def _held_ids(self) -> list[int]:
-        """What a checkpoint of this buffer holds: the sampling window, in insertion order."""
-        return self.window_ids()
+    def clear_cache(self) -> None:
+        """Finish background writes and drop every opened trajectory view and file descriptor.
 
+        What the buffer holds is kept (with auto_save off the held window is the data
+        itself, not a cache); views are reopened on the next sample.
+        """
+        self.flush()
+        self._store.clear_views()
+        self._window_cache = None
+
+    # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_path: str | Path) -> None:
         """Write the sampling window's trajectories and an index counting only them.
 
         The checkpoint is built beside `save_path` and renamed into place when complete.
-        The running buffer is not changed.
+        The running buffer is not changed, and keeps reading what it holds even when
+        `save_path` is the directory it was loaded from.
         """
-        from rbtool.checkpoint import write_checkpoint
-
         self._check_open()
+        target = Path(save_path)
+        if self.auto_save_path is not None and target.resolve() == self.auto_save_path.resolve():
+            raise UsageError(f"{target}: is this buffer's auto-save directory; save the checkpoint elsewhere")
         self.flush()
         with self._lock:
-            ids = self._held_ids()
+            ids = self.window_ids()
             index = self._index.subset(ids)
             index.entries = {i: copy.deepcopy(index.entries[i]) for i in ids}
-            sources: dict[int, Path | dict[str, Any]] = {}
-            for tid in ids:
-                held = self._memory.get(tid)
-                sources[tid] = held if held is not None else self._files[tid]
-        write_checkpoint(Path(save_path), index, sources.__getitem__, overwrite=True)
+        sources = {tid: self._store.source(tid) for tid in ids}
+        write_checkpoint(target, index, sources.__getitem__, overwrite=True)
 
     def load_checkpoint(
         self,
@@ -429,8 +395,12 @@ class TrajectoryReplayBuffer:
     ) -> None:
         """Replace the buffer's contents with a checkpoint (whole, or one rank's block).
 
-        Trajectory files are read when first sampled. With auto_save on, the kept files are
-        linked (or copied) into the auto-save directory, which stays a valid checkpoint.
+        The buffer takes the checkpoint's trajectory_format, and its seed when it has one
+        (re-seeding the generator); without a seed the generator's stream continues.
+        Trajectory files are read when first sampled. With auto_save off the window's files
+        are kept open, so deleting or replacing `load_path` later does not break sampling
+        or saving; with auto_save on they are linked (or copied) into the auto-save
+        directory, which stays a valid checkpoint.
         """
         self._check_open()
         self.flush()
@@ -439,11 +409,11 @@ class TrajectoryReplayBuffer:
         directory, index = open_checkpoint(load_path, strict=strict)
         if is_distributed:
             index = index.rank_block(world_size, local_rank)
-        files = {i: directory / index.file_name(i) for i in index.id_list}
         with self._lock:
             if index.seed is not None:
                 self.seed = index.seed
-            self._seed_generator(self.seed)
+                self.random_generator.manual_seed(int(index.seed))
+            self.trajectory_format = index.trajectory_format
             new = Index(
                 entries={i: dict(index.entries[i]) for i in index.id_list},
                 id_list=list(index.id_list),
@@ -452,34 +422,30 @@ class TrajectoryReplayBuffer:
                 trajectory_format=self.trajectory_format,
             )
             if self.auto_save_path is not None:
-                files = self._adopt_files(new, files)
+                files = self._adopt_files(new, {i: directory / index.file_name(i) for i in index.id_list})
+                self._store.set_files(files, pin=False)
+            else:
+                held = window_of(new.id_list, self.sample_window_size)
+                self._store.set_files({i: directory / index.file_name(i) for i in held}, pin=True)
             self._index = new
-            self._files = files
-            self._memory.clear()
-            self._views.clear()
-            self._schemas.clear()
             self._unloaded_size = 0
             self._index_version += 1
+            self._window_cache = None
             self._rewards = None
 
     def _adopt_files(self, new: Index, files: dict[int, Path]) -> dict[int, Path]:
         """auto_save on: bring the loaded files into the auto-save directory and publish its index."""
-        assert self.auto_save_path is not None
+        assert self.auto_save_path is not None and self._writer is not None
         target_dir = self.auto_save_path
         placed: dict[int, Path] = {}
+        report = WriteReport()
         for tid, src in files.items():
             dst = target_dir / new.file_name(tid)
-            if src.suffix == dst.suffix:
-                link_or_copy(src, dst)
-            else:
-                data = trajfile.to_bytes(trajfile.load(src), self.trajectory_format)
-                write_bytes_atomic(dst, data, sync_dir=False)
-                new.entries[tid]["file_bytes"] = len(data)
-                new.entries[tid]["sha256"] = trajfile.sha256_bytes(data)
+            place_trajectory(src, dst, new.entries[tid], report)
             placed[tid] = dst
-        write_index(target_dir, new)
+        self._writer.publish(new)
         keep = set(placed.values())
-        for path in self._files.values():
+        for path in self._store.files.values():
             if path.parent == target_dir and path not in keep:
                 path.unlink(missing_ok=True)
         return placed
@@ -490,17 +456,15 @@ class TrajectoryReplayBuffer:
         self._check_open()
         self.flush()
         with self._lock:
-            old_files = list(self._files.values())
+            old_files = list(self._store.files.values())
             self._index = Index(seed=self.seed, trajectory_format=self.trajectory_format)
-            self._memory.clear()
-            self._files.clear()
-            self._views.clear()
-            self._schemas.clear()
+            self._store.clear()
             self._unloaded_size = 0
             self._index_version += 1
+            self._window_cache = None
             self._rewards = None
-            if self.auto_save_path is not None:
-                write_index(self.auto_save_path, self._index)
+            if self._writer is not None and self.auto_save_path is not None:
+                self._writer.publish(self._index)
                 for path in old_files:
                     if path.parent == self.auto_save_path:
                         path.unlink(missing_ok=True)
@@ -515,10 +479,8 @@ class TrajectoryReplayBuffer:
         finally:
             self._closed = True
             if self._writer is not None:
-                self._writer.shutdown(wait=wait)
-            if self._dir_lock is not None:
-                self._dir_lock.release()
-            self._views.clear()
+                self._writer.close(wait=wait)
+            self._store.clear()
 
     def __enter__(self) -> TrajectoryReplayBuffer:
         return self
@@ -529,6 +491,6 @@ class TrajectoryReplayBuffer:
     def __del__(self) -> None:
         try:
             if not self._closed and self._writer is not None:
-                self._writer.shutdown(wait=True)
+                self._writer.close(wait=True)
         except Exception:
             pass

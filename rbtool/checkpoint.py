@@ -9,110 +9,34 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rbtool import trajfile
 from rbtool.dirs import checkpoint_dirs, open_checkpoint
-from rbtool.errors import CheckpointError, UsageError
-from rbtool.fsutil import link_or_copy, staged_dir, write_bytes_atomic
+from rbtool.errors import UsageError
+from rbtool.fsutil import staged_dir, write_bytes_atomic
 from rbtool.index import (
     FORMATS,
     INDEX_FILE,
     METADATA_FILE,
     Index,
     dumps,
-    is_checkpoint_dir,
-    parse_trajectory_file_name,
     trajectory_file_name,
     window_of,
-    write_index,
 )
-from rbtool.layout import TrajectoryInfo, describe_stored
 
-Source = Path | dict[str, Any]
-Progress = Callable[[int], None]  # called with the number of trajectories just done
+# Re-exported: the writer side and the sources moved to their own modules.
+from rbtool.sources import Checked as Checked
+from rbtool.sources import Item as Item
+from rbtool.sources import check_item as check_item
+from rbtool.sources import collect_items as collect_items
+from rbtool.writer import Progress, Source, WriteReport, fill_dir, new_entry, write_checkpoint
+from rbtool.writer import copied_entries as copied_entries
+from rbtool.writer import place_trajectory as place_trajectory
+
 MERGE_MAP_FILE = "merge_map.json"
-
-
-@dataclass
-class WriteReport:
-    """What writing a set of trajectory files did."""
-
-    linked: int = 0
-    copied: int = 0
-    written: int = 0
-    bytes: int = 0
-
-    def add(self, other: WriteReport) -> None:
-        self.linked += other.linked
-        self.copied += other.copied
-        self.written += other.written
-        self.bytes += other.bytes
-
-    def as_json(self) -> dict[str, int]:
-        return {"linked": self.linked, "copied": self.copied, "written": self.written, "bytes": self.bytes}
-
-
-def place_trajectory(src: Source, dst: Path, entry: dict[str, Any], report: WriteReport) -> None:
-    """Put one trajectory at `dst` (link, copy or serialize) and record its size/hash in `entry`."""
-    fmt = dst.suffix[1:]
-    if isinstance(src, Path) and src.suffix == dst.suffix:
-        linked = link_or_copy(src, dst)
-        size = dst.stat().st_size
-        if entry.get("file_bytes") not in (None, size):
-            entry.pop("sha256", None)  # the recorded hash was of another file
-        entry["file_bytes"] = size
-        report.linked += linked
-        report.copied += not linked
-        report.bytes += size
-        return
-    traj = trajfile.load(src) if isinstance(src, Path) else src
-    data = trajfile.to_bytes(traj, fmt)
-    write_bytes_atomic(dst, data, sync_dir=False)
-    entry["file_bytes"] = len(data)
-    entry["sha256"] = trajfile.sha256_bytes(data)
-    report.written += 1
-    report.bytes += len(data)
-
-
-def fill_dir(
-    directory: Path, index: Index, source_of: Callable[[int], Source], progress: Progress | None
-) -> WriteReport:
-    """Place every listed trajectory into `directory` and write its index and metadata."""
-    report = WriteReport()
-    for tid in index.id_list:
-        place_trajectory(source_of(tid), directory / index.file_name(tid), index.entries[tid], report)
-        if progress is not None:
-            progress(1)
-    write_index(directory, index)
-    return report
-
-
-def write_checkpoint(
-    out: Path,
-    index: Index,
-    source_of: Callable[[int], Source],
-    *,
-    overwrite: bool = False,
-    progress: Progress | None = None,
-) -> WriteReport:
-    """Write a checkpoint listing `index` at `out`, published atomically.
-
-    `source_of(id)` gives the trajectory's current file or its dict. Entries are updated
-    in place with each written file's size and hash, so pass a copy you may change.
-    """
-    with staged_dir(out, overwrite=overwrite) as staging:
-        return fill_dir(staging, index, source_of, progress)
-
-
-def copied_entries(index: Index) -> Index:
-    """A copy of `index` whose entries may be changed without touching the original."""
-    sub = index.subset(index.id_list)
-    sub.entries = {i: dict(e) for i, e in sub.entries.items()}
-    return sub
 
 
 # ------------------------------------------------------------------ save / build
@@ -132,89 +56,6 @@ def save_from_autosave_dir(
         Path(out), sub, lambda i: src_dir / index.file_name(i), overwrite=overwrite, progress=progress
     )
     return sub, report
-
-
-@dataclass
-class Item:
-    """One trajectory found in a source: its file, and its index entry when a directory had one."""
-
-    path: Path
-    entry: dict[str, Any] | None = None
-
-
-def collect_items(sources: Sequence[str | os.PathLike[str]]) -> list[Item]:
-    """Trajectory files named by `sources`, in order.
-
-    A checkpoint or buffer directory gives its list order; any other directory gives its
-    `.pt`/`.pkl` files by trajectory id (then name); a file gives itself.
-    """
-    items: list[Item] = []
-    for source in sources:
-        path = Path(source)
-        if path.is_dir():
-            if is_checkpoint_dir(path):
-                src_dir, index = open_checkpoint(path, strict=True)
-                items.extend(
-                    Item(src_dir / index.file_name(i), dict(index.entries[i])) for i in index.id_list
-                )
-            else:
-                files = [
-                    p for p in path.iterdir() if p.suffix in (".pt", ".pkl") and not p.name.startswith(".")
-                ]
-
-                def order(p: Path) -> tuple[int, str]:
-                    parsed = parse_trajectory_file_name(p.name)
-                    return (parsed[0] if parsed else -1, p.name)
-
-                items.extend(Item(p) for p in sorted(files, key=order))
-                if not files:
-                    raise CheckpointError(f"{path}: holds no trajectory files (.pt or .pkl)")
-        elif path.is_file():
-            if path.suffix not in (".pt", ".pkl"):
-                raise CheckpointError(f"{path}: not a trajectory file (expected .pt or .pkl)")
-            items.append(Item(path))
-        else:
-            raise CheckpointError(f"{path}: no such file or directory")
-    return items
-
-
-@dataclass
-class Checked:
-    """A trajectory file that was opened and checked, ready to be added under a new id."""
-
-    path: Path
-    info: TrajectoryInfo
-    sha256: str | None = None
-    uuid: str | None = None
-
-
-def check_item(item: Item) -> Checked:
-    """Open a trajectory file safely and check its tensors (memory-mapped for `.pt`)."""
-    traj = trajfile.load(item.path, mmap=True)
-    info = describe_stored(traj, item.path.name, str(item.path))
-    if info.max_episode_length is None and "max_episode_length" not in traj:
-        mel = item.entry.get("max_episode_length") if item.entry else None
-        info = TrajectoryInfo(info.shape, mel if mel is not None else info.shape[0], info.model_weights_id)
-    if item.entry is not None and list(item.entry["shape"][:2]) != list(info.shape[:2]):
-        raise CheckpointError(
-            f"{item.path}: tensors are [T, B] = {list(info.shape[:2])} but its index entry says "
-            f"{list(item.entry['shape'][:2])}"
-        )
-    sha = None
-    if item.entry is not None and item.entry.get("file_bytes") == item.path.stat().st_size:
-        sha = item.entry.get("sha256")
-    return Checked(item.path, info, sha)
-
-
-def new_entry(tid: int, info: TrajectoryInfo, uuid_hex: str) -> dict[str, Any]:
-    return {
-        "num_samples": info.num_samples,
-        "trajectory_id": tid,
-        "max_episode_length": info.max_episode_length,
-        "shape": list(info.shape),
-        "model_weights_id": info.model_weights_id,
-        "uuid": uuid_hex,
-    }
 
 
 def build_from_files(
@@ -409,7 +250,16 @@ __all__ = [
     "MERGE_MAP_FILE",
     "MergeResult",
     "WriteReport",
+    "Checked",
+    "Item",
+    "Progress",
+    "Source",
     "build_from_files",
+    "check_item",
+    "copied_entries",
+    "fill_dir",
+    "new_entry",
+    "place_trajectory",
     "collect_items",
     "load_state",
     "merge",

@@ -37,6 +37,14 @@ class UsageError(RbtoolError, ValueError):
     """An argument is out of range or contradicts another (a ValueError, as RLinf raises)."""
 
 
+class EmptyBufferError(RbtoolError, RuntimeError):
+    """Sampling was asked of a buffer or window with no samples (a RuntimeError, as RLinf raises)."""
+
+
+class BufferClosedError(RbtoolError, RuntimeError):
+    """The buffer was used after close()."""
+
+
 class NeedsTrajectoryFilesError(UsageError):
     """The request needs the trajectory files, but reading only the index was asked for."""
 

@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rbtool.checkpoint import WriteReport, check_item, collect_items, new_entry, place_trajectory
 from rbtool.dirs import open_checkpoint
 from rbtool.errors import RbtoolError, UsageError
 from rbtool.fsutil import LOCK_FILE, DirLock
@@ -31,6 +30,8 @@ from rbtool.index import (
     read_index,
     write_index,
 )
+from rbtool.sources import check_item, collect_items
+from rbtool.writer import WriteReport, new_entry, place_trajectory
 
 _TEMP_RE = re.compile(r"^\.trajectory_.*\.tmp$")
 

@@ -21,8 +21,6 @@ from rbtool.sampling import Draw
 if TYPE_CHECKING:
     import torch
 
-    from rbtool.sampling import FlatView
-
 STRATEGIES = ("uniform", "topk")
 # Trajectories whose rewards are computed lazily are read this many at a time.
 FILL_BATCH = 64
@@ -62,26 +60,6 @@ def trajectory_scores(traj: dict[str, Any], num_samples: int) -> np.ndarray:
         return scores_of_rows(None, num_samples)
     rows = rewards.reshape(int(rewards.shape[0]) * int(rewards.shape[1]), *rewards.shape[2:])
     return scores_of_rows(rows, num_samples)
-
-
-def view_scores(view: FlatView) -> np.ndarray:
-    """Scores of a trajectory already open as a FlatView (reads only its reward rows).
-
-    Rewards with wide rows may still be in their file (read on demand by the sampler);
-    they are then read whole, once, into a tensor.
-    """
-    import torch
-
-    field = view.fields.get(("rewards",))
-    if field is None:
-        return scores_of_rows(None, view.t * view.b)
-    rows = field.rows
-    if not isinstance(rows, torch.Tensor):
-        every = np.arange(int(rows.shape[0]))
-        full = torch.empty(tuple(rows.shape), dtype=rows.dtype)
-        rows.take(every, full, every)
-        rows = full
-    return scores_of_rows(rows, view.t * view.b)
 
 
 @dataclass(frozen=True)

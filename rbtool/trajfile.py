@@ -5,15 +5,11 @@ torch is imported inside the functions that need tensors.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import io
-import math
 import os
-import resource
 import warnings
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -121,13 +117,15 @@ def _load_pt(path: Path, mmap: bool) -> Any:
         raise TrajectoryFileError(f"{path}: not a readable .pt trajectory ({message})") from None
 
 
-def load(path: str | os.PathLike[str], *, mmap: bool = False) -> dict[str, Any]:
+def load(path: str | os.PathLike[str], *, mmap: bool = False, suffix: str | None = None) -> dict[str, Any]:
     """Load a trajectory file safely: `.pt` with weights_only, `.pkl` with a restricted unpickler.
 
     With `mmap=True`, `.pt` tensors are memory-mapped, so only the rows read are paged in.
+    `suffix` gives the format when the name has none (a file read through its descriptor).
     """
     path = Path(path)
-    if path.suffix == ".pt":
+    suffix = path.suffix if suffix is None else suffix
+    if suffix == ".pt":
         if mmap:
             try:
                 obj = _load_pt(path, mmap=True)
@@ -135,7 +133,7 @@ def load(path: str | os.PathLike[str], *, mmap: bool = False) -> dict[str, Any]:
                 obj = _load_pt(path, mmap=False)  # legacy (non-zip) files cannot be mapped
         else:
             obj = _load_pt(path, mmap=False)
-    elif path.suffix == ".pkl":
+    elif suffix == ".pkl":
         from rbtool.safepickle import load_pickle_trajectory
 
         try:
@@ -160,131 +158,3 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-# Rows at least this large are read from the file on demand; smaller fields are read whole.
-ROW_READ_MIN_BYTES = 2048
-# File descriptors kept open across batches (least recently used closed first): a quarter
-# of the process's limit, at most 1024.
-MAX_OPEN_FDS = max(16, min(1024, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4))
-_OPEN_FILES: OrderedDict[int, FileTrajectory] = OrderedDict()
-
-
-class FileRows:
-    """A contiguous tensor left in its `.pt` file: rows are read with pread when drawn.
-
-    Memory-mapping would be simpler, but the kernel maps whole page-cache folios (megabytes)
-    on each fault, so a sampler touching a few rows of every file ends up with the whole
-    checkpoint resident. Reading rows into the output keeps memory at the batch size.
-    """
-
-    def __init__(self, owner: FileTrajectory, offset: int, shape: tuple[int, ...], dtype: Any) -> None:
-        import torch
-
-        self.owner, self.offset, self.shape, self.dtype = owner, offset, torch.Size(shape), dtype
-        self.row_bytes = math.prod(shape[1:]) * dtype.itemsize
-
-    def dim(self) -> int:
-        return len(self.shape)
-
-    def reshape(self, *shape: int) -> FileRows:
-        """Merge the two leading dims ([T, B, ...] -> [T*B, ...]); the layout is contiguous."""
-        return FileRows(self.owner, self.offset, (self.shape[0] * self.shape[1], *self.shape[2:]), self.dtype)
-
-    def take(self, rows: Any, out: Any, dest: Any) -> None:
-        """Read stored rows `rows` into rows `dest` of the contiguous tensor `out`."""
-        import torch
-
-        size = self.row_bytes
-        if size == 0 or not len(rows):
-            return
-        buffer = memoryview(out.view(torch.uint8).numpy()).cast("B")
-        fd, base = self.owner.fd(), self.offset
-        for j, row in zip(dest.tolist(), rows.tolist(), strict=True):
-            got = os.preadv(fd, [buffer[j * size : (j + 1) * size]], base + row * size)
-            if got != size:
-                raise TrajectoryFileError(f"{self.owner.path}: truncated (row {row} of a field is cut short)")
-
-
-class FileTrajectory:
-    """A `.pt` trajectory opened for sampling: small fields in memory, large rows left on disk.
-
-    The structure and each storage's place in the file come from torch's own loader
-    (`weights_only=True`, memory-mapped, no data read); the bytes are then read with pread.
-    """
-
-    def __init__(self, path: Path) -> None:
-        import torch
-
-        template = _load_pt(path, mmap=True)
-        if not isinstance(template, dict):
-            raise TrajectoryFileError(
-                f"{path}: holds a {type(template).__name__}, expected a trajectory dict"
-            )
-        self.info = describe(template, str(path))
-        reader = torch._C.PyTorchFileReader(str(path))
-        records = sorted(
-            reader.get_record_offset(name)  # type: ignore[attr-defined]
-            for name in reader.get_all_records()
-            if name.startswith("data/")
-        )
-        storages = sorted(
-            {
-                t.untyped_storage().data_ptr()
-                for _, t in iter_tensors(template)
-                if t.untyped_storage().nbytes()
-            }
-        )
-        bases = {address - offset for address, offset in zip(storages, records, strict=False)}
-        if len(storages) != len(records) or len(bases) > 1:
-            raise TrajectoryFileError(f"{path}: unexpected .pt layout (storages do not match records)")
-        self._base = bases.pop() if bases else 0
-        self.path = path
-        self._fd: int | None = None
-        self.data = _map_tensors(template, self._place)
-        self.close()
-
-    def fd(self) -> int:
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDONLY)
-            _OPEN_FILES[id(self)] = self
-            while len(_OPEN_FILES) > MAX_OPEN_FDS:
-                _OPEN_FILES.popitem(last=False)[1].close()
-        else:
-            _OPEN_FILES.move_to_end(id(self))
-        return self._fd
-
-    def _place(self, t: Any) -> Any:
-        import torch
-
-        storage = t.untyped_storage()
-        start = storage.data_ptr() - self._base
-        row_bytes = math.prod(t.shape[1:]) * t.element_size() if t.dim() >= 2 else 0
-        if t.is_contiguous() and row_bytes >= ROW_READ_MIN_BYTES:
-            return FileRows(self, start + t.storage_offset() * t.element_size(), tuple(t.shape), t.dtype)
-        data = bytearray(storage.nbytes())
-        if data and os.preadv(self.fd(), [data], start) != len(data):
-            raise TrajectoryFileError(f"{self.path}: truncated (a tensor's data is cut short)")
-        raw = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        return raw.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
-
-    def close(self) -> None:
-        """Close the file (it is reopened on the next read)."""
-        if self._fd is not None:
-            _OPEN_FILES.pop(id(self), None)
-            os.close(self._fd)
-            self._fd = None
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
-
-
-def _map_tensors(value: Any, fn: Any) -> Any:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, dict):
-        return {k: _map_tensors(v, fn) for k, v in value.items()}
-    return value

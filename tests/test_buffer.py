@@ -380,5 +380,5 @@ def test_clear_and_close(tmp_path: Path) -> None:
     buffer.close()
     with pytest.raises(RbtoolError, match="closed"):
         buffer.add_trajectories([make_traj()])
-    stats = TrajectoryReplayBuffer().get_stats()
-    assert stats["size"] == 0 and stats["auto_save"] is False
+    info = TrajectoryReplayBuffer().info()
+    assert info["size"] == 0 and info["auto_save"] is False

@@ -12,6 +12,9 @@ from rbtool import MissingTrajectoryFilesError, TrajectoryReplayBuffer
 from rbtool.checkpoint import load_state
 
 NOSAVE = {"nosave_window2_pt/ckpt", "nosave_window2_pkl/ckpt"}
+# Checkpoints that sit directly in the fixtures folder, with batches of several windows and sizes.
+FLAT_DIRS = ["seedless_pt", "nested_obs_pt", "pkl_format_switch"]
+ALL_DIRS = RLINF_DIRS + FLAT_DIRS
 
 
 def expected(rel: str) -> dict:
@@ -33,14 +36,14 @@ def state_of(buffer: TrajectoryReplayBuffer) -> dict:
     }
 
 
-@pytest.mark.parametrize("rel", RLINF_DIRS)
+@pytest.mark.parametrize("rel", ALL_DIRS)
 def test_full_load_matches_reference(rel: str) -> None:
     buffer = TrajectoryReplayBuffer(sample_window_size=0)
     buffer.load_checkpoint(FIXTURES / rel, strict=rel not in NOSAVE)
     assert state_of(buffer) == consistent(rel)["full_load"]
 
 
-@pytest.mark.parametrize("rel", RLINF_DIRS)
+@pytest.mark.parametrize("rel", ALL_DIRS)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_distributed_load_matches_reference(rel: str, world_size: int) -> None:
     records = consistent(rel)["distributed_load"][str(world_size)]
@@ -69,7 +72,7 @@ def test_strict_load_refuses_missing_files(rel: str) -> None:
 
 
 def sample_cases() -> list[tuple[str, dict]]:
-    return [(rel, s) for rel in RLINF_DIRS for s in expected(rel)["samples"]]
+    return [(rel, s) for rel in ALL_DIRS for s in expected(rel)["samples"]]
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,8 @@ import pytest
 from conftest import assert_batches_equal, make_traj
 
 from rbtool import TrajectoryReplayBuffer, read_index, trajfile
-from rbtool.sampling import draw_uniform, shared_schema
+from rbtool.sampling import draw_uniform
+from rbtool.storage import FileRows, shared_schema
 
 
 def eager_flatten(traj: dict[str, Any], t: int) -> dict[tuple[str, ...], Any]:
@@ -40,7 +41,7 @@ def eager_sample(ckpt: Path, window: int, num_chunks: int, seed: int) -> dict[st
     import torch
 
     from rbtool.index import window_of
-    from rbtool.sampling import nest
+    from rbtool.storage import nest
 
     index = read_index(ckpt)
     ids = window_of(index.id_list, window)
@@ -76,7 +77,7 @@ def test_sampler_equals_eager_reference(tmp_path: Path, fmt: str, window: int) -
         make_traj(t=5, b=2, seed=4, image=32, big=torch.randn(5, 2, 40, 30)),  # only in one
     ]
     ckpt = build(tmp_path / "c", fmt, trajs)
-    buffer = TrajectoryReplayBuffer(seed=99, sample_window_size=window)
+    buffer = TrajectoryReplayBuffer(seed=99, sample_window_size=window, extra_fields=True)
     buffer.load_checkpoint(ckpt)  # reseeds with the checkpoint's seed, 1234
     assert_batches_equal(buffer.sample(37), eager_sample(ckpt, window, 37, 1234))
 
@@ -88,7 +89,7 @@ def test_file_rows_path_is_used_and_stays_small(tmp_path: Path) -> None:
     buffer.load_checkpoint(ckpt)
     batch = buffer.sample(50)
     view = buffer._view(0)
-    assert isinstance(view.fields[("curr_obs", "main_images")].rows, trajfile.FileRows)
+    assert isinstance(view.fields[("curr_obs", "main_images")].rows, FileRows)
     assert_batches_equal(batch, eager_sample(ckpt, 0, 50, 1234))
 
 

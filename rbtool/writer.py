@@ -1,0 +1,169 @@
+"""The writer side: placing trajectory files, publishing a directory, the auto-save thread.
+
+Publish order is always the same: trajectory files first (each atomically), then the
+index, then metadata (rbtool.index.write_index), so a reader never meets an index naming
+a file that is missing or partly written. The buffer's auto-save and `ingest` both write
+through here, holding the directory's lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rbtool import trajfile
+from rbtool.errors import RbtoolError
+from rbtool.fsutil import DirLock, link_or_copy, staged_dir, write_bytes_atomic
+from rbtool.index import Index, write_index
+from rbtool.layout import TrajectoryInfo
+
+Source = Path | dict[str, Any]
+Progress = Callable[[int], None]  # called with the number of trajectories just done
+
+
+@dataclass
+class WriteReport:
+    """What writing a set of trajectory files did."""
+
+    linked: int = 0
+    copied: int = 0
+    written: int = 0
+    bytes: int = 0
+
+    def add(self, other: WriteReport) -> None:
+        self.linked += other.linked
+        self.copied += other.copied
+        self.written += other.written
+        self.bytes += other.bytes
+
+    def as_json(self) -> dict[str, int]:
+        return {"linked": self.linked, "copied": self.copied, "written": self.written, "bytes": self.bytes}
+
+
+def place_trajectory(src: Source, dst: Path, entry: dict[str, Any], report: WriteReport) -> None:
+    """Put one trajectory at `dst` (link, copy or serialize) and record its size/hash in `entry`."""
+    fmt = dst.suffix[1:]
+    if isinstance(src, Path) and src.suffix == dst.suffix:
+        linked = link_or_copy(src, dst)
+        size = dst.stat().st_size
+        if entry.get("file_bytes") not in (None, size):
+            entry.pop("sha256", None)  # the recorded hash was of another file
+        entry["file_bytes"] = size
+        report.linked += linked
+        report.copied += not linked
+        report.bytes += size
+        return
+    traj = trajfile.load(src) if isinstance(src, Path) else src
+    data = trajfile.to_bytes(traj, fmt)
+    write_bytes_atomic(dst, data, sync_dir=False)
+    entry["file_bytes"] = len(data)
+    entry["sha256"] = trajfile.sha256_bytes(data)
+    report.written += 1
+    report.bytes += len(data)
+
+
+def fill_dir(
+    directory: Path, index: Index, source_of: Callable[[int], Source], progress: Progress | None
+) -> WriteReport:
+    """Place every listed trajectory into `directory` and write its index and metadata."""
+    report = WriteReport()
+    for tid in index.id_list:
+        place_trajectory(source_of(tid), directory / index.file_name(tid), index.entries[tid], report)
+        if progress is not None:
+            progress(1)
+    write_index(directory, index)
+    return report
+
+
+def write_checkpoint(
+    out: Path,
+    index: Index,
+    source_of: Callable[[int], Source],
+    *,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> WriteReport:
+    """Write a checkpoint listing `index` at `out`, published atomically.
+
+    `source_of(id)` gives the trajectory's current file or its dict. Entries are updated
+    in place with each written file's size and hash, so pass a copy you may change.
+    """
+    with staged_dir(out, overwrite=overwrite) as staging:
+        return fill_dir(staging, index, source_of, progress)
+
+
+def copied_entries(index: Index) -> Index:
+    """A copy of `index` whose entries may be changed without touching the original."""
+    sub = index.subset(index.id_list)
+    sub.entries = {i: dict(e) for i, e in sub.entries.items()}
+    return sub
+
+
+def new_entry(tid: int, info: TrajectoryInfo, uuid_hex: str) -> dict[str, Any]:
+    return {
+        "num_samples": info.num_samples,
+        "trajectory_id": tid,
+        "max_episode_length": info.max_episode_length,
+        "shape": list(info.shape),
+        "model_weights_id": info.model_weights_id,
+        "uuid": uuid_hex,
+    }
+
+
+class AutoSaveWriter:
+    """One background thread writing a buffer directory, which it holds locked.
+
+    Jobs run in submission order: a trajectory file job, then the publish job of the index
+    that lists it, so the published index only names complete files. The first failure is
+    re-raised by flush().
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._lock = DirLock(directory, wait=False)
+        self._lock.acquire()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rbtool-writer")
+        self._pending: list[Future[None]] = []
+        self._guard = threading.Lock()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._guard:
+            self._pending.append(self._executor.submit(job))
+
+    def write_file(self, name: str, data: bytes) -> Path:
+        """Writer thread: one trajectory file, atomically (temporary name, then rename)."""
+        path = self.directory / name
+        write_bytes_atomic(path, data, sync_dir=False)
+        return path
+
+    def publish(self, index: Index) -> None:
+        """Index, then metadata; the files they name were written by earlier jobs."""
+        write_index(self.directory, index)
+
+    def failed(self) -> bool:
+        with self._guard:
+            return any(f.done() and f.exception() is not None for f in self._pending)
+
+    def flush(self) -> None:
+        """Wait until every submitted job is done; re-raise the first that failed."""
+        with self._guard:
+            pending, self._pending = self._pending, []
+        errors = []
+        for fut in pending:
+            try:
+                fut.result()
+            except BaseException as exc:  # collected and re-raised below
+                errors.append(exc)
+        if errors:
+            raise RbtoolError(f"a background write to {self.directory} failed: {errors[0]}") from errors[0]
+
+    def close(self, wait: bool = True) -> None:
+        """Stop the thread (after its jobs when `wait`) and release the directory."""
+        try:
+            self._executor.shutdown(wait=wait)
+        finally:
+            self._lock.release()
