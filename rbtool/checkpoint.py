@@ -105,7 +105,7 @@ def load_state(
 ) -> tuple[Index, list[int]]:
     """The index a full or distributed load yields, and the ids dropped for missing files."""
     if (world_size is None) != (rank is None):
-        raise UsageError("give both --world-size and --rank, or neither")
+        raise UsageError("give both world_size and rank, or neither")
     if world_size is not None and rank is not None:
         Index().rank_block(world_size, rank)  # validate before reading anything
     directory = Path(path)
