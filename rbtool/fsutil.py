@@ -127,7 +127,7 @@ def publish_dir(staging: Path, target: Path, *, overwrite: bool) -> None:
     if target.exists() or target.is_symlink():
         if not overwrite:
             shutil.rmtree(staging, ignore_errors=True)
-            raise OutputExistsError(f"{target}: already exists; choose a new path or allow replacing it")
+            raise OutputExistsError(f"{target}: already exists")
         if not _may_replace(target):
             shutil.rmtree(staging, ignore_errors=True)
             raise CheckpointError(

@@ -96,7 +96,9 @@ def test_hints_depend_on_the_command_options() -> None:
     missing = MissingTrajectoryFilesError("x: files missing", [1])
     exists = OutputExistsError("x: already exists")
     assert _common.option_hint(missing, command("shard")) == "; pass --non-strict to keep only what exists"
-    assert _common.option_hint(exists, command("shard")) == "; pass --force to replace it"
+    assert (
+        _common.option_hint(exists, command("shard")) == "; choose another path or pass --force to replace it"
+    )
     assert _common.option_hint(missing, command("version")) == ""
     assert _common.option_hint(exists, None) == ""
 

@@ -42,7 +42,7 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 # is added only when the running command has the option; library messages never name flags.
 OPTION_HINTS: tuple[tuple[type[Exception], str, str], ...] = (
     (MissingTrajectoryFilesError, "--non-strict", "pass --non-strict to keep only what exists"),
-    (OutputExistsError, "--force", "pass --force to replace it"),
+    (OutputExistsError, "--force", "choose another path or pass --force to replace it"),
     (NeedsTrajectoryFilesError, "--index-only", "drop --index-only"),
 )
 
