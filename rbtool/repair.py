@@ -15,35 +15,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
-
-from rbtool import trajfile
+from rbtool import layout, trajfile
 from rbtool.checkpoint import WriteReport, fill_dir, new_entry
 from rbtool.dirs import checkpoint_dirs
-from rbtool.errors import CheckpointError, InvalidTrajectoryError, RbtoolError, UsageError
-from rbtool.fsutil import staged_dir
-from rbtool.index import (
+from rbtool.errors import InvalidTrajectoryError, RbtoolError, UsageError
+from rbtool.format import (
     FORMATS,
-    INDEX_FILE,
-    LEGACY_INDEX_FILE,
     METADATA_FILE,
-    Index,
-    parse_entry,
-    parse_metadata,
+    IndexCheck,
+    check_json,
     parse_trajectory_file_name,
     trajectory_file_name,
 )
+from rbtool.fsutil import staged_dir
+from rbtool.index import Index
 
 Progress = Callable[[int], None]
 DEFAULT_SEED = 1234
-_KNOWN_METADATA = (
-    "trajectory_format",
-    "size",
-    "total_samples",
-    "trajectory_counter",
-    "seed",
-    "format_version",
-)
 
 
 @dataclass
@@ -91,18 +79,6 @@ class RepairResult:
         }
 
 
-def _read_json(path: Path) -> tuple[Any, str | None]:
-    """(parsed JSON, None), or (None, why it is unusable)."""
-    try:
-        return orjson.loads(path.read_bytes()), None
-    except FileNotFoundError:
-        return None, "missing"
-    except OSError as exc:
-        return None, f"unreadable ({exc.strerror})"
-    except orjson.JSONDecodeError as exc:
-        return None, f"invalid JSON ({' '.join(str(exc).split())})"
-
-
 def _trajectory_files(directory: Path) -> dict[int, list[Path]]:
     """Visible files named like trajectories, by id (hidden temporary files are never adopted)."""
     found: dict[int, list[Path]] = {}
@@ -120,6 +96,7 @@ class _Planner:
         self.source = source
         self.files = _trajectory_files(source)
         self.result = RepairedCheckpoint(source, out, Index())
+        self.checked: IndexCheck = check_json(source)
 
     def fixed(self, tid: int | None, message: str) -> None:
         self.result.fixed.append({"trajectory_id": tid, "message": message})
@@ -127,66 +104,43 @@ class _Planner:
     # ------------------------------------------------------------ metadata
     def metadata(self) -> tuple[str | None, int | None, int, dict[str, Any]]:
         """(format or None when unknown, seed, counter floor, extra keys) salvaged from metadata.json."""
-        meta, why = _read_json(self.source / METADATA_FILE)
-        if why is None and not isinstance(meta, dict):
-            why = f"not a JSON object ({type(meta).__name__})"
-        if why is not None:
+        meta = self.checked.meta
+        if not meta.readable:
+            why = next((p.message for p in self.checked.problems if p.file == METADATA_FILE), "unreadable")
             self.result.rebuilt_metadata = True
-            self.fixed(None, f"{METADATA_FILE} {why}: rebuilt (seed {DEFAULT_SEED}, format from the files)")
+            self.fixed(None, f"{why}: rebuilt (seed {DEFAULT_SEED}, format from the files)")
             return None, DEFAULT_SEED, 0, {}
-        assert isinstance(meta, dict)
-        good: dict[str, Any] = {}
-        for key in ("trajectory_format", "trajectory_counter", "seed"):
-            if key not in meta:
-                continue
-            try:
-                parse_metadata({key: meta[key]}, Path(METADATA_FILE))
-                good[key] = meta[key]
-            except CheckpointError as exc:
-                self.fixed(None, f"{exc}: value not kept")
-        extra = {k: v for k, v in meta.items() if k not in _KNOWN_METADATA}
-        # an absent seed reads as None (unseeded), as read_index reads it; an invalid one as the default
-        seed = None if "seed" not in meta else good.get("seed", DEFAULT_SEED)
-        return good.get("trajectory_format"), seed, good.get("trajectory_counter", 0), extra
+        for p in self.checked.problems:
+            if p.file == METADATA_FILE and p.code in ("metadata_invalid", "seed_null"):
+                self.fixed(None, f"{p.message}: value not kept")
+        # an absent (or null) seed stays absent (unseeded); an invalid one becomes the default
+        seed = meta.seed if meta.has_seed else (DEFAULT_SEED if "seed" in meta.invalid else None)
+        return meta.trajectory_format, seed, meta.trajectory_counter or 0, dict(meta.extra)
 
     # --------------------------------------------------------------- index
     def index(self) -> tuple[list[int], dict[int, dict[str, Any]]] | None:
         """(listed ids, valid entries) from the index file, or None when it must be rebuilt."""
-        name = INDEX_FILE
-        if not (self.source / INDEX_FILE).is_file() and (self.source / LEGACY_INDEX_FILE).is_file():
-            name = LEGACY_INDEX_FILE
-        raw, why = _read_json(self.source / name)
-        table = raw.get("trajectory_index") if isinstance(raw, dict) else None
-        id_list = raw.get("trajectory_id_list") if isinstance(raw, dict) else None
-        if why is None and (not isinstance(table, dict) or not isinstance(id_list, list)):
-            why = "not an index ('trajectory_index' object and 'trajectory_id_list' list)"
-        if why is not None or not isinstance(table, dict) or not isinstance(id_list, list):
-            self.result.rebuilt_index = True
-            self.fixed(None, f"{name} {why}: rebuilt from the trajectory files")
-            return None
-        entries: dict[int, dict[str, Any]] = {}
-        for key, value in table.items():
-            try:
-                tid, entry = parse_entry(key, value, Path(name))
-            except CheckpointError as exc:
-                self.fixed(None, f"{exc}: entry rebuilt from its file if it has one")
-                continue
-            entries[tid] = dict(entry)
-        ids: list[int] = []
-        seen: set[int] = set()
-        for value in id_list:
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                self.fixed(None, f"{name}: trajectory_id_list value {value!r} is not an id: left out")
-            elif value in seen:
-                self.fixed(value, f"id {value} listed more than once: kept its first place")
-            else:
-                seen.add(value)
-                ids.append(value)
-        for tid in sorted(entries.keys() - seen):
-            self.result.ignored.append(
-                {"file": None, "reason": f"index entry {tid} is not in trajectory_id_list: left out"}
+        checked = self.checked
+        if checked.id_list is None or not checked.index_readable:
+            why = next(
+                (p.message for p in checked.problems if p.file == checked.index_file),
+                f"{checked.index_file}: not an index",
             )
-        return ids, entries
+            self.result.rebuilt_index = True
+            self.fixed(None, f"{why}: rebuilt from the trajectory files")
+            return None
+        for p in checked.problems:
+            if p.code in ("entry_invalid", "num_samples_mismatch"):
+                self.fixed(None, f"{p.message}: entry rebuilt from its file if it has one")
+            elif p.code == "index_invalid":
+                self.fixed(None, f"{p.message}: left out")
+            elif p.code == "duplicate_id":
+                self.fixed(
+                    p.trajectory_id, f"id {p.trajectory_id} listed more than once: kept its first place"
+                )
+            elif p.code == "entry_unlisted":
+                self.result.ignored.append({"file": None, "reason": f"{p.message}: left out"})
+        return list(dict.fromkeys(checked.id_list)), checked.entry_dicts()
 
     # --------------------------------------------------------------- files
     def choose_file(self, tid: int, entry: dict[str, Any] | None, fmt: str | None) -> Path | None:
@@ -213,19 +167,22 @@ class _Planner:
         except RbtoolError as exc:
             self.drop(tid, path.name, " ".join(str(exc).split()))
             return None
-        parsed = parse_trajectory_file_name(path.name)
-        name_weights_id = parsed[1] if parsed else ""
-        if traj.get("model_weights_id") is None:
-            traj = {**traj, "model_weights_id": name_weights_id}
+        name_weights_id = layout.name_weights_id(path.name)
         try:
-            info = trajfile.describe(traj, path.name)
+            info = layout.describe_stored(traj, path.name, path.name)
         except InvalidTrajectoryError as exc:
             self.drop(tid, path.name, " ".join(str(exc).split()))
             return None
         recorded = entry.get("sha256") if entry else None
+        # After another writer rewrote the checkpoint, a recorded hash is only a hint: a file
+        # that loads and matches its entry is kept (its hash is recomputed when written).
         if isinstance(recorded, str) and trajfile.sha256_file(path) != recorded:
-            self.drop(tid, path.name, "content differs from the sha256 its entry records")
-            return None
+            if not self.checked.meta.foreign:
+                self.drop(tid, path.name, "content differs from the sha256 its entry records")
+                return None
+            assert entry is not None
+            entry = {k: v for k, v in entry.items() if k not in ("sha256", "file_bytes")}
+            self.fixed(tid, f"{path.name}: sha256 recorded before another writer rewrote it: dropped")
         # The file's own model_weights_id and max_episode_length win over its name and entry:
         # the name may have been changed, the data not.
         weights_id = info.model_weights_id
@@ -233,7 +190,7 @@ class _Planner:
             self.fixed(tid, f"{path.name} holds model_weights_id {weights_id!r}: named after it")
         if entry is None:
             mel = info.max_episode_length if info.max_episode_length is not None else info.shape[0]
-            info = trajfile.TrajectoryInfo(info.shape, mel, weights_id)
+            info = layout.TrajectoryInfo(info.shape, mel, weights_id)
             self.fixed(tid, f"entry rebuilt from {path.name}")
             return new_entry(tid, info, uuid.uuid4().hex)
         kept = dict(entry)

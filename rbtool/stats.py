@@ -14,21 +14,15 @@ import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
-from operator import itemgetter, methodcaller
+from operator import attrgetter, itemgetter, methodcaller
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rbtool.errors import CheckpointError, RbtoolError, TrajectoryFileError, UsageError
-from rbtool.index import (
-    Index,
-    IndexColumns,
-    check_weights_id,
-    read_columns,
-    read_index,
-    trajectory_file_name,
-)
+from rbtool.errors import RbtoolError, TrajectoryFileError, UsageError
+from rbtool.format import IndexCheck, check_json, trajectory_file_name
+from rbtool.index import Index, read_index
 
 if TYPE_CHECKING:
     import torch
@@ -148,71 +142,34 @@ class IndexHeader:
         return IndexHeader(index.trajectory_format, index.seed, index.trajectory_counter)
 
 
-def _has_repeats(values: np.ndarray) -> bool:
-    """Whether an integer column repeats a value (a sort: numpy's hashing unique is slower here)."""
-    ordered = np.sort(values)
-    return bool((ordered[1:] == ordered[:-1]).any())
-
-
-def _columns_in_list_order(cols: IndexColumns) -> IndexTable | None:
-    """The table from `read_columns`, checked with numpy; None when a check fails.
-
-    The checks are read_index's, done on whole columns: ids equal their keys and are unique
-    and non-negative, shapes have [T, B] with num_samples = T * B, model_weights_ids are
-    file-name safe, the id list has no repeats and names only listed entries. (Key spelling
-    and dims after B, which no statistic uses, are left to read_index and `rbtool verify`.)
-    """
-    n = len(cols)
-    keys, ids = cols.keys, cols.id_list
-    if n and ((keys < 0).any() or (keys != cols.trajectory_id).any() or _has_repeats(keys)):
-        return None
-    t, b, num = cols.shape_t, cols.shape_b, cols.num_samples
-    if n and ((cols.shape_len < 2).any() or (t < 0).any() or (b < 0).any() or (num != t * b).any()):
-        return None
-    try:
-        for name in set(cols.model_weights_id):
-            check_weights_id(name, str(cols.index_file))
-    except CheckpointError:
-        return None
-    if _has_repeats(ids):
-        return None
-    if ids.size == n and np.array_equal(ids, keys):
-        rows = None  # the usual case: entries are stored in list order
-    else:
-        by_key = np.argsort(keys)
-        slot = np.searchsorted(keys, ids, sorter=by_key).clip(max=max(n - 1, 0))
-        rows = by_key[slot] if n else slot
-        if ids.size and (not n or (keys[rows] != ids).any()):
-            return None  # the list names an id without an entry
-
-    def pick(column: np.ndarray) -> np.ndarray:
-        return column if rows is None else column[rows]
-
-    weights = cols.model_weights_id
+def _checked_table(checked: IndexCheck) -> IndexTable:
+    """The columns of an index check_json accepted, in list order, without a dict per entry."""
+    rows = checked.listed_entries()
+    n = len(rows)
+    get = attrgetter if checked.typed else itemgetter
+    shapes = list(map(get("shape"), rows))
+    sizes = list(map(get("file_bytes") if checked.typed else methodcaller("get", "file_bytes"), rows))
     return IndexTable(
-        ids=ids.astype(np.int64),
-        t=pick(t),
-        b=pick(b),
-        num_samples=pick(num),
-        model_weights_id=weights if rows is None else list(map(weights.__getitem__, rows.tolist())),
-        file_bytes=pick(cols.file_bytes),
+        ids=np.asarray(checked.id_list, dtype=np.int64),
+        t=np.fromiter(map(itemgetter(0), shapes), dtype=np.int64, count=n),
+        b=np.fromiter(map(itemgetter(1), shapes), dtype=np.int64, count=n),
+        num_samples=np.fromiter(map(get("num_samples"), rows), dtype=np.int64, count=n),
+        model_weights_id=list(map(get("model_weights_id"), rows)),
+        file_bytes=np.fromiter((-1 if v is None else v for v in sizes), dtype=np.int64, count=n),
     )
 
 
 def read_table(directory: Path) -> tuple[IndexHeader, IndexTable]:
-    """Header and columns of a directory's index, decoded straight into columns (msgspec).
+    """Header and columns of a directory's index, read by the one validator (rbtool.format).
 
-    When a consistency check fails, `read_index` reads the index again and either raises
-    its one-line error naming the problem or accepts it (then its entries are used).
+    Refuses exactly what the loaders refuse, with the same one-line error.
     """
-    cols = read_columns(directory)
-    table = _columns_in_list_order(cols)
-    if table is None:
-        index = read_index(directory)
-        return IndexHeader.of(index), index_table(index)
-    meta = cols.metadata
-    counter = max(meta.get("trajectory_counter", 0), int(table.ids.max()) + 1 if len(table) else 0)
-    return IndexHeader(meta.get("trajectory_format", "pt"), meta.get("seed"), counter), table
+    checked = check_json(directory)
+    checked.raise_first()
+    table = _checked_table(checked)
+    meta = checked.meta
+    counter = max(meta.trajectory_counter or 0, int(table.ids.max()) + 1 if len(table) else 0)
+    return IndexHeader(meta.trajectory_format or "pt", meta.seed, counter), table
 
 
 def window_mask(present: np.ndarray, window: int) -> np.ndarray:

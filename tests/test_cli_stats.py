@@ -110,7 +110,8 @@ def test_human_view_of_missing_files_and_a_long_index(tmp_path: Path) -> None:
     (many / "trajectory_index.json").write_text(
         json.dumps({"trajectory_index": entries, "trajectory_id_list": list(range(40))})
     )
-    (many / "metadata.json").write_text(json.dumps({"trajectory_format": "pt", "seed": 3}))
+    meta = {"trajectory_format": "pt", "size": 40, "total_samples": 320, "trajectory_counter": 40, "seed": 3}
+    (many / "metadata.json").write_text(json.dumps(meta))
     result = runner.invoke(app, ["stats", str(many), "--index-only", "--window", "10"])
     assert result.exit_code == 0, result.stderr
     assert "30 more" in result.stdout and "not opened (--index-only)" in result.stdout
@@ -261,7 +262,8 @@ def test_topk_spread_draws_what_sample_draws() -> None:
 
 
 def test_an_empty_buffer_directory(tmp_path: Path) -> None:
-    (tmp_path / "metadata.json").write_text(json.dumps({"trajectory_format": "pt", "seed": None}))
+    meta = {"trajectory_format": "pt", "size": 0, "total_samples": 0, "trajectory_counter": 0}
+    (tmp_path / "metadata.json").write_text(json.dumps(meta))
     (tmp_path / "trajectory_index.json").write_text(
         json.dumps({"trajectory_index": {}, "trajectory_id_list": []})
     )

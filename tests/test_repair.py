@@ -16,7 +16,7 @@ from rbtool import TrajectoryReplayBuffer, load_state
 from rbtool.errors import CheckpointError, UsageError
 from rbtool.index import ENTRY_KEYS, read_index
 from rbtool.repair import plan_repair, repair
-from rbtool.verify import verify
+from rbtool.verify import verify, verify_checkpoint
 
 NOSAVE = [rel for rel in RLINF_DIRS if "nosave_window2" in rel]
 CLEAN = [rel for rel in RLINF_DIRS if rel not in NOSAVE]
@@ -163,6 +163,8 @@ def test_unreadable_unsafe_and_altered_files_are_dropped(rlinf_copy: Any, tmp_pa
     doc = orjson.loads((src / "trajectory_index.json").read_bytes())
     doc["trajectory_index"]["3"]["sha256"] = "0" * 64  # content no longer what was written
     (src / "trajectory_index.json").write_bytes(orjson.dumps(doc))
+    meta = orjson.loads((src / "metadata.json").read_bytes())
+    (src / "metadata.json").write_bytes(orjson.dumps({**meta, "format_version": 1}))  # rbtool wrote last
 
     result = repaired(src, tmp_path / "out")
     dropped = {d["trajectory_id"]: d["reason"] for d in result.checkpoints[0].dropped}
@@ -292,3 +294,26 @@ def test_the_file_contents_decide_over_its_name_and_entry(rlinf_copy: Any, tmp_p
     messages = [f["message"] for f in result.checkpoints[0].fixed]
     assert any("max_episode_length 0 corrected to 4" in m for m in messages)
     assert any("named after it" in m for m in messages)
+
+
+def test_hashes_recorded_before_another_writer_are_hints(rlinf_copy: Any, tmp_path: Path) -> None:
+    """RLinf copies rbtool's sha256/file_bytes forward after re-serialising files: keep what loads."""
+    import torch
+
+    src = rlinf_copy(BASE)
+    doc = orjson.loads((src / "trajectory_index.json").read_bytes())
+    for key in ("1", "3"):
+        doc["trajectory_index"][key].update(sha256="0" * 64, file_bytes=7)  # records of other bytes
+    (src / "trajectory_index.json").write_bytes(orjson.dumps(doc))
+    torch.save({"actions": torch.zeros(4, 2, 7)}, file_of(src, 2))  # still dropped: does not load as one
+
+    result = repaired(src, tmp_path / "out")
+    ckpt = result.checkpoints[0]
+    assert [d["trajectory_id"] for d in ckpt.dropped] == [2]
+    assert read_index(tmp_path / "out").id_list == [0, 1, 3, 4]
+    assert {f["trajectory_id"] for f in ckpt.fixed if "another writer" in f["message"]} == {1, 3}
+    out = read_index(tmp_path / "out")
+    for tid in (1, 3):  # the kept files' records describe the bytes written now
+        assert out.entries[tid].get("sha256") != "0" * 64
+        assert out.entries[tid]["file_bytes"] == file_of(tmp_path / "out", tid).stat().st_size
+    assert verify_checkpoint(tmp_path / "out", deep=True).ok

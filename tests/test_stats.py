@@ -319,7 +319,14 @@ def write_index(directory: Path, entries: dict, id_list: list, meta: dict | None
     (directory / "trajectory_index.json").write_text(
         json.dumps({"trajectory_index": entries, "trajectory_id_list": id_list})
     )
-    (directory / "metadata.json").write_text(json.dumps(meta or {"trajectory_format": "pt", "seed": 5}))
+    listed = [entries[str(i)]["num_samples"] for i in id_list if str(i) in entries]
+    counts = {
+        "size": len(id_list),
+        "total_samples": sum(listed),
+        "trajectory_counter": max(id_list, default=-1) + 1,
+    }
+    full = {"trajectory_format": "pt", **counts, "seed": 5}
+    (directory / "metadata.json").write_text(json.dumps(meta or full))
     return directory
 
 
@@ -336,19 +343,20 @@ def entry(tid: int, t: int = 4, b: int = 2, **extra: object) -> dict:
 
 def test_columns_follow_the_list_order_not_the_file_order(tmp_path: Path) -> None:
     entries = {"7": entry(7, 3, 1), "2": entry(2, file_bytes=99), "5": entry(5, 5, 2)}
-    directory = write_index(tmp_path / "c", entries, [5, 7, 2], {"trajectory_counter": 3, "seed": None})
+    meta = {"trajectory_format": "pt", "size": 3, "total_samples": 21, "trajectory_counter": 9}
+    directory = write_index(tmp_path / "c", entries, [5, 7, 2], meta)
     header, table = read_table(directory)
     assert table.ids.tolist() == [5, 7, 2] and table.t.tolist() == [5, 3, 4]
     assert table.model_weights_id == ["w5", "w7", "w2"] and table.file_bytes.tolist() == [-1, -1, 99]
-    assert header.trajectory_counter == 8  # raised above every listed id, as read_index does
+    assert header.trajectory_counter == 9 and header.seed is None
     assert_same_table(directory)
 
 
 @pytest.mark.parametrize(
     ("entries", "id_list", "message"),
     [
-        ({"0": entry(0), "1": entry(1)}, [0, 1, 0], "repeats ids"),
-        ({"0": entry(0)}, [0, 3], "without an entry"),
+        ({"0": entry(0), "1": entry(1)}, [0, 1, 0], "appears more than once"),
+        ({"0": entry(0)}, [0, 3], "which has no entry"),
         ({"0": {**entry(0), "num_samples": 5}}, [0], "num_samples 5"),
         ({"0": entry(1)}, [0], "trajectory_id 1"),
         ({"0": {**entry(0), "model_weights_id": "../x"}}, [0], "not file-name safe"),

@@ -14,7 +14,7 @@ import orjson
 import pytest
 from conftest import FIXTURES, RLINF_DIRS, make_traj, tree_digest
 
-from rbtool import verify as verify_module
+from rbtool import format as format_module
 from rbtool.index import Index, read_index, write_index
 from rbtool.verify import PROBLEM_CODES, verify, verify_checkpoint
 
@@ -209,7 +209,10 @@ def scenario_cases() -> dict[str, Callable[[Path], None]]:
             edit_meta(c, size=6, total_samples=48),
         ),
         "entry_missing": lambda c: edit_index(c, lambda d: d["trajectory_index"].pop("3")),
-        "entry_unlisted": lambda c: edit_index(c, lambda d: d["trajectory_id_list"].remove(3)),
+        "entry_unlisted": lambda c: (
+            edit_index(c, lambda d: d["trajectory_id_list"].remove(3)),
+            edit_meta(c, size=4, total_samples=32),
+        ),
         "size_mismatch": lambda c: edit_meta(c, size=7),
         "total_samples_mismatch": lambda c: edit_meta(c, total_samples=41),
         "counter_too_low": lambda c: edit_meta(c, trajectory_counter=3),
@@ -217,7 +220,11 @@ def scenario_cases() -> dict[str, Callable[[Path], None]]:
         "file_missing": lambda c: file_of(c, 2).unlink(),
         "duplicate_files": lambda c: shutil.copy(file_of(c, 2), file_of(c, 2).with_suffix(".pkl")),
         "file_name_mismatch": lambda c: file_of(c, 2).rename(c / "trajectory_2_other.pt"),
-        "file_size_mismatch": lambda c: edit_index(
+        "file_size_mismatch": lambda c: (
+            edit_meta(c, format_version=1),  # written by rbtool: its records are proof
+            edit_index(c, lambda d: d["trajectory_index"]["2"].update(file_bytes=12)),
+        ),
+        "file_size_hint": lambda c: edit_index(  # RLinf wrote last: the record is a hint
             c, lambda d: d["trajectory_index"]["2"].update(file_bytes=12)
         ),
         "stray_file": lambda c: drop_from_index(c, 2),
@@ -229,9 +236,13 @@ def scenario_cases() -> dict[str, Callable[[Path], None]]:
         "shape_mismatch": wrong_shape_entry,
         "field_mismatch": lambda c: save_traj(c, 1, make_traj(model_weights_id="someone-else")),
         "non_finite": lambda c: save_traj(c, 1, like(c, 1, rewards=make_traj()["rewards"] / 0)),
-        "hash_mismatch": lambda c: edit_index(
-            c, lambda d: d["trajectory_index"]["2"].update(sha256="0" * 64)
+        "hash_mismatch": lambda c: (
+            edit_meta(c, format_version=1),
+            edit_index(c, lambda d: d["trajectory_index"]["2"].update(sha256="0" * 64)),
         ),
+        "hash_hint": lambda c: edit_index(c, lambda d: d["trajectory_index"]["2"].update(sha256="0" * 64)),
+        "seed_null": lambda c: edit_meta(c, seed=None),
+        "format_too_new": lambda c: edit_meta(c, format_version=2),
         "schema_differs": lambda c: save_traj(c, 3, like(c, 3, extra=make_traj()["actions"])),
     }
 
@@ -271,6 +282,9 @@ def test_scenarios_report_nothing_else_where_nothing_else_is_wrong(rlinf_copy: A
         "duplicate_files": 1,
         "file_name_mismatch": 1,
         "file_size_mismatch": 1,
+        "file_size_hint": 1,
+        "seed_null": 1,
+        "format_too_new": 1,
         "stray_file": 1,
         "uncommitted_file": 1,
         "duplicate_id": 1,
@@ -357,7 +371,7 @@ def test_typed_and_general_paths_agree(rlinf_copy: Any, monkeypatch: pytest.Monk
     big.trajectory_counter = 2000
     write_index(ckpt, big)
     fast = verify_checkpoint(ckpt)
-    monkeypatch.setattr(verify_module, "_decode_typed", lambda data, with_hash: None)
+    monkeypatch.setattr(format_module, "_decode_typed", lambda data: None)
     slow = verify_checkpoint(ckpt)
     assert fast.problems == slow.problems
     assert codes(fast) == Counter({"file_missing": 1995, "file_size_mismatch": 5})

@@ -1,0 +1,1013 @@
+"""The checkpoint format: file names, the metadata and index schema, and the one validator.
+
+Every reader of a checkpoint's two JSON files goes through `check_json`: the loaders raise
+its first error, `rbtool verify` reports all of its problems, `stats` and `repair` use what
+it accepted. So a checkpoint that quick verification passes is one every loader accepts,
+and one it fails is refused by every loader with the same message.
+
+Decoding: a well-formed index decodes straight into typed structs (types checked in C, a
+million entries in about a second) and its values are checked column-wise with numpy. An
+index the typed decoder rejects is decoded into plain objects and checked entry by entry,
+which names every problem. Both paths apply the same rules (`entry_problems` is the word
+on one entry; the column checks accept only what it accepts). Entry keys rbtool does not
+know are not read: readers ignore them (docs/format.md). This module never imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import os
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from itertools import chain, compress
+from operator import attrgetter, itemgetter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+
+METADATA_FILE = "metadata.json"
+INDEX_FILE = "trajectory_index.json"
+LEGACY_INDEX_FILE = "trajector_index.json"
+MERGE_MAP_FILE = "merge_map.json"
+FORMATS = ("pt", "pkl")
+# The major version of the layout rbtool writes (metadata key `format_version`). A reader
+# refuses a newer major version; minor additions only add keys, which readers ignore.
+FORMAT_VERSION = 1
+
+# Metadata keys the reference implementation writes (its loader reads the first four).
+METADATA_KEYS = ("trajectory_format", "size", "total_samples", "trajectory_counter", "seed")
+REQUIRED_METADATA_KEYS = METADATA_KEYS[:4]
+# Metadata keys only rbtool writes: when all are absent, another writer wrote last.
+RBTOOL_METADATA_KEYS = ("format_version",)
+# Entry keys the reference implementation writes, then the optional ones rbtool adds.
+ENTRY_KEYS = ("num_samples", "trajectory_id", "max_episode_length", "shape", "model_weights_id")
+OPTIONAL_ENTRY_KEYS = ("uuid", "file_bytes", "sha256")
+
+INT64_LIMIT = 1 << 63  # every count, id and size is an int in [0, 2**63)
+DIM_LIMIT = 1 << 31  # shape dims below this multiply without int64 overflow
+SEED_RANGE = (-(1 << 63), 1 << 64)  # what torch.Generator.manual_seed takes
+
+_SAFE_WEIGHTS_ID = re.compile(r"[A-Za-z0-9._-]*")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+TRAJECTORY_FILE_RE = re.compile(r"^trajectory_(\d+)_([A-Za-z0-9._-]*)\.(pt|pkl)$")
+
+
+# ----------------------------------------------------------------------- names
+def weights_id_problem(value: object) -> str | None:
+    """Why `value` cannot be a model_weights_id (it goes into a file name), or None."""
+    if not isinstance(value, str):
+        return f"model_weights_id must be a string, got {value!r}"
+    if not _SAFE_WEIGHTS_ID.fullmatch(value) or ".." in value:
+        return (
+            f"model_weights_id {value!r} is not file-name safe "
+            "(allowed: letters, digits, '.', '_', '-', and no '..')"
+        )
+    return None
+
+
+def check_weights_id(value: object, where: str) -> str:
+    """Return `value` if it is a file-name-safe model_weights_id, else raise naming `where`."""
+    from rbtool.errors import CheckpointError
+
+    problem = weights_id_problem(value)
+    if problem is not None:
+        raise CheckpointError(f"{where}: {problem}")
+    assert isinstance(value, str)
+    return value
+
+
+def trajectory_file_name(trajectory_id: int, model_weights_id: str, fmt: str) -> str:
+    """The file name of a trajectory, as the reference implementation spells it."""
+    return f"trajectory_{trajectory_id}_{model_weights_id}.{fmt}"
+
+
+def parse_trajectory_file_name(name: str) -> tuple[int, str, str] | None:
+    """(id, model_weights_id, format) parsed from a trajectory file name, or None."""
+    match = TRAJECTORY_FILE_RE.match(name)
+    if match is None:
+        return None
+    return int(match.group(1)), match.group(2), match.group(3)
+
+
+def index_path(directory: Path) -> Path:
+    """The index file of a directory: the current name, else the legacy misspelt one."""
+    path = directory / INDEX_FILE
+    if not path.exists() and (directory / LEGACY_INDEX_FILE).exists():
+        return directory / LEGACY_INDEX_FILE
+    return path
+
+
+def is_checkpoint_dir(directory: Path) -> bool:
+    """True if `directory` holds metadata or an index (so it is meant as a checkpoint)."""
+    return (directory / METADATA_FILE).is_file() or index_path(directory).is_file()
+
+
+# -------------------------------------------------------------------- problems
+ERROR, WARNING, NOTICE = "error", "warning", "notice"
+SEVERITIES = (ERROR, WARNING, NOTICE)
+
+# Every problem rbtool reports about a checkpoint: code -> (severity, what it means).
+# The JSON-level ones come from check_json (an error there is what loaders refuse); the
+# file-level ones from rbtool.verify. docs/cli.md documents the same table.
+PROBLEM_CODES: dict[str, tuple[str, str]] = {
+    "metadata_missing": (ERROR, "metadata.json does not exist"),
+    "metadata_unreadable": (ERROR, "metadata.json cannot be read or is not valid JSON"),
+    "metadata_invalid": (
+        ERROR,
+        "metadata.json is not an object, lacks a key, or a key has a wrong type or value",
+    ),
+    "format_too_new": (ERROR, "metadata.json says a newer major format_version than this rbtool reads"),
+    "seed_null": (
+        WARNING,
+        'metadata.json has "seed": null, which the reference implementation cannot load; rbtool reads '
+        "it as no seed, and rewriting the checkpoint leaves the key out",
+    ),
+    "index_missing": (ERROR, "neither trajectory_index.json nor the legacy trajector_index.json exists"),
+    "index_unreadable": (ERROR, "the index file cannot be read or is not valid JSON"),
+    "index_invalid": (ERROR, "the index is not an object, or its two keys do not have the right types"),
+    "legacy_index_unreadable": (
+        WARNING,
+        "trajector_index.json exists beside trajectory_index.json but is unreadable (readers use the "
+        "current one)",
+    ),
+    "legacy_index_mismatch": (
+        WARNING,
+        "trajector_index.json disagrees with trajectory_index.json (readers use the current one)",
+    ),
+    "entry_invalid": (
+        ERROR,
+        "an index entry lacks a key or has a wrong id, shape, model_weights_id or optional key",
+    ),
+    "num_samples_mismatch": (ERROR, "an entry's num_samples is not shape[0] * shape[1]"),
+    "duplicate_id": (ERROR, "an id appears more than once in trajectory_id_list"),
+    "entry_missing": (ERROR, "trajectory_id_list names an id that has no entry"),
+    "entry_unlisted": (WARNING, "an entry's id is not in trajectory_id_list (readers ignore the entry)"),
+    "size_mismatch": (ERROR, "metadata size is not the length of trajectory_id_list"),
+    "total_samples_mismatch": (ERROR, "metadata total_samples is not the sum of the listed num_samples"),
+    "counter_too_low": (ERROR, "metadata trajectory_counter is not above every listed id"),
+    "metadata_behind_index": (
+        WARNING,
+        "metadata.json still describes the index as it was before its last update (an index update "
+        "interrupted between its two files); rbtool recounts, the next write or `rbtool repair` fixes it",
+    ),
+    "file_missing": (ERROR, "a listed trajectory has no file"),
+    "duplicate_files": (
+        WARNING,
+        "a listed trajectory has more than one file (for example a .pt and a .pkl); readers use the one "
+        "the index names",
+    ),
+    "file_name_mismatch": (
+        ERROR,
+        "a listed trajectory's file has another model_weights_id or format than the index",
+    ),
+    "file_size_mismatch": (ERROR, "a file's size differs from the file_bytes its entry records"),
+    "file_size_hint": (
+        WARNING,
+        "a file's size differs from the file_bytes its entry records, but another writer rewrote the "
+        "checkpoint after rbtool recorded it, so the record is only a hint",
+    ),
+    "stray_file": (
+        WARNING,
+        "a trajectory file the index does not list (id below trajectory_counter), or a .pt/.pkl file "
+        "not named like a trajectory; readers ignore it",
+    ),
+    "uncommitted_file": (
+        NOTICE,
+        "an unlisted trajectory file with id >= trajectory_counter: left by an interrupted writer, "
+        "removed by the next ingest",
+    ),
+    "file_unreadable": (ERROR, "deep: a trajectory file cannot be loaded (corrupt, truncated, not a dict)"),
+    "file_unsafe": (ERROR, "deep: a trajectory file holds objects beyond tensors and plain data; not loaded"),
+    "trajectory_invalid": (
+        ERROR,
+        "deep: a trajectory's tensors do not agree on [T, B] or it has no shape field",
+    ),
+    "done_rows_invalid": (ERROR, "deep: a done-like field's extra rows E do not divide T (or B differs)"),
+    "shape_mismatch": (ERROR, "deep: a trajectory's [T, B] differs from its index entry's shape"),
+    "field_mismatch": (ERROR, "deep: a file's model_weights_id or max_episode_length differs from its entry"),
+    "non_finite": (ERROR, "deep: a float field holds NaN or Inf"),
+    "hash_mismatch": (ERROR, "deep: a file's sha256 differs from the one its entry records"),
+    "hash_hint": (
+        WARNING,
+        "deep: a file's sha256 differs from its entry's, but another writer rewrote the checkpoint after "
+        "rbtool recorded it, so the record is only a hint",
+    ),
+    "schema_differs": (
+        WARNING,
+        "deep: a trajectory's fields, dtypes or trailing shapes differ from the first's",
+    ),
+}
+
+_SHOWN = 10
+
+
+def preview(values: Iterable[Any]) -> str:
+    """At most ten values, comma separated, with a count when there are more."""
+    items = list(values)
+    text = ", ".join(map(str, items[:_SHOWN]))
+    return text + (f", ... ({len(items)} in all)" if len(items) > _SHOWN else "")
+
+
+def one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+@dataclass(slots=True)
+class Problem:
+    """One thing wrong (or worth knowing) about a checkpoint.
+
+    `file` is the file it concerns (relative to the checkpoint), when there is one;
+    `message` says what is wrong and starts with that file's name.
+    """
+
+    code: str
+    severity: str
+    trajectory_id: int | None
+    file: str | None
+    message: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "code": self.code,
+            "severity": self.severity,
+            "trajectory_id": self.trajectory_id,
+            "file": self.file,
+            "message": self.message,
+        }
+
+
+def problem(code: str, message: str, *, trajectory_id: int | None = None, file: str | None = None) -> Problem:
+    """A Problem with its code's severity; `message` must be one line."""
+    return Problem(code, PROBLEM_CODES[code][0], trajectory_id, file, message)
+
+
+# ------------------------------------------------------------------- decoding
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic collector: decoding a big index makes millions of objects and no cycles."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        # Move the survivors to the oldest generation without traversing them, so that the
+        # first collections after re-enabling do not walk millions of young objects.
+        gc.freeze()
+        gc.unfreeze()
+        if enabled:
+            gc.enable()
+
+
+class _Absent:
+    """Marks a JSON value that could not be had (missing file, invalid JSON)."""
+
+
+ABSENT: Any = _Absent()
+
+
+@functools.cache
+def _typed_decoder() -> Any:
+    """A msgspec decoder of trajectory_index.json into slotted Entry structs (built on first use)."""
+    import msgspec
+
+    def getitem(self: Any, key: str) -> Any:
+        return getattr(self, key)
+
+    def get(self: Any, key: str, default: Any = None) -> Any:
+        return getattr(self, key, default)
+
+    # One index entry; `entry[key]` and `entry.get(key)` work as on a dict. (defstruct:
+    # this module's annotations are strings, which msgspec cannot resolve for a local class.)
+    entry = msgspec.defstruct(
+        "Entry",
+        [
+            ("num_samples", int),
+            ("trajectory_id", int),
+            ("max_episode_length", int | None),
+            ("shape", list[int]),
+            ("model_weights_id", str),
+            ("uuid", str | None, None),
+            ("file_bytes", int | None, None),
+            ("sha256", str | None, None),
+        ],
+        namespace={"__getitem__": getitem, "get": get},
+        gc=False,
+        omit_defaults=True,
+    )
+    index_file = msgspec.defstruct(
+        "IndexFile",
+        [("trajectory_index", dict[str, entry]), ("trajectory_id_list", list[int])],  # type: ignore[valid-type]
+        gc=False,
+    )
+    return msgspec.json.Decoder(index_file)
+
+
+def decode_json(data: bytes) -> Any:
+    """Plain JSON to Python objects (the one untyped decoder: the same numbers everywhere)."""
+    import msgspec
+
+    with gc_paused():
+        return msgspec.json.decode(data)
+
+
+def _decode_typed(data: bytes) -> tuple[dict[str, Any], list[int]] | None:
+    """(trajectory_index, trajectory_id_list) when the index has the expected types, else None."""
+    import msgspec
+
+    try:
+        with gc_paused():
+            raw = _typed_decoder().decode(data)
+    except msgspec.DecodeError:
+        return None
+    return raw.trajectory_index, raw.trajectory_id_list
+
+
+def _json_error(exc: Exception) -> str:
+    return one_line(str(exc)).removeprefix("JSON is malformed: ")
+
+
+# ------------------------------------------------------------ one entry, exactly
+def _is_count(value: object) -> bool:
+    """A plain int in [0, 2**63)."""
+    return type(value) is int and 0 <= value < INT64_LIMIT
+
+
+def entry_problems(key: str, entry: Any) -> list[tuple[str, str]]:
+    """Every rule one index entry breaks, as (code, message): the final word on an entry.
+
+    The column checks below are a fast path: they accept only entries this accepts.
+    """
+    where = f"entry {key!r}"
+    if not (key.isascii() and key.isdigit() and (key == "0" or key[0] != "0") and int(key) < INT64_LIMIT):
+        return [("entry_invalid", f"entry key {key!r} is not a canonical non-negative integer id")]
+    tid = int(key)
+    where = f"entry {tid}"
+    if not isinstance(entry, dict):
+        return [("entry_invalid", f"{where} is not an object")]
+    found = [("entry_invalid", f"{where} lacks {name!r}") for name in ENTRY_KEYS if name not in entry]
+    if found:
+        return found
+    if entry["trajectory_id"] != tid or type(entry["trajectory_id"]) is not int:
+        found.append(
+            ("entry_invalid", f"{where} has trajectory_id {entry['trajectory_id']!r}, expected {tid}")
+        )
+    shape = entry["shape"]
+    shape_ok = (
+        type(shape) is list and len(shape) >= 2 and all(type(d) is int and 0 <= d < DIM_LIMIT for d in shape)
+    )
+    if not shape_ok:
+        found.append(("entry_invalid", f"{where} has an invalid shape {shape!r} (a list of >= 2 dims)"))
+    num = entry["num_samples"]
+    if not _is_count(num):
+        found.append(("entry_invalid", f"{where} has an invalid num_samples {num!r}"))
+    elif shape_ok and num != shape[0] * shape[1]:
+        found.append(
+            (
+                "num_samples_mismatch",
+                f"{where} has num_samples {num} but shape {shape} gives {shape[0] * shape[1]}",
+            )
+        )
+    mel = entry["max_episode_length"]
+    if mel is not None and not _is_count(mel):
+        found.append(("entry_invalid", f"{where} has an invalid max_episode_length {mel!r}"))
+    why = weights_id_problem(entry["model_weights_id"])
+    if why is not None:
+        found.append(("entry_invalid", f"{where}: {why}"))
+    if entry.get("uuid") is not None and type(entry["uuid"]) is not str:
+        found.append(("entry_invalid", f"{where} has a uuid that is not a string: {entry['uuid']!r}"))
+    if entry.get("file_bytes") is not None and not _is_count(entry["file_bytes"]):
+        found.append(("entry_invalid", f"{where} has an invalid file_bytes {entry['file_bytes']!r}"))
+    sha = entry.get("sha256")
+    if sha is not None and not (type(sha) is str and _SHA256.fullmatch(sha)):
+        found.append(("entry_invalid", f"{where} has an invalid sha256 {sha!r} (64 lowercase hex digits)"))
+    return found
+
+
+def normalize_entry(entry: dict[str, Any]) -> dict[str, Any]:
+    """A valid entry as loaders hold it: known keys only, optional keys only when set."""
+    out = {name: entry[name] for name in ENTRY_KEYS}
+    for name in OPTIONAL_ENTRY_KEYS:
+        if entry.get(name) is not None:
+            out[name] = entry[name]
+    return out
+
+
+# ------------------------------------------------------------------ columns
+def _int_column(values: list[Any]) -> tuple[np.ndarray, np.ndarray]:
+    """(int64 values, mask of plain ints in [0, 2**63)); invalid values become 0."""
+    import numpy as np
+
+    n = len(values)
+    if n and set(map(type, values)) == {int}:
+        try:
+            arr = np.array(values, dtype=np.int64)
+        except OverflowError:
+            pass
+        else:
+            return arr, arr >= 0
+    ok = np.fromiter((_is_count(v) for v in values), dtype=bool, count=n)
+    arr = np.fromiter((v if good else 0 for v, good in zip(values, ok, strict=True)), dtype=np.int64, count=n)
+    return arr, ok
+
+
+def _optional_count_mask(values: list[Any]) -> np.ndarray:
+    """Mask of values that are None or a plain int in [0, 2**63)."""
+    import numpy as np
+
+    n = len(values)
+    present = [v for v in values if v is not None]
+    if not present:
+        return np.ones(n, dtype=bool)
+    if set(map(type, present)) == {int} and min(present) >= 0 and max(present) < INT64_LIMIT:
+        return np.ones(n, dtype=bool)
+    return np.fromiter((v is None or _is_count(v) for v in values), dtype=bool, count=n)
+
+
+def _shape_columns(shapes: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(T, B, mask of shapes that are lists of >= 2 ints in [0, 2**31))."""
+    import numpy as np
+
+    n = len(shapes)
+    if set(map(type, shapes)) <= {list}:
+        lens = np.fromiter(map(len, shapes), dtype=np.int64, count=n)
+    else:
+        lens = np.fromiter((len(s) if type(s) is list else 0 for s in shapes), dtype=np.int64, count=n)
+    t = np.zeros(n, dtype=np.int64)
+    b = np.zeros(n, dtype=np.int64)
+    ok = lens >= 2
+    if n and ok.all() and lens.min() == lens.max():
+        k = int(lens[0])
+        flat = list(chain.from_iterable(shapes))
+        if set(map(type, flat)) == {int}:
+            try:
+                dims = np.array(flat, dtype=np.int64).reshape(-1, k)
+            except OverflowError:
+                pass
+            else:
+                in_range = np.asarray(((dims >= 0) & (dims < DIM_LIMIT)).all(axis=1))
+                return dims[:, 0].copy(), dims[:, 1].copy(), in_range
+    where = np.flatnonzero(ok)
+    if where.size:
+        chosen = shapes if where.size == n else list(compress(shapes, ok))
+        flat_values, flat_ok = _int_column(list(chain.from_iterable(chosen)))
+        flat_ok &= flat_values < DIM_LIMIT
+        seg = lens[where]
+        starts = np.concatenate(([0], np.cumsum(seg)[:-1]))
+        ok[where] = np.logical_and.reduceat(flat_ok, starts)
+        t[where] = flat_values[starts]
+        b[where] = flat_values[starts + 1]
+    return t, b, ok
+
+
+def _weights_id_mask(values: list[Any]) -> np.ndarray:
+    """Mask of file-name-safe model_weights_id strings (each distinct value checked once)."""
+    import numpy as np
+
+    n = len(values)
+    all_str = set(map(type, values)) <= {str}
+    is_str = np.ones(n, dtype=bool) if all_str else np.fromiter((type(v) is str for v in values), bool, n)
+    bad = {v for v in set(values if all_str else compress(values, is_str)) if weights_id_problem(v)}
+    if bad:
+        is_str &= np.fromiter((v not in bad if type(v) is str else False for v in values), bool, n)
+    return is_str
+
+
+def _optional_mask(values: list[Any], good: Callable[[Any], bool]) -> np.ndarray:
+    """Mask of values that are None or pass `good` (each distinct value checked once)."""
+    import numpy as np
+
+    n = len(values)
+    if set(map(type, values)) <= {type(None)}:
+        return np.ones(n, dtype=bool)
+    try:
+        distinct = set(values)
+    except TypeError:  # lists or objects where a string belongs
+        return np.fromiter((v is None or good(v) for v in values), dtype=bool, count=n)
+    bad = {v for v in distinct if v is not None and not good(v)}
+    if not bad:
+        return np.ones(n, dtype=bool)
+    return np.fromiter((v not in bad for v in values), dtype=bool, count=n)
+
+
+def _is_sha256(value: Any) -> bool:
+    return type(value) is str and _SHA256.fullmatch(value) is not None
+
+
+def _key_column(keys: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, mask of canonical non-negative decimal keys below 2**63)."""
+    import numpy as np
+
+    try:
+        as_ints = list(map(int, keys))
+        if list(map(str, as_ints)) == keys:
+            return _int_column(as_ints)
+    except ValueError:
+        pass
+    ok = np.fromiter(
+        (k.isascii() and k.isdigit() and (len(k) == 1 or k[0] != "0") and int(k) < INT64_LIMIT for k in keys),
+        dtype=bool,
+        count=len(keys),
+    )
+    ids = np.fromiter((int(k) if good else -1 for k, good in zip(keys, ok, strict=True)), np.int64, len(keys))
+    return ids, ok
+
+
+def _column(rows: list[Any], name: str, default: Any = ABSENT) -> list[Any]:
+    """The value of `name` in every row (dicts or Entry structs); `default` where a row lacks it."""
+    try:
+        return list(map(itemgetter(name), rows))
+    except (KeyError, TypeError):
+        return [row.get(name, default) if isinstance(row, dict) else default for row in rows]
+
+
+def _entry_mask(keys: list[str], values: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Column-wise check of every entry: (ids, num_samples, mask of entries that pass).
+
+    Conservative: an entry the mask rejects is re-checked with entry_problems, which has the
+    last word and the exact message.
+    """
+    rows = values if set(map(type, values)) <= {dict} else [v if type(v) is dict else {} for v in values]
+    ids, ok = _key_column(keys)
+    tids, tid_ok = _int_column(_column(rows, "trajectory_id"))
+    ok &= tid_ok & (tids == ids)
+    t, b, shape_ok = _shape_columns(_column(rows, "shape"))
+    nums, num_ok = _int_column(_column(rows, "num_samples"))
+    ok &= shape_ok & num_ok & (nums == t * b)
+    ok &= _optional_count_mask(_column(rows, "max_episode_length"))
+    ok &= _weights_id_mask(_column(rows, "model_weights_id"))
+    ok &= _optional_mask(_column(rows, "uuid", None), lambda v: type(v) is str)
+    ok &= _optional_count_mask(_column(rows, "file_bytes", None))
+    ok &= _optional_mask(_column(rows, "sha256", None), _is_sha256)
+    return ids, nums, ok
+
+
+# ------------------------------------------------------------------- metadata
+@dataclass
+class Metadata:
+    """The metadata values that passed their checks (None where absent or invalid)."""
+
+    trajectory_format: str | None = None
+    size: int | None = None
+    total_samples: int | None = None
+    trajectory_counter: int | None = None
+    seed: int | None = None
+    has_seed: bool = False  # the key is there with an integer
+    format_version: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # keys rbtool does not interpret
+    invalid: set[str] = field(default_factory=set)  # keys present with a value that was refused
+    foreign: bool = False  # no rbtool metadata key: another writer wrote last
+    readable: bool = False  # the file was a JSON object
+
+
+def _format_major(value: Any) -> int | None:
+    """The major version of a format_version value (an int, or a "M" / "M.m" string), or None."""
+    if type(value) is int and value >= 1:
+        return value
+    if isinstance(value, str) and re.fullmatch(r"[1-9][0-9]{0,8}(\.[0-9]{1,9})?", value):
+        return int(value.split(".")[0])
+    return None
+
+
+def check_metadata(meta: Any) -> tuple[Metadata, list[Problem]]:
+    """Check each metadata key on its own, so that every bad key is reported."""
+    import orjson
+
+    result, found = Metadata(), []
+
+    def bad(message: str, code: str = "metadata_invalid", key: str | None = None) -> None:
+        found.append(problem(code, f"{METADATA_FILE}: {message}", file=METADATA_FILE))
+        if key is not None:
+            result.invalid.add(key)
+
+    if meta is ABSENT:
+        return result, found
+    if not isinstance(meta, dict):
+        bad(f"expected a JSON object, got {type(meta).__name__}")
+        return result, found
+    result.readable = True
+    for key in REQUIRED_METADATA_KEYS:
+        if key not in meta:
+            bad(f"lacks {key!r}")
+    fmt = meta.get("trajectory_format")
+    if "trajectory_format" in meta:
+        if fmt in FORMATS:
+            result.trajectory_format = fmt
+        else:
+            bad(f"trajectory_format must be 'pt' or 'pkl', got {fmt!r}", key="trajectory_format")
+    for key in ("size", "total_samples", "trajectory_counter"):
+        if key in meta:
+            if _is_count(meta[key]):
+                setattr(result, key, meta[key])
+            else:
+                bad(f"{key} must be an integer in [0, 2**63), got {meta[key]!r}", key=key)
+    if "seed" in meta:
+        seed = meta["seed"]
+        if seed is None:
+            found.append(
+                problem(
+                    "seed_null",
+                    f'{METADATA_FILE}: "seed": null cannot be loaded by the reference implementation; '
+                    "read as no seed (rewriting the checkpoint leaves the key out)",
+                    file=METADATA_FILE,
+                )
+            )
+        elif type(seed) is int and SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+            result.seed, result.has_seed = seed, True
+        else:
+            bad(f"seed must be an integer, got {seed!r}", key="seed")
+    if "format_version" in meta:
+        major = _format_major(meta["format_version"])
+        if major is None:
+            bad(
+                f"format_version must be a positive integer, got {meta['format_version']!r}",
+                key="format_version",
+            )
+        elif major > FORMAT_VERSION:
+            bad(
+                f"written in format version {meta['format_version']}, newer than this rbtool reads "
+                f"({FORMAT_VERSION}); upgrade rbtool",
+                "format_too_new",
+            )
+        else:
+            result.format_version = major
+    result.foreign = not any(key in meta for key in RBTOOL_METADATA_KEYS)
+    result.extra = {k: v for k, v in meta.items() if k not in METADATA_KEYS and k not in RBTOOL_METADATA_KEYS}
+    for key, value in result.extra.items():
+        try:
+            orjson.dumps(value)
+        except TypeError:
+            bad(f"key {key!r} holds a value rbtool cannot write back (an integer beyond 64 bits)")
+    return result, found
+
+
+# ---------------------------------------------------------------------- reading
+def read_file(path: Path, missing: str, unreadable: str, found: list[Problem]) -> bytes | None:
+    """The bytes of `path`, or None after recording why they could not be read."""
+    name = path.name
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        found.append(problem(missing, f"{name}: does not exist", file=name))
+    except IsADirectoryError:
+        found.append(problem(unreadable, f"{name}: is a directory, not a file", file=name))
+    except OSError as exc:
+        found.append(problem(unreadable, one_line(f"{name}: cannot read ({exc.strerror})"), file=name))
+    return None
+
+
+def parse_json_file(path: Path, missing: str, unreadable: str, found: list[Problem]) -> Any:
+    """The parsed JSON of `path`, or ABSENT after recording why it could not be had."""
+    import msgspec
+
+    data = read_file(path, missing, unreadable, found)
+    if data is None:
+        return ABSENT
+    try:
+        return decode_json(data)
+    except msgspec.DecodeError as exc:
+        found.append(problem(unreadable, f"{path.name}: invalid JSON ({_json_error(exc)})", file=path.name))
+        return ABSENT
+
+
+@dataclass
+class IndexCheck:
+    """What `check_json` made of a directory's metadata and index, and every problem found.
+
+    `entries` holds the valid entries by id (Entry structs on the fast path, else dicts);
+    `id_list` the valid ids of trajectory_id_list in order (None if it was unreadable).
+    When `ok`, every listed id has a valid entry and the counts agree.
+    """
+
+    directory: Path
+    index_file: str
+    meta: Metadata
+    problems: list[Problem] = field(default_factory=list)
+    entries: dict[int, Any] = field(default_factory=dict)
+    id_list: list[int] | None = None
+    raw_list_len: int = 0
+    index_readable: bool = False  # trajectory_index was an object
+    entries_ok: bool = False  # every listed id has a valid entry
+    typed: bool = False  # entries are Entry structs (the fast path)
+    invalid_ids: set[int] = field(default_factory=set)
+
+    @property
+    def ok(self) -> bool:
+        return not any(p.severity == ERROR for p in self.problems)
+
+    def first_error(self) -> Problem | None:
+        return next((p for p in self.problems if p.severity == ERROR), None)
+
+    def raise_first(self) -> None:
+        """Raise the first error as a CheckpointError naming the directory (what loaders do)."""
+        from rbtool.errors import CheckpointError
+
+        first = self.first_error()
+        if first is not None:
+            raise CheckpointError(f"{self.directory}{os.sep}{first.message}")
+
+    def listed_entries(self) -> list[Any]:
+        """The entry of each listed id, in list order (needs entries_ok)."""
+        assert self.id_list is not None and self.entries_ok
+        return list(map(self.entries.__getitem__, self.id_list))
+
+    def entry_dicts(self) -> dict[int, dict[str, Any]]:
+        """The valid entries as plain dicts (known keys only), as loaders hold them."""
+        if not self.typed:
+            return {tid: normalize_entry(e) for tid, e in self.entries.items()}
+        import msgspec
+
+        ids = list(self.entries)
+        with gc_paused():
+            return dict(zip(ids, msgspec.to_builtins(list(self.entries.values())), strict=True))
+
+
+class _IndexChecker:
+    """The checks of one directory's index file against the rules and the metadata."""
+
+    def __init__(self, result: IndexCheck) -> None:
+        self.result = result
+        self.found = result.problems
+        self.name = result.index_file
+        import numpy as np
+
+        self._entry_ids = np.zeros(0, dtype=np.int64)
+        self._entry_nums = np.zeros(0, dtype=np.int64)
+        self.listed_nums = np.zeros(0, dtype=np.int64)
+
+    def add(self, code: str, message: str, trajectory_id: int | None = None) -> None:
+        self.found.append(
+            problem(code, f"{self.name}: {message}", trajectory_id=trajectory_id, file=self.name)
+        )
+
+    def run(self, data: bytes) -> None:
+        typed = _decode_typed(data)
+        if typed is not None and self._accept_typed(*typed):
+            return
+        import msgspec
+
+        try:
+            raw = decode_json(data)
+        except msgspec.DecodeError as exc:
+            self.add("index_unreadable", f"invalid JSON ({_json_error(exc)})")
+            return
+        del data
+        self._check_general(raw)
+
+    def _accept_typed(self, table: dict[str, Any], id_list: list[int]) -> bool:
+        """Take a typed-decoded index if every entry and listed id passes the column checks."""
+        import numpy as np
+
+        keys, values = list(table), list(table.values())
+        n = len(values)
+        tid_list = list(map(attrgetter("trajectory_id"), values))
+        if list(map(str, tid_list)) != keys:  # every key must be its entry's id, spelt canonically
+            return False
+        try:
+            ids = np.array(tid_list, dtype=np.int64)
+            nums = np.fromiter(map(attrgetter("num_samples"), values), dtype=np.int64, count=n)
+            listed = np.array(id_list, dtype=np.int64)
+        except OverflowError:
+            return False
+        t, b, shape_ok = _shape_columns(list(map(attrgetter("shape"), values)))
+        ok = (ids >= 0) & shape_ok & (nums >= 0) & (nums == t * b)
+        ok &= _optional_count_mask(list(map(attrgetter("max_episode_length"), values)))
+        ok &= _weights_id_mask(list(map(attrgetter("model_weights_id"), values)))
+        ok &= _optional_count_mask(list(map(attrgetter("file_bytes"), values)))
+        ok &= _optional_mask(list(map(attrgetter("sha256"), values)), _is_sha256)
+        if not (ok.all() and (listed >= 0).all()):
+            return False
+        result = self.result
+        result.index_readable = result.typed = True
+        result.entries = dict(zip(tid_list, values, strict=True))
+        self._entry_ids, self._entry_nums = ids, nums
+        result.id_list = id_list
+        result.raw_list_len = len(id_list)
+        self._check_list(id_list)
+        return True
+
+    def _check_general(self, raw: Any) -> None:
+        import numpy as np
+
+        if not isinstance(raw, dict):
+            self.add("index_invalid", f"expected a JSON object, got {type(raw).__name__}")
+            return
+        result = self.result
+        table = raw.get("trajectory_index")
+        if not isinstance(table, dict):
+            self.add("index_invalid", "'trajectory_index' must be an object")
+        raw_list = raw.get("trajectory_id_list")
+        if not isinstance(raw_list, list):
+            self.add("index_invalid", "'trajectory_id_list' must be a list of integer ids")
+        else:
+            result.raw_list_len = len(raw_list)
+            _, good = _int_column(raw_list)
+            if not good.all():
+                bad = [raw_list[i] for i in np.flatnonzero(~good)]
+                self.add(
+                    "index_invalid",
+                    "'trajectory_id_list' holds values that are not integer ids in [0, 2**63): "
+                    f"{preview(repr(v) for v in bad)}",
+                )
+            result.id_list = list(compress(raw_list, good))
+        if isinstance(table, dict):
+            result.index_readable = True
+            self._check_entries(table)
+        if result.id_list is not None:
+            self._check_list(result.id_list)
+
+    def _check_entries(self, table: dict[str, Any]) -> None:
+        keys, values = list(table), list(table.values())
+        ids, nums, ok = _entry_mask(keys, values)
+        for pos in map(int, (~ok).nonzero()[0]):
+            broken = entry_problems(keys[pos], values[pos])
+            ok[pos] = not broken
+            tid = int(ids[pos]) if ids[pos] >= 0 else None
+            for code, message in broken:
+                self.add(code, message, trajectory_id=tid)
+            if broken and tid is not None:
+                self.result.invalid_ids.add(tid)
+        self.result.entries = dict(zip(ids[ok].tolist(), compress(values, ok), strict=True))
+        self._entry_ids = ids[ok]
+        self._entry_nums = nums[ok]
+
+    def _check_list(self, id_list: list[int]) -> None:
+        import numpy as np
+
+        result = self.result
+        listed = np.asarray(id_list, dtype=np.int64)
+        ordered = np.sort(listed)
+        repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+        for tid in dict.fromkeys(repeated.tolist()):
+            self.add("duplicate_id", f"id {tid} appears more than once in trajectory_id_list", tid)
+        if not result.index_readable:
+            return
+        has_entry = np.isin(listed, self._entry_ids)
+        for tid in dict.fromkeys(listed[~has_entry].tolist()):
+            if tid not in result.invalid_ids:  # an invalid entry was reported already
+                self.add("entry_missing", f"trajectory_id_list names id {tid}, which has no entry", tid)
+        for tid in self._entry_ids[~np.isin(self._entry_ids, listed)].tolist():
+            self.add("entry_unlisted", f"the entry for id {tid} is not in trajectory_id_list", tid)
+        result.entries_ok = bool(has_entry.all())
+        if result.entries_ok and listed.size:
+            order = np.argsort(self._entry_ids)
+            pos = np.searchsorted(self._entry_ids[order], listed)
+            self.listed_nums = self._entry_nums[order][pos]
+
+    def check_counts(self) -> None:
+        """size, total_samples and trajectory_counter against the index."""
+        result, meta = self.result, self.result.meta
+        ids = result.id_list
+        if ids is None:
+            return
+        n = result.raw_list_len
+        total = int(self.listed_nums.sum()) if result.entries_ok else None
+
+        def meta_problem(code: str, message: str) -> None:
+            self.found.append(problem(code, f"{METADATA_FILE}: {message}", file=METADATA_FILE))
+
+        if meta.size is not None and meta.size < n and self._metadata_lags(total):
+            meta_problem(
+                "metadata_behind_index",
+                f"counts the first {meta.size} of the {n} listed trajectories (trajectory_counter "
+                f"{meta.trajectory_counter}): an index update was interrupted before metadata.json was "
+                "rewritten; rbtool recounts on read, and the next write or `rbtool repair` brings it up to "
+                "date",
+            )
+            return
+        if meta.size is not None and meta.size != n:
+            meta_problem("size_mismatch", f"says size {meta.size} but the index lists {n} ids")
+        if meta.total_samples is not None and total is not None and meta.total_samples != total:
+            meta_problem(
+                "total_samples_mismatch",
+                f"says total_samples {meta.total_samples} but the listed entries sum to {total}",
+            )
+        if meta.trajectory_counter is not None and ids and meta.trajectory_counter <= max(ids):
+            meta_problem(
+                "counter_too_low",
+                f"says trajectory_counter {meta.trajectory_counter} but the index lists id {max(ids)}; "
+                "new ids would collide",
+            )
+
+    def _metadata_lags(self, total: int | None) -> bool:
+        """True if metadata describes exactly a prefix of the list: an interrupted two-file publish."""
+        result, meta = self.result, self.result.meta
+        assert result.id_list is not None and meta.size is not None
+        if total is None or meta.total_samples is None or meta.trajectory_counter is None:
+            return False
+        if result.raw_list_len != len(result.id_list):
+            return False
+        old, new = result.id_list[: meta.size], result.id_list[meta.size :]
+        old_total = int(self.listed_nums[: meta.size].sum())
+        return (
+            old_total == meta.total_samples
+            and meta.trajectory_counter > max(old, default=-1)
+            and meta.trajectory_counter <= min(new)
+        )
+
+
+def _check_legacy(result: IndexCheck) -> None:
+    """A stale legacy index beside the current one: readers ignore it, verification warns."""
+    directory = result.directory
+    legacy = directory / LEGACY_INDEX_FILE
+    if result.index_file != INDEX_FILE or not legacy.is_file():
+        return
+    found: list[Problem] = []
+    raw = parse_json_file(legacy, "legacy_index_unreadable", "legacy_index_unreadable", found)
+    result.problems.extend(found)
+    if raw is ABSENT:
+        return
+    table = raw.get("trajectory_index") if isinstance(raw, dict) else None
+    id_list = raw.get("trajectory_id_list") if isinstance(raw, dict) else None
+    if not isinstance(table, dict) or not isinstance(id_list, list):
+        result.problems.append(
+            problem(
+                "legacy_index_unreadable",
+                f"{LEGACY_INDEX_FILE}: not an index (needs 'trajectory_index' and 'trajectory_id_list')",
+                file=LEGACY_INDEX_FILE,
+            )
+        )
+        return
+    if not result.entries_ok or result.id_list is None:
+        return
+    if id_list != result.id_list:
+        result.problems.append(
+            problem(
+                "legacy_index_mismatch",
+                f"{LEGACY_INDEX_FILE}: lists {len(id_list)} ids, {INDEX_FILE} lists {len(result.id_list)}, "
+                "or in another order; delete the stale one",
+                file=LEGACY_INDEX_FILE,
+            )
+        )
+        return
+    current = result.entries
+    differing = [
+        k
+        for k, e in table.items()
+        if not (k.isdigit() and int(k) in current and isinstance(e, dict))
+        or any(current[int(k)][x] != e.get(x) for x in ENTRY_KEYS)
+    ]
+    differing += [str(k) for k in current if str(k) not in table]
+    if differing:
+        result.problems.append(
+            problem(
+                "legacy_index_mismatch",
+                f"{LEGACY_INDEX_FILE}: disagrees with {INDEX_FILE} on entries {preview(differing)}; "
+                "delete the stale one",
+                file=LEGACY_INDEX_FILE,
+            )
+        )
+
+
+def check_json(directory: str | os.PathLike[str]) -> IndexCheck:
+    """Read and check a directory's metadata and index: the one validator of both files.
+
+    Never raises for what the files hold: every problem is in the result (`raise_first`
+    turns the first error into the loaders' CheckpointError).
+    """
+    from rbtool.errors import CheckpointError
+
+    path = Path(directory)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory" if path.exists() else f"{path}: no such directory")
+    found: list[Problem] = []
+    raw_meta = parse_json_file(path / METADATA_FILE, "metadata_missing", "metadata_unreadable", found)
+    meta, meta_problems = check_metadata(raw_meta)
+    found += meta_problems
+    idx = index_path(path)
+    result = IndexCheck(path, idx.name, meta, found)
+    data = read_file(idx, "index_missing", "index_unreadable", found)
+    if data is not None:
+        checker = _IndexChecker(result)
+        checker.run(data)
+        del data
+        checker.check_counts()
+        _check_legacy(result)
+    return result
+
+
+__all__ = [
+    "ENTRY_KEYS",
+    "ERROR",
+    "FORMATS",
+    "FORMAT_VERSION",
+    "INDEX_FILE",
+    "LEGACY_INDEX_FILE",
+    "MERGE_MAP_FILE",
+    "METADATA_FILE",
+    "NOTICE",
+    "PROBLEM_CODES",
+    "WARNING",
+    "IndexCheck",
+    "Metadata",
+    "Problem",
+    "check_json",
+    "check_weights_id",
+    "entry_problems",
+    "parse_trajectory_file_name",
+    "trajectory_file_name",
+]
