@@ -34,7 +34,7 @@ from rbtool.layout import (
     drop_bootstrap_rows,
     iter_tensors,
 )
-from rbtool.trajfile import _load_pt
+from rbtool.trajfile import load_pt_template
 
 if TYPE_CHECKING:
     import numpy as np
@@ -111,7 +111,7 @@ class FileTrajectory:
         # A pinned file is read through its open descriptor: the name may be gone or replaced.
         self._pin = pin
         read_path = pin.read_path if pin is not None else path
-        template = _load_pt(read_path, mmap=True)
+        template = load_pt_template(read_path, mmap=True)
         if not isinstance(template, dict):
             raise TrajectoryFileError(
                 f"{path}: holds a {type(template).__name__}, expected a trajectory dict"

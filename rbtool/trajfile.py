@@ -1,4 +1,4 @@
-"""Trajectory files: validation of trajectory dicts, safe loading, atomic writing, linking.
+"""Trajectory files: cleaning trajectory dicts, serializing them, loading them safely, hashes.
 
 torch is imported inside the functions that need tensors.
 """
@@ -92,7 +92,13 @@ def to_bytes(traj: dict[str, Any], fmt: str) -> bytes:
     return dump_pickle_trajectory(traj)
 
 
-def _load_pt(path: Path, mmap: bool) -> Any:
+def load_pt_template(path: Path, mmap: bool) -> Any:
+    """Whatever a `.pt` file holds, loaded with weights_only (no type check on the result).
+
+    With `mmap=True` nothing is read up front, so storage reads the structure and each
+    tensor's place in the file from it. Errors name the file (TrajectoryFileError, or
+    UnsafePickleError for objects other than tensors and plain data).
+    """
     import pickle
 
     import torch
@@ -128,11 +134,11 @@ def load(path: str | os.PathLike[str], *, mmap: bool = False, suffix: str | None
     if suffix == ".pt":
         if mmap:
             try:
-                obj = _load_pt(path, mmap=True)
+                obj = load_pt_template(path, mmap=True)
             except TrajectoryFileError:
-                obj = _load_pt(path, mmap=False)  # legacy (non-zip) files cannot be mapped
+                obj = load_pt_template(path, mmap=False)  # legacy (non-zip) files cannot be mapped
         else:
-            obj = _load_pt(path, mmap=False)
+            obj = load_pt_template(path, mmap=False)
     elif suffix == ".pkl":
         from rbtool.safepickle import load_pickle_trajectory
 

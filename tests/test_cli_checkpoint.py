@@ -21,11 +21,11 @@ from conftest import (
     tree_digest,
 )
 
-from rbtool import read_index, trajfile
+from rbtool import layout, read_index, trajfile
 
 
 def samples_of(paths: list[Path]) -> int:
-    return sum(trajfile.describe(trajfile.load(p), str(p)).num_samples for p in paths)
+    return sum(layout.describe(trajfile.load(p), str(p)).num_samples for p in paths)
 
 
 # ------------------------------------------------------------- seed example
@@ -53,8 +53,8 @@ def test_seed_example_in_memory_window_2(tmp_path: Path, five_files: list[Path],
     )
     assert names == [f"trajectory_3_v3.{fmt}", f"trajectory_4_v4.{fmt}"]
     for tid in (3, 4):
-        got = dict(trajfile.iter_tensors(trajfile.load(out / index.file_name(tid))))
-        want = dict(trajfile.iter_tensors(make_traj(seed=tid, model_weights_id=f"v{tid}")))
+        got = dict(layout.iter_tensors(trajfile.load(out / index.file_name(tid))))
+        want = dict(layout.iter_tensors(make_traj(seed=tid, model_weights_id=f"v{tid}")))
         assert got.keys() == want.keys()
         for key, tensor in want.items():
             assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), key

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import assert_one_error, make_traj, run, run_json, staging_left, tree_digest
 
-from rbtool import read_index, trajfile
+from rbtool import layout, read_index, trajfile
 from rbtool.fsutil import DirLock
 
 ADDED_RE = re.compile(r"^added trajectory ids (\d+)(?:-(\d+))?$")
@@ -89,8 +89,8 @@ def test_ingest_as_pkl_converts_and_keeps_tensors(tmp_path: Path, five_files: li
     assert doc["trajectory_format"] == "pkl" and doc["files"]["written"] == 2
     index = read_index(buffer)
     for tid, src in enumerate(five_files[:2]):
-        got = dict(trajfile.iter_tensors(trajfile.load(buffer / index.file_name(tid))))
-        want = dict(trajfile.iter_tensors(trajfile.load(src)))
+        got = dict(layout.iter_tensors(trajfile.load(buffer / index.file_name(tid))))
+        want = dict(layout.iter_tensors(trajfile.load(src)))
         assert got.keys() == want.keys()
         assert all(torch.equal(got[k], want[k]) for k in want)
     # An existing pkl buffer keeps its format; asking for another one is a usage error.

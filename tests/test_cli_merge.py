@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import assert_one_error, make_traj, run, run_json, staging_left, tree_digest
 
-from rbtool import read_index, trajfile
+from rbtool import layout, read_index, trajfile
 from rbtool.checkpoint import MERGE_MAP_FILE
 from rbtool.index import ENTRY_KEYS
 
@@ -105,8 +105,8 @@ def test_merge_converts_format(tmp_path: Path, rbtool_buffer: Path) -> None:
     source, merged = read_index(rbtool_buffer), read_index(out)
     assert merged.id_list == source.id_list
     for tid in source.id_list:
-        got = dict(trajfile.iter_tensors(trajfile.load(out / merged.file_name(tid))))
-        want = dict(trajfile.iter_tensors(trajfile.load(rbtool_buffer / source.file_name(tid))))
+        got = dict(layout.iter_tensors(trajfile.load(out / merged.file_name(tid))))
+        want = dict(layout.iter_tensors(trajfile.load(rbtool_buffer / source.file_name(tid))))
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
