@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import io
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -194,17 +195,16 @@ def test_suffix_gives_the_format_of_a_file_without_one(tmp_path: Path) -> None:
         path = tmp_path / f"noname{fmt}"
         path.write_bytes(trajfile.to_bytes(traj, fmt))
         assert_same_tree(trajfile.load(path, suffix=f".{fmt}"), traj)
-        with pytest.raises(TrajectoryFileError, match="expected .pt or .pkl"):
+        with pytest.raises(TrajectoryFileError, match=r"expected \.pt or \.pkl"):
             trajfile.load(path)
 
 
 def test_load_refuses_other_suffixes_naming_the_file(tmp_path: Path) -> None:
     path = tmp_path / "trajectory_0_x.npz"
     path.write_bytes(trajfile.to_bytes(make_traj(), "pt"))
-    with pytest.raises(
-        TrajectoryFileError, match=rf"^{path}: not a trajectory file \(expected .pt or .pkl\)$"
-    ):
+    with pytest.raises(TrajectoryFileError) as caught:
         trajfile.load(path)
+    assert str(caught.value) == f"{path}: not a trajectory file (expected .pt or .pkl)"
 
 
 @pytest.mark.parametrize("fmt", ["pt", "pkl"])
@@ -214,7 +214,7 @@ def test_load_refuses_a_non_dict_naming_the_file(tmp_path: Path, fmt: str) -> No
         torch.save([torch.zeros(2)], path)
     else:
         path.write_bytes(pickle.dumps([1, 2], protocol=2))
-    with pytest.raises(TrajectoryFileError, match=rf"^{path}: .*list"):
+    with pytest.raises(TrajectoryFileError, match=rf"^{re.escape(str(path))}: .*list"):
         trajfile.load(path)
 
 
@@ -233,7 +233,7 @@ def test_load_refuses_a_truncated_file_naming_it(tmp_path: Path, fmt: str, keep:
 @pytest.mark.parametrize("fmt", ["pt", "pkl"])
 def test_load_of_a_missing_file_names_it(tmp_path: Path, fmt: str) -> None:
     path = tmp_path / f"gone.{fmt}"
-    with pytest.raises(TrajectoryFileError, match=rf"^{path}: "):
+    with pytest.raises(TrajectoryFileError, match=rf"^{re.escape(str(path))}: "):
         trajfile.load(path)
 
 
@@ -254,7 +254,7 @@ def test_load_refuses_objects_other_than_tensors(
         torch.save(obj, path)
     else:
         path.write_bytes(pickle.dumps(obj, protocol=2))
-    with pytest.raises(UnsafePickleError, match=rf"^{path}: "):
+    with pytest.raises(UnsafePickleError, match=rf"^{re.escape(str(path))}: "):
         trajfile.load(path)
     assert "code ran" not in capsys.readouterr().out
 
