@@ -144,13 +144,28 @@ class IndexHeader:
 
 def _checked_table(checked: IndexCheck) -> IndexTable:
     """The columns of an index check_json accepted, in list order, without a dict per entry."""
+    assert checked.id_list is not None
+    ids = np.asarray(checked.id_list, dtype=np.int64)
+    n = ids.size
+    cols, values = checked.columns, list(checked.entries.values())
+    if cols is not None and np.array_equal(cols.ids, ids):
+        # the usual file: entries stored in list order, columns already decoded
+        get: Any = attrgetter
+        sizes = list(map(get("file_bytes"), values))
+        return IndexTable(
+            ids=ids,
+            t=cols.t,
+            b=cols.b,
+            num_samples=cols.num_samples,
+            model_weights_id=list(map(get("model_weights_id"), values)),
+            file_bytes=np.fromiter((-1 if v is None else v for v in sizes), dtype=np.int64, count=n),
+        )
     rows = checked.listed_entries()
-    n = len(rows)
     get = attrgetter if checked.typed else itemgetter
     shapes = list(map(get("shape"), rows))
     sizes = list(map(get("file_bytes") if checked.typed else methodcaller("get", "file_bytes"), rows))
     return IndexTable(
-        ids=np.asarray(checked.id_list, dtype=np.int64),
+        ids=ids,
         t=np.fromiter(map(itemgetter(0), shapes), dtype=np.int64, count=n),
         b=np.fromiter(map(itemgetter(1), shapes), dtype=np.int64, count=n),
         num_samples=np.fromiter(map(get("num_samples"), rows), dtype=np.int64, count=n),
