@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rbtool import layout, trajfile
-from rbtool.errors import TrajectoryFileError
+from rbtool.errors import InvalidTrajectoryError, TrajectoryFileError
 from rbtool.layout import DONE_LIKE, done_rows
 from rbtool.sampling import draw_uniform
 from rbtool.storage import (
@@ -152,7 +152,7 @@ def test_a_file_truncated_after_opening_is_named_when_its_rows_are_read(tmp_path
 def test_open_trajectory_refuses_what_is_not_a_trajectory(tmp_path: Path) -> None:
     bad = tmp_path / "trajectory_0_x.pt"
     torch.save({"actions": torch.zeros(2, 2)}, bad)
-    with pytest.raises(Exception, match="cannot determine the trajectory shape"):
+    with pytest.raises(InvalidTrajectoryError, match="cannot determine the trajectory shape"):
         open_trajectory(bad)
     tensor = tmp_path / "trajectory_1_x.pt"
     torch.save(torch.zeros(3), tensor)
