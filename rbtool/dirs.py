@@ -65,7 +65,7 @@ def open_checkpoint(path: str | os.PathLike[str], *, strict: bool = True) -> tup
             shown = ", ".join(map(str, missing[:20])) + (" ..." if len(missing) > 20 else "")
             raise MissingTrajectoryFilesError(
                 f"{directory}: the index names {len(missing)} trajectory file(s) that do not exist "
-                f"(ids {shown}); a non-strict load keeps only the trajectories whose files exist",
+                f"(ids {shown})",
                 missing,
             )
         gone = set(missing)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rbtool.errors import RbtoolError, TrajectoryFileError, UsageError
+from rbtool.errors import NeedsTrajectoryFilesError, RbtoolError, TrajectoryFileError, UsageError
 from rbtool.format import IndexCheck, check_json, trajectory_file_name
 from rbtool.index import Index, read_index
 
@@ -320,17 +320,6 @@ def index_report(
 
 
 # ------------------------------------------------------------------ episodes
-def drop_bootstrap_rows(values: np.ndarray, t: int) -> np.ndarray:
-    """A done-like field `[T + E, B, ...]` without the first row of each of its E epochs (SPEC §1)."""
-    extra = int(values.shape[0]) - t
-    if extra == 0:
-        return values
-    if extra < 0 or t % extra != 0:
-        raise ValueError(f"{values.shape[0]} rows do not fit T={t} plus one bootstrap row per epoch")
-    epochs = values.reshape(extra, 1 + t // extra, *values.shape[1:])
-    return epochs[:, 1:].reshape(t, *values.shape[1:])
-
-
 @dataclass
 class EpisodeTally:
     """Episodes found in [T, B] done masks, one entry per finished episode."""
@@ -449,10 +438,10 @@ def read_trajectory(path: Path, t: int, b: int) -> TrajectoryData:
     """
     import torch
 
-    from rbtool import trajfile
+    from rbtool import layout, trajfile
 
     traj = trajfile.load(path, mmap=True)
-    info = trajfile.describe(traj, str(path))
+    info = layout.describe(traj, str(path))
     if info.shape[:2] != (t, b):
         raise TrajectoryFileError(
             f"{path}: tensors are [T, B] = {list(info.shape[:2])} but the index says {[t, b]}"
@@ -462,10 +451,10 @@ def read_trajectory(path: Path, t: int, b: int) -> TrajectoryData:
             ".".join(p),
             _dtype_name(v),
             tuple(int(d) for d in v.shape[2:]) if v.dim() >= 2 else None,
-            int(v.shape[0]) - t if (len(p) == 1 and p[0] in trajfile.DONE_LIKE and v.dim() >= 2) else 0,
+            int(v.shape[0]) - t if (len(p) == 1 and p[0] in layout.DONE_LIKE and v.dim() >= 2) else 0,
             v.numel() * v.element_size(),
         )
-        for p, v in trajfile.iter_tensors(traj)
+        for p, v in layout.iter_tensors(traj)
     ]
     touched = 0
 
@@ -482,11 +471,12 @@ def read_trajectory(path: Path, t: int, b: int) -> TrajectoryData:
         value = take(name)
         if value is None:
             return None
-        mask = _leading(value != 0, int(value.shape[0]), b).any(dim=2).numpy()
         try:
-            return drop_bootstrap_rows(mask, t)
+            layout.done_extra_rows(int(value.shape[0]), t, int(value.shape[1]), b)
         except ValueError as exc:
             raise TrajectoryFileError(f"{path}: field {name!r}: {exc}") from None
+        mask = _leading(value != 0, int(value.shape[0]), b).any(dim=2).numpy()
+        return layout.drop_bootstrap_rows(mask, t)
 
     raw_rewards = take("rewards")
     rewards = None
@@ -641,13 +631,14 @@ def draws_report(
 ) -> dict[str, Any]:
     """Observed against expected draws per window trajectory, total variation, concentration flag.
 
-    Uniform draws use randint + bucketize as the buffer does; top-k draws use the window's
-    top-k samples by reward and softmax weights. The same seed gives the same draws as a
-    fresh buffer's first `sample(n)` (before n is clamped to the window's samples).
+    The draws are the samplers' own (rbtool.sampling, rbtool.topk), unclamped: the same seed
+    gives the same draws as a fresh buffer's first `sample(n)` (before n is clamped to the
+    window's samples).
     """
     import torch
 
-    from rbtool.topk import RewardIndex, check_strategy, softmax_weights, weighted_draw
+    from rbtool.sampling import draw_uniform
+    from rbtool.topk import RewardIndex, check_strategy, draw_topk, softmax_weights
 
     check_strategy(request.strategy, request.k, request.temperature)
     if request.n < 1:
@@ -656,11 +647,10 @@ def draws_report(
     total = int(sizes.sum())
     if total == 0:
         raise RbtoolError("the window holds no samples to draw from")
-    starts = np.cumsum(sizes) - sizes
     generator = torch.Generator().manual_seed(seed)
     expected: np.ndarray  # each window trajectory's expected share of the draws
     if request.strategy == "uniform":
-        global_ids = torch.randint(0, total, (request.n,), generator=generator).numpy()
+        draw = draw_uniform(window_ids, sizes.tolist(), request.n, generator, clamp=False)
         sample_probability = None
         expected = sizes / total
         candidates = total
@@ -669,19 +659,18 @@ def draws_report(
         index = RewardIndex()
         index.add((tid, scores[tid]) for tid in window_ids if scores is not None and tid in scores)
         ranked = index.top_k(request.k, [tid for tid in window_ids if tid in index])
-        if len(ranked) == 0:
-            raise RbtoolError("top-k draws need rewards, and no trajectory in the window has any")
-        weights = softmax_weights(ranked.scores, request.temperature)
-        picks = weighted_draw(weights, request.n, generator).numpy()
+        draw = draw_topk(
+            window_ids, sizes.tolist(), ranked, request.n, request.temperature, generator, clamp=False
+        )
+        # the expected shares, from the same weights the draw used
+        sample_probability = softmax_weights(ranked.scores, request.temperature)
         window = np.asarray(window_ids, dtype=np.int64)
         by_id = np.argsort(window, kind="stable")
         cand_pos = by_id[np.searchsorted(window[by_id], ranked.trajectory_ids)]
-        cand_global = starts[cand_pos] + ranked.rows
-        global_ids = cand_global[picks]
-        sample_probability = weights
-        expected = np.bincount(cand_pos, weights=weights, minlength=sizes.size)
+        expected = np.bincount(cand_pos, weights=sample_probability, minlength=sizes.size)
         candidates = len(ranked)
-    positions = np.searchsorted(np.cumsum(sizes), global_ids, side="right")
+    global_ids = draw.global_indices.numpy()
+    positions = draw.positions.numpy()
     draws = np.bincount(positions, minlength=sizes.size)
     observed = draws / request.n
     per_sample = np.unique(global_ids, return_counts=True)[1]
@@ -739,7 +728,7 @@ def collect_stats(
     if bins < 1:
         raise UsageError(f"bins must be >= 1, got {bins}")
     if draws is not None and index_only and draws.strategy == "topk":
-        raise UsageError("top-k draws need rewards from the trajectory files; drop --index-only")
+        raise NeedsTrajectoryFilesError("top-k draws need rewards from the trajectory files")
     directory = Path(path)
     index: Index | None = None
     sizes: np.ndarray | None = None

@@ -260,10 +260,13 @@ def draw_topk(
     num_chunks: int,
     temperature: float,
     generator: torch.Generator,
+    *,
+    clamp: bool = True,
 ) -> Draw:
     """Draw `num_chunks` samples among `candidates` with softmax weights, as a window Draw.
 
-    `num_chunks` is clamped to the window's samples, as uniform sampling does.
+    `num_chunks` is clamped to the window's samples, as uniform sampling does (unless
+    `clamp=False`: for studying how draws spread; the buffer always clamps).
     """
     import torch
 
@@ -274,7 +277,8 @@ def draw_topk(
         raise RbtoolError("cannot sample from an empty buffer (the window holds no samples)")
     if len(candidates) == 0:
         raise RbtoolError("cannot sample top-k: no sample in the window has a reward")
-    picks = weighted_draw(softmax_weights(candidates.scores, temperature), min(num_chunks, total), generator)
+    count = min(num_chunks, total) if clamp else num_chunks
+    picks = weighted_draw(softmax_weights(candidates.scores, temperature), count, generator)
     window = np.asarray(window_ids, dtype=np.int64)
     by_id = np.argsort(window, kind="stable")
     cand_pos = torch.from_numpy(by_id[np.searchsorted(window[by_id], candidates.trajectory_ids)])

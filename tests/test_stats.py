@@ -18,6 +18,7 @@ from hypothesis.extra.numpy import arrays
 
 from rbtool import CheckpointError, UsageError, build_from_files
 from rbtool.index import read_index
+from rbtool.layout import done_extra_rows, drop_bootstrap_rows
 from rbtool.stats import (
     OTHER,
     TERMINATED,
@@ -26,7 +27,6 @@ from rbtool.stats import (
     IndexHeader,
     collect_stats,
     draws_report,
-    drop_bootstrap_rows,
     find_episodes,
     index_table,
     read_table,
@@ -95,15 +95,15 @@ def test_find_episodes_agrees_with_a_plain_loop(done: np.ndarray, seed: int) -> 
     assert tally.lengths.sum() <= done.size
 
 
-def test_drop_bootstrap_rows_per_epoch() -> None:
+def test_bootstrap_rows_follow_the_layout_rule() -> None:
     # T=4, E=2: epochs of 1 + 2 rows; rows 0 and 3 are the bootstrap rows.
     rows = np.array([100, 1, 2, 200, 3, 4])[:, None]
     assert drop_bootstrap_rows(rows, 4)[:, 0].tolist() == [1, 2, 3, 4]
     assert drop_bootstrap_rows(rows[1:3], 2)[:, 0].tolist() == [1, 2]  # E = 0 keeps everything
     with pytest.raises(ValueError):
-        drop_bootstrap_rows(rows[:5], 3)  # E = 2 epochs cannot split T = 3
+        done_extra_rows(5, 3, 1, 1)  # E = 2 epochs cannot split T = 3
     with pytest.raises(ValueError):
-        drop_bootstrap_rows(rows[:3], 4)  # fewer rows than T
+        done_extra_rows(3, 4, 1, 1)  # fewer rows than T
 
 
 def test_bootstrap_rows_are_dropped_before_episodes_are_found(tmp_path: Path) -> None:
