@@ -14,14 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rbtool.errors import InvalidTrajectoryError, TrajectoryFileError, UnsafePickleError
-
-# Re-exported for modules that still import them from here; layout owns them.
-from rbtool.layout import DONE_LIKE as DONE_LIKE
-from rbtool.layout import NESTED_ORDER as NESTED_ORDER
-from rbtool.layout import SCALAR_FIELDS as SCALAR_FIELDS
-from rbtool.layout import TrajectoryInfo as TrajectoryInfo
-from rbtool.layout import describe as describe
-from rbtool.layout import iter_tensors as iter_tensors
+from rbtool.layout import TrajectoryInfo, describe
 
 
 def _as_dict(trajectory: Any) -> dict[str, Any]:
