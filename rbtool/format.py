@@ -20,7 +20,7 @@ import functools
 import gc
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain, compress
 from operator import attrgetter, itemgetter
@@ -319,6 +319,54 @@ def decode_json(data: bytes) -> Any:
         return msgspec.json.decode(data)
 
 
+@functools.cache
+def _loose_decoder() -> Any:
+    """A decoder of trajectory_index.json that reads the known keys of entries as any JSON value.
+
+    The exact path needs every value as written (to name what is wrong with it) but, like the
+    typed path, must not read keys rbtool does not know: both paths then accept and refuse
+    the same files. Absent keys stay msgspec.UNSET.
+    """
+    import msgspec
+
+    unset = msgspec.UNSET
+
+    def get(self: Any, key: str, default: Any = None) -> Any:
+        value = getattr(self, key, unset)
+        return default if value is unset else value
+
+    fields = [(name, Any, unset) for name in (*ENTRY_KEYS, *OPTIONAL_ENTRY_KEYS)]
+    entry = msgspec.defstruct("LooseEntry", fields, namespace={"__getitem__": get, "get": get}, gc=False)
+    value = entry | list | str | int | float | bool | None
+    index_file = msgspec.defstruct(
+        "LooseIndexFile",
+        [
+            ("trajectory_index", dict[str, value] | list | str | int | float | bool | None, msgspec.UNSET),  # type: ignore[valid-type]
+            ("trajectory_id_list", Any, msgspec.UNSET),
+        ],
+        gc=False,
+    )
+    return msgspec.json.Decoder(index_file)
+
+
+def _decode_loose(data: bytes) -> dict[str, Any]:
+    """trajectory_index.json with entries as LooseEntry structs (known keys only).
+
+    Raises msgspec.DecodeError when the text is not JSON or not an object at the top.
+    """
+    import msgspec
+
+    unset = msgspec.UNSET
+    with gc_paused():
+        raw = _loose_decoder().decode(data)
+    out: dict[str, Any] = {}
+    if raw.trajectory_index is not unset:
+        out["trajectory_index"] = raw.trajectory_index
+    if raw.trajectory_id_list is not unset:
+        out["trajectory_id_list"] = raw.trajectory_id_list
+    return out
+
+
 def _decode_typed(data: bytes) -> tuple[dict[int, Any], list[int]] | None:
     """(trajectory_index, trajectory_id_list) when the index has the expected types, else None."""
     import msgspec
@@ -480,21 +528,14 @@ def _weights_id_mask(values: list[Any]) -> np.ndarray:
     return is_str
 
 
-def _optional_mask(values: list[Any], good: Callable[[Any], bool]) -> np.ndarray:
-    """Mask of values that are None or pass `good` (each distinct value checked once)."""
+def _optional_str_mask(values: list[Any]) -> np.ndarray:
+    """Mask of values that are None or a string."""
     import numpy as np
 
     n = len(values)
-    if set(map(type, values)) <= {type(None)}:
+    if set(map(type, values)) <= {str, type(None)}:
         return np.ones(n, dtype=bool)
-    try:
-        distinct = set(values)
-    except TypeError:  # lists or objects where a string belongs
-        return np.fromiter((v is None or good(v) for v in values), dtype=bool, count=n)
-    bad = {v for v in distinct if v is not None and not good(v)}
-    if not bad:
-        return np.ones(n, dtype=bool)
-    return np.fromiter((v not in bad for v in values), dtype=bool, count=n)
+    return np.fromiter((v is None or type(v) is str for v in values), dtype=bool, count=n)
 
 
 def _key_column(keys: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -517,11 +558,36 @@ def _key_column(keys: list[str]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _column(rows: list[Any], name: str, default: Any = ABSENT) -> list[Any]:
-    """The value of `name` in every row (dicts or Entry structs); `default` where a row lacks it."""
-    try:
-        return list(map(itemgetter(name), rows))
-    except (KeyError, TypeError):
-        return [row.get(name, default) if isinstance(row, dict) else default for row in rows]
+    """The value of `name` in every row; `default` where a row lacks it or is not an object.
+
+    Rows are dicts, or the decoders' structs (absent keys UNSET, or None for optional keys).
+    """
+    import msgspec
+
+    kinds = set(map(type, rows))
+    if len(kinds) == 1 and issubclass(next(iter(kinds)), msgspec.Struct):
+        values = list(map(attrgetter(name), rows))
+        if values.count(msgspec.UNSET):
+            values = [default if v is msgspec.UNSET else v for v in values]
+        return values
+    if kinds <= {dict}:
+        try:
+            return list(map(itemgetter(name), rows))
+        except KeyError:
+            pass
+    return [
+        _plain(row).get(name, default) if isinstance(row, (dict, msgspec.Struct)) else default for row in rows
+    ]
+
+
+def _plain(row: Any) -> Any:
+    """A row as entry_problems reads it: structs become dicts of the keys they hold."""
+    import msgspec
+
+    if not isinstance(row, msgspec.Struct):
+        return row
+    unset = msgspec.UNSET
+    return {n: v for n in row.__struct_fields__ if (v := getattr(row, n)) is not unset}
 
 
 def _entry_mask(keys: list[str], values: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -530,7 +596,7 @@ def _entry_mask(keys: list[str], values: list[Any]) -> tuple[np.ndarray, np.ndar
     Conservative: an entry the mask rejects is re-checked with entry_problems, which has the
     last word and the exact message.
     """
-    rows = values if set(map(type, values)) <= {dict} else [v if type(v) is dict else {} for v in values]
+    rows = values
     ids, ok = _key_column(keys)
     tids, tid_ok = _int_column(_column(rows, "trajectory_id"))
     ok &= tid_ok & (tids == ids)
@@ -539,9 +605,9 @@ def _entry_mask(keys: list[str], values: list[Any]) -> tuple[np.ndarray, np.ndar
     ok &= shape_ok & num_ok & (nums == t * b)
     ok &= _optional_count_mask(_column(rows, "max_episode_length"))
     ok &= _weights_id_mask(_column(rows, "model_weights_id"))
-    ok &= _optional_mask(_column(rows, "uuid", None), lambda v: type(v) is str)
+    ok &= _optional_str_mask(_column(rows, "uuid", None))
     ok &= _optional_count_mask(_column(rows, "file_bytes", None))
-    ok &= _optional_mask(_column(rows, "sha256", None), lambda v: type(v) is str)
+    ok &= _optional_str_mask(_column(rows, "sha256", None))
     return ids, nums, ok
 
 
@@ -756,15 +822,25 @@ class _IndexChecker:
 
     def run(self, data: bytes) -> None:
         typed = _decode_typed(data)
-        if typed is not None and self._accept_typed(*typed):
+        if typed is not None:
+            if self._accept_typed(*typed):
+                return
+            # well typed but some value is wrong: the exact path over the same structs
+            table, id_list = typed
+            self._check_general(
+                {"trajectory_index": {str(k): e for k, e in table.items()}, "trajectory_id_list": id_list}
+            )
             return
         import msgspec
 
         try:
-            raw = decode_json(data)
-        except msgspec.DecodeError as exc:
-            self.add("index_unreadable", f"invalid JSON ({_json_error(exc)})")
-            return
+            raw = _decode_loose(data)
+        except msgspec.DecodeError:
+            try:  # not an object at the top, or not JSON: say which
+                raw = decode_json(data)
+            except msgspec.DecodeError as exc:
+                self.add("index_unreadable", f"invalid JSON ({_json_error(exc)})")
+                return
         del data
         self._check_general(raw)
 
@@ -833,7 +909,7 @@ class _IndexChecker:
         keys, values = list(table), list(table.values())
         ids, nums, ok = _entry_mask(keys, values)
         for pos in map(int, (~ok).nonzero()[0]):
-            broken = entry_problems(keys[pos], values[pos])
+            broken = entry_problems(keys[pos], _plain(values[pos]))
             ok[pos] = not broken
             tid = int(ids[pos]) if ids[pos] >= 0 else None
             for code, message in broken:
