@@ -42,10 +42,27 @@ def _unlink_quietly(path: str | Path) -> None:
         os.unlink(path)
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it (os.umask can only set it)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
 def write_bytes_atomic(path: Path, data: bytes, *, sync_dir: bool = True) -> None:
-    """Write `data` to a hidden temporary file beside `path`, fsync it, then rename it over."""
+    """Write `data` to a hidden temporary file beside `path`, fsync it, then rename it over.
+
+    The file gets the mode a plain open() would give it (0666 less the umask): mkstemp's
+    0600 would keep teammates and jobs under another uid from reading a checkpoint.
+    """
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()

@@ -102,6 +102,13 @@ def _is_empty(directory: Path) -> bool:
         return False
 
 
+def _publish(directory: Path, index: Index, batch: list[int], result: IngestResult) -> list[int]:
+    """Write the index listing `batch`; from then on its files belong to the directory."""
+    write_index(directory, index)
+    result.added_ids.extend(batch)
+    return batch
+
+
 def ingest(
     sources: Sequence[str | os.PathLike[str]],
     buffer_dir: str | os.PathLike[str],
@@ -166,17 +173,14 @@ def ingest(
                 index.trajectory_counter = tid + 1
                 batch.append(tid)
                 if len(batch) >= batch_size or time.monotonic() - last_publish >= batch_seconds:
-                    write_index(directory, index)
-                    result.added_ids.extend(batch)
+                    published, batch = _publish(directory, index, batch, result), []
                     if on_published is not None:
-                        on_published(batch)
-                    batch, last_publish = [], time.monotonic()
+                        on_published(published)
+                    last_publish = time.monotonic()
             if batch:
-                write_index(directory, index)
-                result.added_ids.extend(batch)
+                published, batch = _publish(directory, index, batch, result), []
                 if on_published is not None:
-                    on_published(batch)
-                batch = []
+                    on_published(published)
         except BaseException:
             # Files of the unpublished batch are not in the on-disk index: remove them.
             for tid in batch:

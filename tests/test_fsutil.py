@@ -72,15 +72,13 @@ def umask_022() -> Iterator[None]:
         os.umask(old)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="write_bytes_atomic creates files through tempfile.mkstemp (mode 0600) and never "
-    "widens them, so index, metadata and trajectory files ignore the umask (SPEC §7)",
-)
 def test_write_bytes_atomic_respects_the_umask(tmp_path: Path, umask_022: None) -> None:
     path = tmp_path / "metadata.json"
     write_bytes_atomic(path, b"{}")
     assert path.stat().st_mode & 0o777 == 0o644
+    os.umask(0o027)
+    write_bytes_atomic(path, b"{}")
+    assert path.stat().st_mode & 0o777 == 0o640
 
 
 def test_staging_dirs_respect_the_umask(tmp_path: Path, umask_022: None) -> None:

@@ -161,12 +161,6 @@ def test_a_failed_second_batch_removes_its_files(tmp_path: Path) -> None:
     assert visible(buffer) == {INDEX_FILE, METADATA_FILE, *(index.file_name(i) for i in index.id_list)}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ingest removes the files of the batch it just published when on_published raises "
-    "(e.g. KeyboardInterrupt while the CLI prints 'added trajectory ids ...'): the batch list is "
-    "reset only after the callback, so the on-disk index then names files that are gone",
-)
 def test_an_interruption_in_on_published_keeps_the_published_batch(tmp_path: Path) -> None:
     buffer = tmp_path / "buf"
 
