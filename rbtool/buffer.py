@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 from rbtool import trajfile
 from rbtool.dirs import open_checkpoint
 from rbtool.errors import BufferClosedError, CheckpointError, EmptyBufferError, UsageError
-from rbtool.index import FORMATS, Index, init_buffer_dir, read_index, trajectory_file_name, window_of
+from rbtool.format import FORMATS, trajectory_file_name
+from rbtool.index import Index, init_buffer_dir, read_index, window_of
 from rbtool.sampling import Draw, check_draw, draw_uniform
 from rbtool.storage import FieldPath, FlatView, Schema, TrajectoryStore, gather, shared_schema, window_cache
 from rbtool.writer import AutoSaveWriter, WriteReport, place_trajectory, write_checkpoint

@@ -16,16 +16,9 @@ from typing import Any
 
 from rbtool.dirs import checkpoint_dirs, open_checkpoint
 from rbtool.errors import UsageError
+from rbtool.format import FORMATS, INDEX_FILE, METADATA_FILE, trajectory_file_name
 from rbtool.fsutil import staged_dir, write_bytes_atomic
-from rbtool.index import (
-    FORMATS,
-    INDEX_FILE,
-    METADATA_FILE,
-    Index,
-    dumps,
-    trajectory_file_name,
-    window_of,
-)
+from rbtool.index import Index, dumps, window_of
 
 # Re-exported: the writer side and the sources moved to their own modules.
 from rbtool.sources import Checked as Checked

@@ -10,7 +10,8 @@ import os
 from pathlib import Path
 
 from rbtool.errors import CheckpointError, MissingTrajectoryFilesError
-from rbtool.index import Index, is_checkpoint_dir, parse_trajectory_file_name, read_index
+from rbtool.format import is_checkpoint_dir, parse_trajectory_file_name
+from rbtool.index import Index, read_index
 
 
 def rank_number(name: str) -> int | None:

@@ -1,4 +1,4 @@
-"""Errors raised by rbtool; the command line turns each into `Error: ...` and exit 1."""
+"""Errors raised by rbtool; the command line turns a UsageError into exit 2 and any other into exit 1."""
 
 
 class RbtoolError(Exception):

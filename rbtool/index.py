@@ -16,17 +16,11 @@ import orjson
 
 from rbtool.errors import UsageError
 from rbtool.format import (
-    ENTRY_KEYS,
     FORMAT_VERSION,
-    FORMATS,
     INDEX_FILE,
-    LEGACY_INDEX_FILE,
     METADATA_FILE,
     check_json,
-    check_weights_id,
-    index_path,
     is_checkpoint_dir,
-    parse_trajectory_file_name,
     trajectory_file_name,
 )
 from rbtool.fsutil import write_bytes_atomic
@@ -195,22 +189,11 @@ def init_buffer_dir(directory: Path, index: Index) -> None:
 
 
 __all__ = [
-    "ENTRY_KEYS",
-    "FORMATS",
-    "FORMAT_VERSION",
-    "INDEX_FILE",
-    "LEGACY_INDEX_FILE",
-    "METADATA_FILE",
     "Index",
-    "check_weights_id",
     "dumps",
-    "index_path",
     "init_buffer_dir",
-    "is_checkpoint_dir",
-    "parse_trajectory_file_name",
     "rank_bounds",
     "read_index",
-    "trajectory_file_name",
     "window_of",
     "write_index",
 ]

@@ -18,18 +18,9 @@ from pathlib import Path
 
 from rbtool.dirs import open_checkpoint
 from rbtool.errors import RbtoolError, UsageError
+from rbtool.format import FORMATS, INDEX_FILE, METADATA_FILE, is_checkpoint_dir, parse_trajectory_file_name
 from rbtool.fsutil import LOCK_FILE, DirLock
-from rbtool.index import (
-    FORMATS,
-    INDEX_FILE,
-    METADATA_FILE,
-    Index,
-    init_buffer_dir,
-    is_checkpoint_dir,
-    parse_trajectory_file_name,
-    read_index,
-    write_index,
-)
+from rbtool.index import Index, init_buffer_dir, read_index, write_index
 from rbtool.sources import check_item, collect_items
 from rbtool.writer import WriteReport, new_entry, place_trajectory
 

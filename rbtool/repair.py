@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from rbtool import layout, trajfile
-from rbtool.checkpoint import WriteReport, fill_dir, new_entry
 from rbtool.dirs import checkpoint_dirs
 from rbtool.errors import InvalidTrajectoryError, RbtoolError, UsageError
 from rbtool.format import (
@@ -29,6 +28,7 @@ from rbtool.format import (
 )
 from rbtool.fsutil import staged_dir
 from rbtool.index import Index
+from rbtool.writer import WriteReport, fill_dir, new_entry
 
 Progress = Callable[[int], None]
 DEFAULT_SEED = 1234

@@ -15,7 +15,7 @@ from typing import Any
 from rbtool import trajfile
 from rbtool.dirs import open_checkpoint
 from rbtool.errors import CheckpointError
-from rbtool.index import is_checkpoint_dir, parse_trajectory_file_name
+from rbtool.format import is_checkpoint_dir, parse_trajectory_file_name
 from rbtool.layout import TrajectoryInfo, describe_stored
 
 

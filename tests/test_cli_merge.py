@@ -12,7 +12,7 @@ from conftest import assert_one_error, make_traj, run, run_json, staging_left, t
 
 from rbtool import layout, read_index, trajfile
 from rbtool.checkpoint import MERGE_MAP_FILE
-from rbtool.index import ENTRY_KEYS
+from rbtool.format import ENTRY_KEYS
 
 
 def trajectory_bytes(directory: Path) -> dict[str, bytes]:

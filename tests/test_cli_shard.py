@@ -12,7 +12,7 @@ import pytest
 from conftest import FIXTURES, RLINF_DIRS, assert_one_error, run, run_json, staging_left, tree_digest
 
 from rbtool import read_index
-from rbtool.index import ENTRY_KEYS
+from rbtool.format import ENTRY_KEYS
 
 STATE_KEYS = ("size", "total_samples", "trajectory_counter", "trajectory_id_list")
 

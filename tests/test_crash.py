@@ -29,7 +29,8 @@ import pytest
 from conftest import make_traj, tree_digest
 
 from rbtool import trajfile
-from rbtool.index import Index, is_checkpoint_dir, read_index, trajectory_file_name, window_of, write_index
+from rbtool.format import is_checkpoint_dir, trajectory_file_name
+from rbtool.index import Index, read_index, window_of, write_index
 from rbtool.verify import verify_checkpoint
 
 SEED = 20251130

@@ -15,8 +15,9 @@ from conftest import make_traj, tree_digest
 from rbtool import layout, trajfile
 from rbtool.dirs import open_checkpoint
 from rbtool.errors import CheckpointError, TrajectoryFileError, UsageError
+from rbtool.format import INDEX_FILE, METADATA_FILE
 from rbtool.fsutil import LOCK_FILE, DirLock
-from rbtool.index import INDEX_FILE, METADATA_FILE, Index, read_index
+from rbtool.index import Index, read_index
 from rbtool.ingestion import ingest
 from rbtool.writer import copied_entries, new_entry, write_checkpoint
 

@@ -14,7 +14,8 @@ from conftest import FIXTURES, RLINF_DIRS, make_traj, tree_digest
 
 from rbtool import TrajectoryReplayBuffer, load_state
 from rbtool.errors import CheckpointError, UsageError
-from rbtool.index import ENTRY_KEYS, read_index
+from rbtool.format import ENTRY_KEYS
+from rbtool.index import read_index
 from rbtool.repair import plan_repair, repair
 from rbtool.verify import verify, verify_checkpoint
 

@@ -15,8 +15,9 @@ from conftest import make_traj, staging_left
 
 from rbtool import layout, trajfile
 from rbtool.errors import CheckpointError, OutputExistsError, RbtoolError
+from rbtool.format import INDEX_FILE, METADATA_FILE
 from rbtool.fsutil import DirLock
-from rbtool.index import INDEX_FILE, METADATA_FILE, Index, read_index
+from rbtool.index import Index, read_index
 from rbtool.writer import (
     AutoSaveWriter,
     Source,

@@ -82,7 +82,8 @@ def save(
 ) -> None:
     """Write the checkpoint a buffer's save_checkpoint would write, from files on disk."""
     from rbtool import checkpoint
-    from rbtool.index import is_checkpoint_dir, read_index
+    from rbtool.format import is_checkpoint_dir
+    from rbtool.index import read_index
 
     fmt = None if trajectory_format is None else trajectory_format.value
     refuse_overlap(target, sources, "OUT")
