@@ -16,7 +16,7 @@ from typing import Any
 
 from rbtool.dirs import checkpoint_dirs, open_checkpoint
 from rbtool.errors import UsageError
-from rbtool.format import FORMATS, INDEX_FILE, METADATA_FILE, trajectory_file_name
+from rbtool.format import FORMATS, INDEX_FILE, MERGE_MAP_FILE, METADATA_FILE, trajectory_file_name
 from rbtool.fsutil import staged_dir, write_bytes_atomic
 from rbtool.index import Index, dumps, window_of
 
@@ -28,8 +28,6 @@ from rbtool.sources import collect_items as collect_items
 from rbtool.writer import Progress, Source, WriteReport, fill_dir, new_entry, write_checkpoint
 from rbtool.writer import copied_entries as copied_entries
 from rbtool.writer import place_trajectory as place_trajectory
-
-MERGE_MAP_FILE = "merge_map.json"
 
 
 # ------------------------------------------------------------------ save / build
