@@ -19,10 +19,10 @@ from pathlib import Path
 from rbtool.dirs import open_checkpoint
 from rbtool.errors import RbtoolError, UsageError
 from rbtool.format import FORMATS, INDEX_FILE, METADATA_FILE, is_checkpoint_dir, parse_trajectory_file_name
-from rbtool.fsutil import LOCK_FILE, DirLock
-from rbtool.index import Index, init_buffer_dir, read_index, write_index
+from rbtool.fsutil import LOCK_FILE
+from rbtool.index import Index, init_buffer_dir, read_index
 from rbtool.sources import check_item, collect_items
-from rbtool.writer import WriteReport, new_entry, place_trajectory
+from rbtool.writer import BufferWriter, WriteReport, new_entry
 
 _TEMP_RE = re.compile(r"^\.trajectory_.*\.tmp$")
 
@@ -93,9 +93,9 @@ def _is_empty(directory: Path) -> bool:
         return False
 
 
-def _publish(directory: Path, index: Index, batch: list[int], result: IngestResult) -> list[int]:
+def _publish(writer: BufferWriter, index: Index, batch: list[int], result: IngestResult) -> list[int]:
     """Write the index listing `batch`; from then on its files belong to the directory."""
-    write_index(directory, index)
+    writer.publish(index)
     result.added_ids.extend(batch)
     return batch
 
@@ -126,7 +126,10 @@ def ingest(
     directory.parent.mkdir(parents=True, exist_ok=True)
     # A new directory appears with an empty index and metadata at once (built aside, renamed).
     init_buffer_dir(directory, Index(trajectory_format=trajectory_format or "pt"))
-    with DirLock(directory, on_wait=on_wait), _remove_if_failed_new(directory, created):
+    with (
+        BufferWriter(directory, wait=True, on_wait=on_wait) as writer,
+        _remove_if_failed_new(directory, created),
+    ):
         if is_checkpoint_dir(directory):
             _, index = open_checkpoint(directory, strict=True)
             if trajectory_format is not None and trajectory_format != index.trajectory_format:
@@ -153,7 +156,7 @@ def ingest(
                 tid = index.trajectory_counter
                 entry = new_entry(tid, ready.info, uuid.uuid4().hex)
                 index.entries[tid] = entry
-                place_trajectory(ready.path, directory / index.file_name(tid), entry, result.report)
+                writer.place(ready.path, index.file_name(tid), entry, result.report)
                 if (
                     ready.sha256
                     and "sha256" not in entry
@@ -164,12 +167,12 @@ def ingest(
                 index.trajectory_counter = tid + 1
                 batch.append(tid)
                 if len(batch) >= batch_size or time.monotonic() - last_publish >= batch_seconds:
-                    published, batch = _publish(directory, index, batch, result), []
+                    published, batch = _publish(writer, index, batch, result), []
                     if on_published is not None:
                         on_published(published)
                     last_publish = time.monotonic()
             if batch:
-                published, batch = _publish(directory, index, batch, result), []
+                published, batch = _publish(writer, index, batch, result), []
                 if on_published is not None:
                     on_published(published)
         except BaseException:

@@ -114,18 +114,58 @@ def new_entry(tid: int, info: TrajectoryInfo, uuid_hex: str) -> dict[str, Any]:
     }
 
 
-class AutoSaveWriter:
-    """One background thread writing a buffer directory, which it holds locked.
+class BufferWriter:
+    """Writes into a buffer directory it holds locked, always in the publish order.
 
-    Jobs run in submission order: a trajectory file job, then the publish job of the index
-    that lists it, so the published index only names complete files. The first failure is
-    re-raised by flush().
+    Trajectory files are placed first (each atomically), then `publish` writes the index
+    that lists them, then the metadata. `ingest` writes through one of these; the buffer's
+    auto-save through its threaded form, AutoSaveWriter. With `wait`, a directory another
+    process holds is waited for (`on_wait` is told who holds it); else it is refused.
+    """
+
+    def __init__(
+        self, directory: Path, *, wait: bool = False, on_wait: Callable[[str], None] | None = None
+    ) -> None:
+        self.directory = directory
+        self._lock = DirLock(directory, wait=wait, on_wait=on_wait)
+        self._lock.acquire()
+
+    def place(self, src: Source, name: str, entry: dict[str, Any], report: WriteReport) -> Path:
+        """Place one trajectory file (link, copy or serialize) and record its size/hash in `entry`."""
+        path = self.directory / name
+        place_trajectory(src, path, entry, report)
+        return path
+
+    def write_file(self, name: str, data: bytes) -> Path:
+        """One trajectory file's bytes, atomically (temporary name, then rename)."""
+        path = self.directory / name
+        write_bytes_atomic(path, data, sync_dir=False)
+        return path
+
+    def publish(self, index: Index) -> None:
+        """Index, then metadata; every file they name must already be placed."""
+        write_index(self.directory, index)
+
+    def close(self) -> None:
+        """Release the directory."""
+        self._lock.release()
+
+    def __enter__(self) -> BufferWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AutoSaveWriter(BufferWriter):
+    """A BufferWriter whose writes run on one background thread, in submission order.
+
+    A trajectory file job, then the publish job of the index that lists it: the published
+    index only names complete files. The first failure is re-raised by flush().
     """
 
     def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self._lock = DirLock(directory, wait=False)
-        self._lock.acquire()
+        super().__init__(directory, wait=False)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rbtool-writer")
         self._pending: list[Future[None]] = []
         self._guard = threading.Lock()
@@ -133,16 +173,6 @@ class AutoSaveWriter:
     def submit(self, job: Callable[[], None]) -> None:
         with self._guard:
             self._pending.append(self._executor.submit(job))
-
-    def write_file(self, name: str, data: bytes) -> Path:
-        """Writer thread: one trajectory file, atomically (temporary name, then rename)."""
-        path = self.directory / name
-        write_bytes_atomic(path, data, sync_dir=False)
-        return path
-
-    def publish(self, index: Index) -> None:
-        """Index, then metadata; the files they name were written by earlier jobs."""
-        write_index(self.directory, index)
 
     def failed(self) -> bool:
         with self._guard:
@@ -166,4 +196,4 @@ class AutoSaveWriter:
         try:
             self._executor.shutdown(wait=wait)
         finally:
-            self._lock.release()
+            super().close()

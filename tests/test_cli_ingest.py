@@ -131,7 +131,7 @@ def test_waits_for_a_locked_directory(tmp_path: Path, five_files: list[Path], mo
         waiting.wait(timeout=30)
         holder.release()
 
-    monkeypatch.setattr(importlib.import_module("rbtool.ingestion"), "DirLock", SignallingLock)
+    monkeypatch.setattr(importlib.import_module("rbtool.writer"), "DirLock", SignallingLock)
     releaser = threading.Thread(target=release_when_waited_on)
     releaser.start()
     try:

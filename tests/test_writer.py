@@ -20,6 +20,7 @@ from rbtool.fsutil import DirLock
 from rbtool.index import Index, read_index
 from rbtool.writer import (
     AutoSaveWriter,
+    BufferWriter,
     Source,
     WriteReport,
     copied_entries,
@@ -317,6 +318,40 @@ def test_the_directory_is_locked_while_a_writer_is_open(tmp_path: Path) -> None:
         first.close()
     second = AutoSaveWriter(directory)  # released by close
     second.close()
+
+
+def test_a_buffer_writer_places_then_publishes_and_waits_for_the_lock(tmp_path: Path) -> None:
+    """ingest's writer: the same lock and publish order as the auto-save thread, synchronously."""
+    directory = tmp_path / "buffer"
+    directory.mkdir()
+    src = tmp_path / "t.pt"
+    torch.save(make_traj(), src)
+    holder = AutoSaveWriter(directory)
+    told: list[str] = []
+    got: list[BufferWriter] = []
+    waiting = threading.Event()
+
+    def open_writer() -> None:
+        got.append(BufferWriter(directory, wait=True, on_wait=lambda who: (told.append(who), waiting.set())))
+
+    opener = threading.Thread(target=open_writer)
+    opener.start()
+    assert waiting.wait(timeout=30)
+    assert not got  # still waiting while the other writer holds the directory
+    holder.close()
+    opener.join(timeout=30)
+    assert told == [f"pid {os.getpid()}"]
+    with got[0] as writer:
+        index = Index(trajectory_format="pt")
+        entry = new_entry(0, layout.describe(make_traj(), "t"), uuid.uuid4().hex)
+        index.entries[0], index.id_list, index.trajectory_counter = entry, [0], 1
+        report = WriteReport()
+        placed = writer.place(src, index.file_name(0), entry, report)
+        assert placed.is_file() and report.linked == 1 and not (directory / INDEX_FILE).exists()
+        writer.publish(index)
+    assert read_index(directory).id_list == [0] and entry["file_bytes"] == src.stat().st_size
+    with DirLock(directory, wait=False):  # released on leaving the block
+        pass
 
 
 def test_close_waits_for_pending_jobs(tmp_path: Path) -> None:
