@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rbtool import trajfile
-from rbtool.dirs import open_checkpoint
+from rbtool.dirs import open_view, warn_layout
 from rbtool.errors import BufferClosedError, CheckpointError, EmptyBufferError, UsageError
 from rbtool.format import FORMATS, trajectory_file_name
 from rbtool.index import Index, init_buffer_dir, read_index, window_of
@@ -407,7 +407,9 @@ class TrajectoryReplayBuffer:
         self.flush()
         if is_distributed:
             Index().rank_block(world_size, local_rank)  # validates world_size and rank
-        directory, index = open_checkpoint(load_path, strict=strict)
+        view = open_view(load_path, strict=strict)
+        warn_layout(view, world_size if is_distributed else None)
+        index = view.index
         if is_distributed:
             index = index.rank_block(world_size, local_rank)
         with self._lock:
@@ -423,11 +425,11 @@ class TrajectoryReplayBuffer:
                 trajectory_format=self.trajectory_format,
             )
             if self.auto_save_path is not None:
-                files = self._adopt_files(new, {i: directory / index.file_name(i) for i in index.id_list})
+                files = self._adopt_files(new, {i: view.file_of(i) for i in index.id_list})
                 self._store.set_files(files, pin=False)
             else:
                 held = window_of(new.id_list, self.sample_window_size)
-                self._store.set_files({i: directory / index.file_name(i) for i in held}, pin=True)
+                self._store.set_files({i: view.file_of(i) for i in held}, pin=True)
             self._index = new
             self._unloaded_size = 0
             self._index_version += 1

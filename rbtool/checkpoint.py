@@ -14,18 +14,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rbtool.dirs import checkpoint_dirs, open_checkpoint
+from rbtool.dirs import CheckpointView, open_view, shard_counter, warn_layout
 from rbtool.errors import UsageError
 from rbtool.format import FORMATS, INDEX_FILE, MERGE_MAP_FILE, METADATA_FILE, trajectory_file_name
 from rbtool.fsutil import staged_dir, write_bytes_atomic
-from rbtool.index import Index, dumps, window_of
+from rbtool.index import Index, dumps, rank_bounds, window_of
 
 # Re-exported: the writer side and the sources moved to their own modules.
 from rbtool.sources import Checked as Checked
 from rbtool.sources import Item as Item
 from rbtool.sources import check_item as check_item
 from rbtool.sources import collect_items as collect_items
-from rbtool.writer import Progress, Source, WriteReport, fill_dir, new_entry, write_checkpoint
+from rbtool.writer import (
+    Progress,
+    Source,
+    WriteReport,
+    fill_dir,
+    new_entry,
+    rank_layout,
+    rank_parts,
+    write_checkpoint,
+    write_ranks,
+)
 from rbtool.writer import copied_entries as copied_entries
 from rbtool.writer import place_trajectory as place_trajectory
 
@@ -39,13 +49,12 @@ def save_from_autosave_dir(
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> tuple[Index, WriteReport]:
-    """What a buffer with auto_save on over `directory` saves: its sampling window."""
-    src_dir, index = open_checkpoint(directory, strict=True)
+    """What a buffer with auto_save on over `directory` (or a rank tree's merge) saves: its window."""
+    view = open_view(directory, strict=True)
+    index = view.index
     sub = copied_entries(index.subset(window_of(index.id_list, window)))
     sub.extra_metadata.pop("shard", None)
-    report = write_checkpoint(
-        Path(out), sub, lambda i: src_dir / index.file_name(i), overwrite=overwrite, progress=progress
-    )
+    report = write_checkpoint(Path(out), sub, view.file_of, overwrite=overwrite, progress=progress)
     return sub, report
 
 
@@ -94,22 +103,33 @@ def load_state(
     rank: int | None = None,
     strict: bool = True,
 ) -> tuple[Index, list[int]]:
-    """The index a full or distributed load yields, and the ids dropped for missing files."""
+    """The index a full or distributed load yields, and the ids dropped for missing files.
+
+    A rank tree loads as the merge of its ranks. A rank directory loaded over a world size
+    other than the one it was written for gives a RankLayoutWarning.
+    """
+    view = open_load_view(path, world_size=world_size, rank=rank, strict=strict)
+    index = view.index
+    if world_size is not None and rank is not None:
+        index = index.rank_block(world_size, rank)
+    return index, view.dropped_ids()
+
+
+def open_load_view(
+    path: str | os.PathLike[str],
+    *,
+    world_size: int | None = None,
+    rank: int | None = None,
+    strict: bool = True,
+) -> CheckpointView:
+    """The view a (full or distributed) load reads, after checking the rank arguments."""
     if (world_size is None) != (rank is None):
         raise UsageError("give both world_size and rank, or neither")
     if world_size is not None and rank is not None:
         Index().rank_block(world_size, rank)  # validate before reading anything
-    directory = Path(path)
-    before = None
-    if not strict:
-        from rbtool.index import read_index
-
-        before = read_index(directory)
-    _, index = open_checkpoint(directory, strict=strict)
-    dropped = [] if before is None else [i for i in before.id_list if i not in index.entries]
-    if world_size is not None and rank is not None:
-        index = index.rank_block(world_size, rank)
-    return index, dropped
+    view = open_view(path, strict=strict)
+    warn_layout(view, world_size)
+    return view
 
 
 def restore(
@@ -123,16 +143,13 @@ def restore(
     progress: Progress | None = None,
 ) -> tuple[Index, WriteReport]:
     """Restore a (full or per-rank) load of `ckpt` as a buffer directory, so ingest continues its ids."""
-    src = Path(ckpt)
-    index, _ = load_state(src, world_size=world_size, rank=rank, strict=strict)
-    from rbtool.index import read_index
-
-    src_index = read_index(src)
+    view = open_load_view(ckpt, world_size=world_size, rank=rank, strict=strict)
+    index = view.index
+    if world_size is not None and rank is not None:
+        index = index.rank_block(world_size, rank)
     out = copied_entries(index)
     out.extra_metadata.pop("shard", None)
-    report = write_checkpoint(
-        Path(buffer_dir), out, lambda i: src / src_index.file_name(i), overwrite=overwrite, progress=progress
-    )
+    report = write_checkpoint(Path(buffer_dir), out, view.file_of, overwrite=overwrite, progress=progress)
     return out, report
 
 
@@ -149,21 +166,13 @@ def shard(
     """Write `out/rank_r` for each rank: exactly what a distributed load by rank r yields."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise UsageError(f"world_size must be an integer >= 1, got {world_size!r}")
-    src_dir, index = open_checkpoint(ckpt, strict=strict)
-    report = WriteReport()
-    shards: list[Index] = []
-    with staged_dir(Path(out), overwrite=overwrite) as staging:
-        for rank in range(world_size):
-            part = copied_entries(index.rank_block(world_size, rank))
-            part.extra_metadata["shard"] = {
-                "rank": rank,
-                "world_size": world_size,
-                "source_trajectory_counter": index.trajectory_counter,
-            }
-            rank_dir = staging / f"rank_{rank}"
-            rank_dir.mkdir()
-            report.add(fill_dir(rank_dir, part, lambda i: src_dir / index.file_name(i), progress))
-            shards.append(part)
+    view = open_view(ckpt, strict=strict)
+    index = view.index
+    blocks = [rank_bounds(index.size, world_size, r) for r in range(world_size)]
+    shards = rank_parts(index, blocks)
+    for rank, part in enumerate(shards):
+        part.extra_metadata = {"shard": rank_layout(rank, world_size, "count", index, len(view.dirs))}
+    report = write_ranks(Path(out), shards, view.file_of, overwrite=overwrite, progress=progress)
     return shards, report
 
 
@@ -190,46 +199,22 @@ def merge(
     renumbered from 0 by (original id, input order) and the mapping is written to
     `merge_map.json` beside the index.
     """
-    inputs = [open_checkpoint(p, strict=strict) for d in dirs for p in checkpoint_dirs(d)]
-    if not inputs:
+    if not dirs:
         raise UsageError("nothing to merge")
-    fmt = trajectory_format or inputs[0][1].trajectory_format
+    view = open_view(dirs, strict=strict)
+    fmt = trajectory_format or view.index.trajectory_format
     if fmt not in FORMATS:
         raise UsageError(f"format must be 'pt' or 'pkl', got {fmt!r}")
-    all_ids = [i for _, idx in inputs for i in idx.id_list]
-    renumber = len(set(all_ids)) != len(all_ids)
-    merged = Index(seed=inputs[0][1].seed, trajectory_format=fmt)
-    sources: dict[int, Path] = {}
-    mapping: list[dict[str, Any]] = []
-    if renumber:
-        order = sorted(((i, n) for n, (_, idx) in enumerate(inputs) for i in idx.id_list))
-        for new_id, (old_id, n) in enumerate(order):
-            src_dir, idx = inputs[n]
-            entry = dict(idx.entries[old_id])
-            entry["trajectory_id"] = new_id
-            merged.entries[new_id] = entry
-            merged.id_list.append(new_id)
-            sources[new_id] = src_dir / idx.file_name(old_id)
-            mapping.append({"input": str(src_dir), "old_id": old_id, "new_id": new_id})
-        merged.trajectory_counter = len(order)
-    else:
-        counter = 0
-        for src_dir, idx in inputs:
-            for i in idx.id_list:
-                merged.entries[i] = dict(idx.entries[i])
-                merged.id_list.append(i)
-                sources[i] = src_dir / idx.file_name(i)
-            shard_info = idx.extra_metadata.get("shard")
-            source_counter = (
-                shard_info.get("source_trajectory_counter", 0) if isinstance(shard_info, dict) else 0
-            )
-            counter = max(
-                counter, idx.trajectory_counter, source_counter if isinstance(source_counter, int) else 0
-            )
-        merged.trajectory_counter = max(counter, merged.next_counter())
+    merged = copied_entries(view.index)
+    merged.trajectory_format = fmt
+    merged.extra_metadata = {}
+    renumber = view.renumbered
+    if not renumber:  # the counter a sharded source had, so ids keep continuing from it
+        merged.trajectory_counter = max(merged.trajectory_counter, *map(shard_counter, view.indexes))
+    mapping = view.mapping()
     result = MergeResult(merged, renumber, mapping)
     with staged_dir(Path(out), overwrite=overwrite) as staging:
-        result.report = fill_dir(staging, merged, sources.__getitem__, progress)
+        result.report = fill_dir(staging, merged, view.file_of, progress)
         if renumber:
             write_bytes_atomic(staging / MERGE_MAP_FILE, dumps({"renumbered": mapping}))
     return result

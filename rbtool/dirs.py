@@ -1,15 +1,21 @@
 """Checkpoint directories on disk: find the checkpoints at a path, open one for reading.
 
 A path is one checkpoint (or buffer directory), or a folder of `rank_<r>` checkpoints taken
-in numeric rank order (`rank_2` before `rank_10`). This module never imports torch.
+in numeric rank order (`rank_2` before `rank_10`). Readers see either through a
+`CheckpointView`: the merged index and where each trajectory's file is. This module never
+imports torch.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from rbtool.errors import CheckpointError, MissingTrajectoryFilesError
+from rbtool.errors import CheckpointError, MissingTrajectoryFilesError, RankLayoutWarning
 from rbtool.format import is_checkpoint_dir, parse_trajectory_file_name
 from rbtool.index import Index, read_index
 
@@ -72,3 +78,165 @@ def open_checkpoint(path: str | os.PathLike[str], *, strict: bool = True) -> tup
         gone = set(missing)
         index = index.subset([i for i in index.id_list if i not in gone])
     return directory, index
+
+
+# ------------------------------------------------------------------ views
+@dataclass
+class CheckpointView:
+    """A checkpoint as readers see it: one directory, or the merge of a folder of rank_* ones.
+
+    `index` is the merged index (SPEC §4: unique ids kept and lists concatenated in rank
+    order; colliding ids renumbered from 0 by (old id, rank order)). A trajectory's file is
+    `file_of(id)`: for a rank tree the files live in several directories, under their old ids.
+    """
+
+    path: Path
+    index: Index
+    dirs: list[Path]
+    indexes: list[Index]
+    # id -> (input number, old id); None when the view is one directory with its own ids
+    origin: dict[int, tuple[int, int]] | None = None
+    renumbered: bool = False
+    dropped: list[tuple[Path, int]] = field(default_factory=list)
+
+    @property
+    def is_tree(self) -> bool:
+        """True when the view reads more than the one directory it was given."""
+        return len(self.dirs) != 1 or self.dirs[0] != self.path
+
+    def file_of(self, trajectory_id: int) -> Path:
+        """The file holding trajectory `trajectory_id` (an id of the merged index)."""
+        if self.origin is None:
+            return self.dirs[0] / self.index.file_name(trajectory_id)
+        n, old = self.origin[trajectory_id]
+        return self.dirs[n] / self.indexes[n].file_name(old)
+
+    def source_of(self, trajectory_id: int) -> tuple[Path, int]:
+        """(checkpoint directory, id in that directory) of a merged id."""
+        if self.origin is None:
+            return self.dirs[0], trajectory_id
+        n, old = self.origin[trajectory_id]
+        return self.dirs[n], old
+
+    def mapping(self) -> list[dict[str, Any]]:
+        """Old id to new id per input, when ids were renumbered (else empty)."""
+        if not self.renumbered or self.origin is None:
+            return []
+        return [
+            {"input": str(self.dirs[n]), "old_id": old, "new_id": new}
+            for new, (n, old) in ((i, self.origin[i]) for i in self.index.id_list)
+        ]
+
+    def dropped_ids(self) -> list[int]:
+        """Ids left out for missing files (ids of the directory that listed them)."""
+        return [i for _, i in self.dropped]
+
+
+def shard_counter(index: Index) -> int:
+    """The source counter a shard recorded (0 when it records none)."""
+    info = index.extra_metadata.get("shard")
+    value = info.get("source_trajectory_counter", 0) if isinstance(info, dict) else 0
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def merge_indexes(dirs: Sequence[Path], indexes: Sequence[Index], path: Path | None = None) -> CheckpointView:
+    """The view of several checkpoints merged by SPEC §4's rule, in the order given."""
+    if not indexes:
+        raise CheckpointError("no checkpoint to read")
+    root = Path(path) if path is not None else dirs[0]
+    first = indexes[0]
+    if len(indexes) == 1 and root == dirs[0]:
+        return CheckpointView(root, first, list(dirs), list(indexes))
+    all_ids = [i for idx in indexes for i in idx.id_list]
+    renumber = len(set(all_ids)) != len(all_ids)
+    merged = Index(seed=first.seed, trajectory_format=first.trajectory_format)
+    origin: dict[int, tuple[int, int]] = {}
+    if renumber:
+        order = sorted((i, n) for n, idx in enumerate(indexes) for i in idx.id_list)
+        for new_id, (old_id, n) in enumerate(order):
+            entry = dict(indexes[n].entries[old_id])
+            entry["trajectory_id"] = new_id
+            merged.entries[new_id] = entry
+            merged.id_list.append(new_id)
+            origin[new_id] = (n, old_id)
+        merged.trajectory_counter = len(order)
+    else:
+        counter = 0
+        for n, idx in enumerate(indexes):
+            for i in idx.id_list:
+                merged.entries[i] = dict(idx.entries[i])
+                merged.id_list.append(i)
+                origin[i] = (n, i)
+            counter = max(counter, idx.trajectory_counter, shard_counter(idx))
+        merged.trajectory_counter = max(counter, merged.next_counter())
+    return CheckpointView(root, merged, list(dirs), list(indexes), origin, renumber)
+
+
+def open_view(
+    paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    *,
+    strict: bool = True,
+    check_files: bool = True,
+) -> CheckpointView:
+    """Open a checkpoint, a rank tree, or several of either (merged in the order given).
+
+    `strict` refuses ids whose files are missing; non-strict drops them before merging.
+    `check_files=False` reads only the JSON files (nothing is dropped or refused for files).
+    """
+    given = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
+    if not given:
+        raise CheckpointError("no checkpoint to read")
+    dirs = [d for p in given for d in checkpoint_dirs(p)]
+    indexes: list[Index] = []
+    dropped: list[tuple[Path, int]] = []
+    for d in dirs:
+        if check_files:
+            before = read_index(d) if not strict else None
+            _, idx = open_checkpoint(d, strict=strict)
+            if before is not None:
+                dropped.extend((d, i) for i in before.id_list if i not in idx.entries)
+        else:
+            idx = read_index(d)
+        indexes.append(idx)
+    root = Path(given[0]) if len(given) == 1 else dirs[0].parent
+    view = merge_indexes(dirs, indexes, root)
+    view.dropped = dropped
+    return view
+
+
+def warn_layout(view: CheckpointView, world_size: int | None) -> None:
+    """Warn when a rank layout recorded by a shard does not match how it is being loaded.
+
+    A rank tree whose ranks were written for another number of ranks (one is missing, or
+    they come from different shards), and a rank directory loaded distributed over a world
+    size other than the one it was written for.
+    """
+    infos = [idx.extra_metadata.get("shard") for idx in view.indexes]
+    layouts = [(i.get("rank"), i.get("world_size")) if isinstance(i, dict) else None for i in infos]
+    if view.is_tree:
+        sizes = {ws for lay in layouts if lay is not None for _, ws in [lay]}
+        numbers = [rank_number(d.name) for d in view.dirs]
+        recorded = [lay[0] if lay is not None else None for lay in layouts]
+        if sizes and (
+            len(sizes) > 1
+            or sizes != {len(view.dirs)}
+            or any(r is not None and n is not None and r != n for r, n in zip(recorded, numbers, strict=True))
+        ):
+            shown = ", ".join(str(s) for s in sorted(sizes, key=str))
+            warnings.warn(
+                RankLayoutWarning(
+                    f"{view.path}: holds {len(view.dirs)} rank directories, but they were written "
+                    f"for world size {shown}; some ranks may be missing or come from another shard"
+                ),
+                stacklevel=3,
+            )
+        return
+    layout = layouts[0]
+    if world_size is not None and layout is not None and layout[1] != world_size:
+        warnings.warn(
+            RankLayoutWarning(
+                f"{view.path}: was written as rank {layout[0]} of world size {layout[1]}, "
+                f"but is being loaded with world size {world_size}"
+            ),
+            stacklevel=3,
+        )

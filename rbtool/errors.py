@@ -55,3 +55,7 @@ class FieldsLeftOutWarning(UserWarning):
     def __init__(self, message: str, fields: list[str]) -> None:
         super().__init__(message)
         self.fields = fields
+
+
+class RankLayoutWarning(UserWarning):
+    """A rank directory is loaded in a layout other than the one its shard was written for."""

@@ -40,6 +40,43 @@ def rank_bounds(n: int, world_size: int, rank: int) -> tuple[int, int]:
     return start, start + base + (1 if rank < extra else 0)
 
 
+def balanced_blocks(num_samples: Sequence[int], world_size: int) -> list[tuple[int, int]]:
+    """[start, end) of each rank's contiguous block, balancing samples instead of counts.
+
+    Rank r's block ends where the running total of samples comes closest to r+1 shares of
+    the whole, so every rank's samples lie within the largest trajectory's of the mean.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise UsageError(f"world_size must be an integer >= 1, got {world_size!r}")
+    prefix = [0]
+    for n in num_samples:
+        prefix.append(prefix[-1] + n)
+    total = prefix[-1]
+    cuts = [0]
+    for r in range(1, world_size):
+        # closest prefix to r/world_size of the total, in integers: |N * P_k - r * S|
+        target = r * total
+        k = _closest(prefix, world_size, target)
+        cuts.append(max(k, cuts[-1]))
+    cuts.append(len(num_samples))
+    return [(cuts[r], cuts[r + 1]) for r in range(world_size)]
+
+
+def _closest(prefix: Sequence[int], world_size: int, target: int) -> int:
+    """The position k whose world_size * prefix[k] is closest to target (the lower on a tie)."""
+    lo, hi = 0, len(prefix)
+    while lo < hi:  # first k with world_size * prefix[k] >= target
+        mid = (lo + hi) // 2
+        if world_size * prefix[mid] < target:
+            lo = mid + 1
+        else:
+            hi = mid
+    k = min(lo, len(prefix) - 1)
+    if k > 0 and target - world_size * prefix[k - 1] <= world_size * prefix[k] - target:
+        return k - 1
+    return k
+
+
 def window_of(id_list: Sequence[int], window_size: int) -> list[int]:
     """The last `window_size` ids of the list; all of them when 0 or the list is shorter."""
     if window_size < 0:
@@ -190,6 +227,7 @@ def init_buffer_dir(directory: Path, index: Index) -> None:
 
 __all__ = [
     "Index",
+    "balanced_blocks",
     "dumps",
     "init_buffer_dir",
     "rank_bounds",

@@ -96,6 +96,48 @@ def write_checkpoint(
         return fill_dir(staging, index, source_of, progress)
 
 
+def rank_layout(
+    rank: int, world_size: int, split: str, source: Index, source_world_size: int
+) -> dict[str, Any]:
+    """The `shard` metadata key of a rank directory: the layout it was written for, and its source's."""
+    return {
+        "rank": rank,
+        "world_size": world_size,
+        "split": split,
+        "source_world_size": source_world_size,
+        "source_size": source.size,
+        "source_total_samples": source.total_samples,
+        "source_trajectory_counter": source.trajectory_counter,
+    }
+
+
+def rank_parts(index: Index, blocks: list[tuple[int, int]]) -> list[Index]:
+    """Each rank's index for [start, end) blocks of the list: counter = the block's largest id + 1."""
+    parts = []
+    for start, end in blocks:
+        ids = index.id_list[start:end]
+        parts.append(copied_entries(index.subset(ids, trajectory_counter=max(ids, default=-1) + 1)))
+    return parts
+
+
+def write_ranks(
+    out: Path,
+    parts: list[Index],
+    source_of: Callable[[int], Source],
+    *,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> WriteReport:
+    """Write `out/rank_r` for each part, the whole tree published at once."""
+    report = WriteReport()
+    with staged_dir(out, overwrite=overwrite) as staging:
+        for rank, part in enumerate(parts):
+            rank_dir = staging / f"rank_{rank}"
+            rank_dir.mkdir()
+            report.add(fill_dir(rank_dir, part, source_of, progress))
+    return report
+
+
 def copied_entries(index: Index) -> Index:
     """A copy of `index` whose entries may be changed without touching the original."""
     sub = index.subset(index.id_list)
