@@ -57,6 +57,17 @@ def checkpoint_dirs(path: str | os.PathLike[str]) -> list[Path]:
     return ranks
 
 
+def is_rank_tree(path: str | os.PathLike[str]) -> bool:
+    """True if `path` is a folder of rank_* checkpoints rather than a checkpoint itself."""
+    root = Path(path)
+    return (
+        root.is_dir()
+        and not is_checkpoint_dir(root)
+        and not has_trajectory_files(root)
+        and any(is_checkpoint_dir(d) for d in rank_dirs(root))
+    )
+
+
 def missing_files(directory: Path, index: Index) -> list[int]:
     """Ids whose trajectory files are not in `directory`."""
     return [i for i in index.id_list if not (directory / index.file_name(i)).is_file()]

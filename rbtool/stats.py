@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from operator import attrgetter, itemgetter, methodcaller
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from rbtool.dirs import checkpoint_dirs, open_view
 from rbtool.errors import NeedsTrajectoryFilesError, RbtoolError, TrajectoryFileError, UsageError
 from rbtool.format import IndexCheck, check_json, trajectory_file_name
 from rbtool.index import Index, read_index
@@ -224,17 +225,17 @@ def weights_groups(table: IndexTable, in_window: np.ndarray) -> list[dict[str, A
     ]
 
 
-def file_sizes(directory: Path, index: Index) -> np.ndarray:
+def file_sizes(file_of: Callable[[int], Path], index: Index) -> np.ndarray:
     """Size of each listed trajectory file in list order; -1 where it is missing or not a file."""
 
-    def size(name: str) -> int:
+    def size(path: Path) -> int:
         try:
-            st = os.stat(directory / name)
+            st = os.stat(path)
         except OSError:
             return -1
         return st.st_size if stat.S_ISREG(st.st_mode) else -1
 
-    return np.fromiter((size(index.file_name(i)) for i in index.id_list), dtype=np.int64, count=index.size)
+    return np.fromiter((size(file_of(i)) for i in index.id_list), dtype=np.int64, count=index.size)
 
 
 def index_report(
@@ -539,7 +540,7 @@ def schema_report(
 
 
 def data_report(
-    directory: Path,
+    file_of: Callable[[int], Path],
     index: Index,
     table: IndexTable,
     exists: np.ndarray,
@@ -560,7 +561,7 @@ def data_report(
     pkl_bytes = 0
     for pos in np.flatnonzero(exists).tolist():
         tid = int(table.ids[pos])
-        path = directory / index.file_name(tid)
+        path = file_of(tid)
         got = read_trajectory(path, int(table.t[pos]), int(table.b[pos]))
         per_fields.append((tid, got.fields))
         bytes_read += got.bytes_read
@@ -732,13 +733,26 @@ def collect_stats(
     directory = Path(path)
     index: Index | None = None
     sizes: np.ndarray | None = None
-    if index_only:
+    dirs = checkpoint_dirs(directory)
+    # a rank tree reads as the merge of its ranks (SPEC §4), each file from its own rank
+    view = open_view(directory, check_files=False) if dirs != [directory] else None
+    if index_only and view is None:
         header, table = read_table(directory)
     else:
-        index = read_index(directory)
+        index = read_index(directory) if view is None else view.index
         header, table = IndexHeader.of(index), index_table(index)
-        sizes = file_sizes(directory, index)
-    doc: dict[str, Any] = {"path": str(directory), "index_only": index_only}
+    file_of: Callable[[int], Path] = (
+        view.file_of if view is not None else (lambda tid: directory / cast(Index, index).file_name(tid))
+    )
+    if not index_only:
+        assert index is not None
+        sizes = file_sizes(file_of, index)
+    doc: dict[str, Any] = {
+        "path": str(directory),
+        "rank_dirs": [str(d) for d in dirs] if view is not None else [],
+        "renumbered": view is not None and view.renumbered,
+        "index_only": index_only,
+    }
     report, in_window = index_report(header, table, window, sizes, as_json)
     doc.update(report)
     doc["schema"] = doc["data"] = None
@@ -746,7 +760,7 @@ def collect_stats(
     if index is not None and sizes is not None:
         exists = sizes >= 0
         doc["schema"], doc["data"], scores = data_report(
-            directory, index, table, exists, in_window, bins, progress
+            file_of, index, table, exists, in_window, bins, progress
         )
     doc["draws"] = None
     if draws is not None:

@@ -18,6 +18,8 @@ from rbtool.cli import app
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 TOP_KEYS = [
     "path",
+    "rank_dirs",
+    "renumbered",
     "index_only",
     "index",
     "files",

@@ -82,14 +82,18 @@ def save(
 ) -> None:
     """Write the checkpoint a buffer's save_checkpoint would write, from files on disk."""
     from rbtool import checkpoint
+    from rbtool.dirs import is_rank_tree, open_view
     from rbtool.format import is_checkpoint_dir
-    from rbtool.index import read_index
 
     fmt = None if trajectory_format is None else trajectory_format.value
     refuse_overlap(target, sources, "OUT")
     chosen = mode
     if mode is SaveMode.auto:
-        single_dir = len(sources) == 1 and sources[0].is_dir() and is_checkpoint_dir(sources[0])
+        single_dir = (
+            len(sources) == 1
+            and sources[0].is_dir()
+            and (is_checkpoint_dir(sources[0]) or is_rank_tree(sources[0]))
+        )
         chosen = SaveMode.auto_save if single_dir else SaveMode.in_memory
     enabled = show_progress(json)
     if chosen is SaveMode.auto_save:
@@ -97,7 +101,7 @@ def save(
             raise typer.BadParameter("auto-save mode takes exactly one buffer directory", param_hint="SOURCE")
         if seed is not None:
             raise typer.BadParameter("applies to --mode in-memory only", param_hint="--seed")
-        own_format = read_index(sources[0]).trajectory_format
+        own_format = open_view(sources[0], check_files=False).index.trajectory_format
         if fmt is not None and fmt != own_format:
             raise typer.BadParameter(
                 f"a buffer with auto_save on saves its own files; {sources[0]} holds {own_format} files",

@@ -111,11 +111,12 @@ def sample(
         refuse_out_inside(out_path, path)
 
     from rbtool.buffer import TrajectoryReplayBuffer
-    from rbtool.dirs import missing_files
-    from rbtool.index import read_index
+    from rbtool.dirs import open_view
 
-    index = read_index(path)
-    missing = missing_files(path, index) if not strict else []
+    # a rank tree reads as the merge of its ranks; ids are the merged ones
+    view = open_view(path, check_files=False)
+    index = view.index
+    missing = [] if strict else [i for i in index.id_list if not view.file_of(i).is_file()]
     buffer = TrajectoryReplayBuffer(seed=DEFAULT_SEED, sample_window_size=window, extra_fields=all_fields)
     buffer.load_checkpoint(path, strict=strict)  # reseeds from the checkpoint when it has a seed
     used_seed = buffer.seed if seed is None else seed
