@@ -19,8 +19,13 @@ from rbtool.errors import (
 if TYPE_CHECKING:
     from rbtool.buffer import TrajectoryReplayBuffer
     from rbtool.checkpoint import build_from_files, load_state, merge, restore, save_from_autosave_dir, shard
+    from rbtool.compare import diff
+    from rbtool.conversion import convert
+    from rbtool.dirs import CheckpointView, open_view
+    from rbtool.filtering import Criteria, filter_checkpoint
     from rbtool.index import Index, read_index
     from rbtool.ingestion import ingest
+    from rbtool.resharding import reshard
 
 # Public names resolved on first use, so `import rbtool` (and the command line's start-up)
 # loads only what a command needs.
@@ -32,6 +37,13 @@ _LAZY = {
     "restore": "rbtool.checkpoint",
     "save_from_autosave_dir": "rbtool.checkpoint",
     "shard": "rbtool.checkpoint",
+    "diff": "rbtool.compare",
+    "convert": "rbtool.conversion",
+    "CheckpointView": "rbtool.dirs",
+    "open_view": "rbtool.dirs",
+    "Criteria": "rbtool.filtering",
+    "filter_checkpoint": "rbtool.filtering",
+    "reshard": "rbtool.resharding",
     "Index": "rbtool.index",
     "read_index": "rbtool.index",
     "ingest": "rbtool.ingestion",
@@ -53,6 +65,8 @@ __version__ = "0.2.0"
 
 __all__ = [
     "CheckpointError",
+    "CheckpointView",
+    "Criteria",
     "Index",
     "InvalidTrajectoryError",
     "MissingTrajectoryFilesError",
@@ -63,10 +77,15 @@ __all__ = [
     "UsageError",
     "__version__",
     "build_from_files",
+    "convert",
+    "diff",
+    "filter_checkpoint",
     "ingest",
     "load_state",
     "merge",
+    "open_view",
     "read_index",
+    "reshard",
     "restore",
     "save_from_autosave_dir",
     "shard",

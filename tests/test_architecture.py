@@ -16,7 +16,17 @@ from conftest import FIXTURES
 PACKAGE = Path(__file__).resolve().parents[1] / "rbtool"
 ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 # Operations on directories: none of them builds on another.
-OPERATIONS = {"rbtool.checkpoint", "rbtool.ingestion", "rbtool.repair", "rbtool.stats", "rbtool.verify"}
+OPERATIONS = {
+    "rbtool.checkpoint",
+    "rbtool.compare",
+    "rbtool.conversion",
+    "rbtool.filtering",
+    "rbtool.ingestion",
+    "rbtool.repair",
+    "rbtool.resharding",
+    "rbtool.stats",
+    "rbtool.verify",
+}
 
 
 def module_name(path: Path) -> str:
