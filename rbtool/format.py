@@ -20,6 +20,7 @@ import functools
 import gc
 import os
 import re
+import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain, compress
@@ -715,14 +716,30 @@ def read_file(path: Path, missing: str, unreadable: str, found: list[Problem]) -
     """The bytes of `path`, or None after recording why they could not be read."""
     name = path.name
     try:
-        return path.read_bytes()
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; anything but a regular file
+        # (a FIFO, a device such as /dev/zero) is refused before a byte is read
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         found.append(problem(missing, f"{name}: does not exist", file=name))
-    except IsADirectoryError:
-        found.append(problem(unreadable, f"{name}: is a directory, not a file", file=name))
+        return None
     except OSError as exc:
         found.append(problem(unreadable, one_line(f"{name}: cannot read ({exc.strerror})"), file=name))
-    return None
+        return None
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            found.append(problem(unreadable, f"{name}: is a directory, not a file", file=name))
+            return None
+        if not stat.S_ISREG(info.st_mode):
+            found.append(problem(unreadable, f"{name}: not a regular file", file=name))
+            return None
+        with os.fdopen(os.dup(fd), "rb") as handle:
+            return handle.read(info.st_size + 1)  # bounded by what the file says it holds
+    except OSError as exc:
+        found.append(problem(unreadable, one_line(f"{name}: cannot read ({exc.strerror})"), file=name))
+        return None
+    finally:
+        os.close(fd)
 
 
 def parse_json_file(path: Path, missing: str, unreadable: str, found: list[Problem]) -> Any:

@@ -16,7 +16,7 @@ from typing import Any
 
 from rbtool.errors import RbtoolError, TrajectoryFileError, UnsafePickleError
 
-__all__ = ["dump_pickle_trajectory", "load_pickle_trajectory"]
+__all__ = ["dump_pickle_trajectory", "load_pickle_trajectory", "refuse_opcodes"]
 
 _ALLOWED = "only tensors, dicts, lists, numbers and strings are allowed"
 
@@ -192,12 +192,34 @@ def _check_contents(obj: Any, name: str) -> None:
         raise _corrupt(name, f"unexpected {type(item).__name__} in trajectory")
 
 
+# Opcodes a pickled dict of tensors never holds. BUILD would call a tensor's __setstate__,
+# whose `set_` re-points it at any storage with any size, skipping _rebuild_tensor's checks.
+# (INST and OBJ name their class through find_class, which refuses it by name.)
+_REFUSED_OPCODES = {"BUILD": "a BUILD (setstate) instruction"}
+
+
+def refuse_opcodes(data: bytes, name: str) -> None:
+    """Scan the pickle's instructions (none runs) and refuse the ones a trajectory never needs."""
+    import pickletools
+
+    try:
+        for opcode, _, _ in pickletools.genops(data):
+            what = _REFUSED_OPCODES.get(opcode.name)
+            if what is not None:
+                raise _refused(name, what)
+            if opcode.name == "STOP":
+                return
+    except ValueError as exc:  # what the scan cannot read is not run either
+        raise _corrupt(name, f"unreadable pickle instructions: {exc}") from None
+
+
 def load_pickle_trajectory(data: bytes, *, name: str) -> dict:
     """Unpickle a trajectory dict without running code; `name` labels error messages.
 
     Raises UnsafePickleError for any global beyond tensors, TrajectoryFileError for bad data.
     """
     try:
+        refuse_opcodes(data, name)
         result = _TrajectoryUnpickler(data, name).load()
         if not isinstance(result, dict):
             raise _corrupt(name, f"top level is a {type(result).__name__}, not a dict")

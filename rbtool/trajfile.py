@@ -1,19 +1,29 @@
 """Trajectory files: cleaning trajectory dicts, serializing them, loading them safely, hashes.
 
+Loading is safe in three steps: the file must be a regular file (never a FIFO or device)
+whose zip records are stored as they are (no compression to inflate); `.pt` files load with
+`weights_only=True`, `.pkl` files with rbtool.safepickle's restricted unpickler; and then
+every value is checked before anyone uses it (`check_loaded`): string keys, bounded nesting,
+no cycles, ints in int64, and tensors that are dense strided CPU tensors of a supported
+dtype whose storage holds every element of their view, with no stride-0 or overlapping
+dims. torch older than 2.10 is refused before any file is read (known weights_only bypasses).
+
 torch is imported inside the functions that need tensors.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import io
 import os
+import stat
 import warnings
 from pathlib import Path
 from typing import Any
 
-from rbtool.errors import InvalidTrajectoryError, TrajectoryFileError, UnsafePickleError
+from rbtool.errors import InvalidTrajectoryError, RbtoolError, TrajectoryFileError, UnsafePickleError
 from rbtool.layout import TrajectoryInfo, describe
 
 
@@ -85,6 +95,150 @@ def to_bytes(traj: dict[str, Any], fmt: str) -> bytes:
     return dump_pickle_trajectory(traj)
 
 
+# The oldest torch whose weights_only loading has no known bypass (CVE-2025-32434 was fixed
+# in 2.6.0, CVE-2026-24747 in 2.10.0).
+MIN_TORCH = (2, 10)
+MAX_DEPTH = 32  # nesting of dicts (and lists) in a trajectory
+_INT64 = (-(1 << 63), 1 << 63)
+
+
+@functools.cache
+def require_torch() -> Any:
+    """torch, once it is known to be recent enough to load untrusted files."""
+    import re
+
+    import torch
+
+    found = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    if found is None or (int(found.group(1)), int(found.group(2))) < MIN_TORCH:
+        raise RbtoolError(
+            f"torch {torch.__version__} is older than {MIN_TORCH[0]}.{MIN_TORCH[1]}, whose weights_only "
+            "loading has known bypasses (CVE-2025-32434, CVE-2026-24747); upgrade torch before reading "
+            "trajectory files"
+        )
+    return torch
+
+
+@functools.cache
+def supported_dtypes() -> frozenset[Any]:
+    """The tensor dtypes a trajectory may hold."""
+    torch = require_torch()
+    names = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32",
+             "float64", "complex64", "complex128")  # fmt: skip
+    return frozenset(getattr(torch, n) for n in names)
+
+
+def _tensor_problem(t: Any) -> str | None:
+    """Why a loaded tensor must not be used, or None."""
+    torch = require_torch()
+    if type(t) is not torch.Tensor:
+        return f"is a {type(t).__name__}, not a plain tensor"
+    if t.layout != torch.strided:
+        return f"has layout {t.layout} (only dense strided tensors)"
+    if t.device.type != "cpu":
+        return f"is on {t.device} (only CPU tensors)"
+    if t.is_quantized or getattr(t, "is_nested", False):
+        return "is a quantized or nested tensor"
+    if t.dtype not in supported_dtypes():
+        return f"has dtype {t.dtype}, which trajectories do not use"
+    size, stride = tuple(t.shape), tuple(t.stride())
+    if any(d < 0 for d in size) or any(s < 0 for s in stride):
+        return "has a negative size or stride"
+    if t.numel() == 0:
+        return None
+    itemsize = t.element_size()
+    needed = t.storage_offset() + 1 + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
+    held = t.untyped_storage().nbytes() // itemsize
+    if needed > held:
+        return f"views {needed} elements but its storage holds {held}"
+    extent = 1  # dims ordered by stride: each must step past everything the smaller ones cover
+    for s, n in sorted((s, n) for n, s in zip(size, stride, strict=True) if n > 1):
+        if s < extent:
+            return "has a stride-0 or overlapping dim (an expanded view)"
+        extent = s * n
+    return None
+
+
+def check_loaded(obj: Any, name: str) -> None:
+    """Refuse a loaded trajectory whose contents are unsafe or unusable, naming the field.
+
+    Raises TrajectoryFileError (one line) for non-string keys, nesting deeper than MAX_DEPTH,
+    cycles, ints outside int64, values of other types, and any tensor _tensor_problem refuses.
+    """
+    torch = require_torch()
+
+    def walk(value: Any, path: str, depth: int, ancestors: frozenset[int]) -> None:
+        where = f"{name}: field {path!r}" if path else name
+        if isinstance(value, torch.Tensor):
+            problem = _tensor_problem(value)
+            if problem is not None:
+                raise TrajectoryFileError(f"{where} {problem}")
+            return
+        if type(value) in (str, float, bool) or value is None:
+            return
+        if type(value) is int:
+            if not _INT64[0] <= value < _INT64[1]:
+                raise TrajectoryFileError(f"{where} holds an integer outside int64")
+            return
+        if not isinstance(value, (dict, list, tuple)):
+            raise TrajectoryFileError(f"{where} holds a {type(value).__name__}")
+        if id(value) in ancestors:
+            raise TrajectoryFileError(f"{where} contains itself (a cycle)")
+        if depth >= MAX_DEPTH:
+            raise TrajectoryFileError(f"{where} nests deeper than {MAX_DEPTH} levels")
+        inner = ancestors | {id(value)}
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if type(key) is not str:
+                    raise TrajectoryFileError(f"{where} has a key that is not a string: {key!r:.60}")
+                walk(item, f"{path}.{key}" if path else key, depth + 1, inner)
+        else:
+            for i, item in enumerate(value):
+                walk(item, f"{path}[{i}]", depth + 1, inner)
+
+    walk(obj, "", 0, frozenset())
+
+
+def _open_regular(path: Path) -> None:
+    """Refuse a path that is not a regular file (a FIFO would hang a reader, a device never end)."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise TrajectoryFileError(f"{path}: file not found") from None
+    except OSError as exc:
+        raise TrajectoryFileError(f"{path}: cannot read ({exc.strerror})") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise TrajectoryFileError(f"{path}: not a regular file")
+
+
+def _check_zip_records(path: Path) -> None:
+    """A `.pt` zip's records must be stored uncompressed and fit in the file (no zip bombs)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            records = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return  # not a zip (a legacy .pt) or unreadable: torch's loader names the problem
+    total = 0
+    for record in records:
+        if record.compress_type != zipfile.ZIP_STORED or record.compress_size != record.file_size:
+            raise TrajectoryFileError(f"{path}: zip record {record.filename!r:.80} is compressed")
+        total += record.file_size
+    if total > os.stat(path).st_size:
+        raise TrajectoryFileError(f"{path}: zip records claim more bytes than the file holds")
+    from rbtool.safepickle import refuse_opcodes
+
+    for record in records:
+        if record.filename.endswith("/data.pkl") or record.filename == "data.pkl":
+            try:
+                with zipfile.ZipFile(path) as archive:
+                    pickled = archive.read(record)
+            except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+                raise TrajectoryFileError(f"{path}: not a readable .pt trajectory ({exc})") from None
+            refuse_opcodes(pickled, str(path))  # a BUILD would bypass the size checks
+
+
 def load_pt_template(path: Path, mmap: bool) -> Any:
     """Whatever a `.pt` file holds, loaded with weights_only (no type check on the result).
 
@@ -94,14 +248,15 @@ def load_pt_template(path: Path, mmap: bool) -> Any:
     """
     import pickle
 
-    import torch
-
+    torch = require_torch()
+    _open_regular(path)
+    _check_zip_records(path)
     try:
         with warnings.catch_warnings():
             # torch warns about odd files (e.g. a plain pickle named .pt) before it refuses them;
             # the error says enough, and a warning would add lines to a one-line error
             warnings.simplefilter("ignore")
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unpickling failed"
         if "Weights only load failed" in str(exc) or "Unsupported global" in str(exc):
@@ -114,6 +269,8 @@ def load_pt_template(path: Path, mmap: bool) -> Any:
     except Exception as exc:  # torch raises RuntimeError, EOFError, ValueError... on bad bytes
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise TrajectoryFileError(f"{path}: not a readable .pt trajectory ({message})") from None
+    check_loaded(obj, str(path))
+    return obj
 
 
 def load(path: str | os.PathLike[str], *, mmap: bool = False, suffix: str | None = None) -> dict[str, Any]:
@@ -135,11 +292,14 @@ def load(path: str | os.PathLike[str], *, mmap: bool = False, suffix: str | None
     elif suffix == ".pkl":
         from rbtool.safepickle import load_pickle_trajectory
 
+        require_torch()
+        _open_regular(path)
         try:
             data = path.read_bytes()
         except OSError as exc:
             raise TrajectoryFileError(f"{path}: cannot read ({exc.strerror})") from None
         obj = load_pickle_trajectory(data, name=str(path))
+        check_loaded(obj, str(path))
     else:
         raise TrajectoryFileError(f"{path}: not a trajectory file (expected .pt or .pkl)")
     if not isinstance(obj, dict):
