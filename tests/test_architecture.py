@@ -117,9 +117,24 @@ def test_every_module_is_in_the_architecture_page() -> None:
         ["stats", str(FIXTURES / "autosave_pt" / "autosave"), "--index-only"],
         ["stats", str(FIXTURES / "varying_shapes_pt" / "ckpt"), "--index-only", "--json"],
         ["checkpoint", "load", str(FIXTURES / "ranks" / "rank_1"), "--world-size", "2", "--json"],
+        ["checkpoint", "load", str(FIXTURES / "ranks"), "--world-size", "3", "--json"],
+        ["stats", str(FIXTURES / "ranks"), "--index-only", "--json"],
+        ["reshard", str(FIXTURES / "ranks"), "--world-size", "3", "--out", "/nonexistent/x", "--dry-run"],
+        ["filter", str(FIXTURES / "ranks"), "--out", "/nonexistent/x", "--last", "2", "--dry-run"],
         ["--help"],
     ],
-    ids=["verify", "verify-ranks", "stats-index-only", "stats-index-only-json", "checkpoint-load", "help"],
+    ids=[
+        "verify",
+        "verify-ranks",
+        "stats-index-only",
+        "stats-index-only-json",
+        "checkpoint-load",
+        "checkpoint-load-ranks",
+        "stats-index-only-ranks",
+        "reshard-dry-run",
+        "filter-dry-run",
+        "help",
+    ],
 )
 def test_quick_commands_import_no_torch(argv: list[str]) -> None:
     code = (

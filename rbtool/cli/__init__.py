@@ -10,7 +10,21 @@ from __future__ import annotations
 
 import typer
 
-from rbtool.cli import checkpoint, ingest, merge, repair, sample, shard, stats, verify, version
+from rbtool.cli import (
+    checkpoint,
+    convert,
+    diff,
+    filter,
+    ingest,
+    merge,
+    repair,
+    reshard,
+    sample,
+    shard,
+    stats,
+    verify,
+    version,
+)
 from rbtool.cli._common import Group
 
 app = typer.Typer(
@@ -37,6 +51,10 @@ app.command()(ingest.ingest)
 app.add_typer(checkpoint.checkpoint_app)  # checkpoint save, checkpoint load
 app.command()(shard.shard)
 app.command()(merge.merge)
+app.command()(reshard.reshard)
+app.command(name="filter")(filter.filter_)
+app.command()(diff.diff)
+app.command()(convert.convert)
 app.command()(stats.stats)
 app.command()(sample.sample)
 app.command()(verify.verify)

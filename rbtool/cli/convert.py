@@ -1,0 +1,82 @@
+"""`rbtool convert`: rewrite a checkpoint's (or rank tree's) trajectory files in another format."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from rbtool.cli._common import (
+    ForceOpt,
+    JsonOpt,
+    StrictOpt,
+    TrajectoryFormat,
+    files_line,
+    out,
+    print_json,
+    progress_bar,
+    refuse_overlap,
+    show_progress,
+    state_table,
+)
+
+
+def convert(
+    source: Annotated[
+        Path, typer.Argument(metavar="IN", help="A checkpoint, or a folder of rank_* checkpoints.")
+    ],
+    target: Annotated[Path, typer.Option("--out", "-o", help="Where to write the converted copy.")],
+    trajectory_format: Annotated[
+        TrajectoryFormat, typer.Option("--format", help="The format to write every trajectory file in.")
+    ],
+    jobs: Annotated[
+        int | None,
+        typer.Option(
+            "--jobs",
+            "-j",
+            min=1,
+            help="Files converted at once (default: the number of cores).",
+            show_default=False,
+        ),
+    ] = None,
+    strict: StrictOpt = True,
+    force: ForceOpt = False,
+    json: JsonOpt = False,
+) -> None:
+    """Write OUT with every trajectory file of IN in FORMAT (a rank tree keeps its rank_* layout)."""
+    from rbtool import conversion
+
+    refuse_overlap(target, [source], "--out")
+    with progress_bar("converting", None, show_progress(json)) as advance:
+        result = conversion.convert(
+            source,
+            target,
+            trajectory_format.value,
+            jobs=jobs,
+            strict=strict,
+            overwrite=force,
+            progress=advance,
+        )
+    checkpoints: list[dict[str, Any]] = [
+        {"path": str(target if rel == "." else target / rel), **index.state()}
+        for rel, index in result.checkpoints
+    ]
+    doc: dict[str, Any] = {
+        "source": str(source),
+        "out": str(target),
+        "trajectory_format": result.trajectory_format,
+        "jobs": result.jobs,
+        "checkpoints": checkpoints,
+        "files": result.report.as_json(),
+    }
+    if json:
+        print_json(doc)
+        return
+    out.print(
+        state_table(
+            f"{source} converted to {doc['trajectory_format']} into {target} ({doc['jobs']} jobs)",
+            [(Path(c["path"]).name, c) for c in checkpoints],
+        )
+    )
+    out.print(f"files: {files_line(doc['files'])}")

@@ -1,0 +1,93 @@
+"""`rbtool diff`: what differs between two checkpoints or rank trees (exit 1 when anything does)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from rbtool.cli._common import (
+    JsonOpt,
+    StrictOpt,
+    err,
+    format_ids,
+    out,
+    print_json,
+    progress_bar,
+    show_progress,
+)
+
+
+def diff(
+    a: Annotated[Path, typer.Argument(metavar="A", help="A checkpoint or a folder of rank_* checkpoints.")],
+    b: Annotated[Path, typer.Argument(metavar="B", help="The checkpoint or rank tree to compare with A.")],
+    deep: Annotated[
+        bool,
+        typer.Option(
+            "--deep", help="Compare trajectory contents (every tensor and field), not hashes or sizes."
+        ),
+    ] = False,
+    strict: StrictOpt = True,
+    json: JsonOpt = False,
+) -> None:
+    """Compare A and B: metadata, entries added/removed/changed, files, schema. Exit 0 equal, 1 not."""
+    from rbtool import compare
+
+    with progress_bar("comparing", None, show_progress(json)) as advance:
+        result = compare.diff(a, b, deep=deep, strict=strict, progress=advance)
+    doc = result.as_json()
+    if json:
+        print_json(doc)
+    else:
+        render(doc)
+    if doc["files_unchecked"] and not deep:
+        err.print(
+            f"Warning: {doc['files_unchecked']} file(s) are in different formats and were not compared; "
+            "pass --deep to compare their contents",
+            markup=False,
+            highlight=False,
+        )
+    if not doc["equal"]:
+        raise typer.Exit(1)
+
+
+def render(doc: dict[str, Any]) -> None:
+    """The human view: a verdict, then a table of what differs."""
+    from rich.table import Table
+
+    how = "by content" if doc["deep"] else "by recorded hash or size"
+    if doc["equal"]:
+        out.print(f"equal ({how}): {doc['a']} and {doc['b']}, {doc['unchanged']} trajectories")
+        return
+    out.print(f"[bold]differ[/bold] ({how}): {doc['a']} -> {doc['b']}")
+    table = Table(box=None, pad_edge=False, show_header=True)
+    for name in ("what", "A", "B"):
+        table.add_column(name)
+    for m in doc["metadata"]:
+        table.add_row(f"metadata {m['key']}", str(m["a"]), str(m["b"]))
+    if doc["removed"]:
+        table.add_row(f"removed ({len(doc['removed'])})", format_ids(doc["removed"]), "")
+    if doc["added"]:
+        table.add_row(f"added ({len(doc['added'])})", "", format_ids(doc["added"]))
+    if doc["order_changed"]:
+        table.add_row("list order", "differs", "")
+    shown = doc["changed"][:20]
+    for c in shown:
+        what = ", ".join(c["fields"] + ([c["file"]] if c["file"] else []))
+        table.add_row(f"changed {c['trajectory_id']}", what, c["detail"] or "")
+    if len(doc["changed"]) > len(shown):
+        table.add_row(f"... {len(doc['changed']) - len(shown)} more changed", "", "")
+    schema = doc["schema"]
+    for f in schema["removed"]:
+        table.add_row(f"field {f['field']}", f"{f['dtype']} {f['shape']}", "(absent)")
+    for f in schema["added"]:
+        table.add_row(f"field {f['field']}", "(absent)", f"{f['dtype']} {f['shape']}")
+    for f in schema["changed"]:
+        table.add_row(
+            f"field {f['field']}",
+            f"{f['a']['dtype']} {f['a']['shape']}",
+            f"{f['b']['dtype']} {f['b']['shape']}",
+        )
+    out.print(table)
+    out.print(f"{doc['unchanged']} trajectories unchanged")

@@ -1,0 +1,103 @@
+"""`rbtool filter`: a new checkpoint of the trajectories that match."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from rbtool.cli._common import (
+    ForceOpt,
+    JsonOpt,
+    StrictOpt,
+    files_line,
+    format_ids,
+    out,
+    print_json,
+    progress_bar,
+    refuse_overlap,
+    show_progress,
+    state_table,
+)
+
+
+def filter_(
+    source: Annotated[
+        Path, typer.Argument(metavar="IN", help="A checkpoint, or a folder of rank_* checkpoints.")
+    ],
+    target: Annotated[Path, typer.Option("--out", "-o", help="Checkpoint directory to write.")],
+    model_weights_id: Annotated[
+        list[str] | None,
+        typer.Option("--model-weights-id", help="Keep trajectories of this policy (repeatable)."),
+    ] = None,
+    min_version: Annotated[
+        float | None,
+        typer.Option("--min-version", help="Keep trajectories whose every `versions` value is >= V."),
+    ] = None,
+    max_version: Annotated[
+        float | None,
+        typer.Option("--max-version", help="Keep trajectories whose every `versions` value is <= V."),
+    ] = None,
+    max_staleness: Annotated[
+        float | None,
+        typer.Option(
+            "--max-staleness",
+            min=0,
+            help="Keep trajectories whose oldest version is at most S behind the newest in IN.",
+        ),
+    ] = None,
+    min_id: Annotated[int | None, typer.Option("--min-id", help="Keep ids >= I.")] = None,
+    max_id: Annotated[int | None, typer.Option("--max-id", help="Keep ids <= I.")] = None,
+    last: Annotated[
+        int | None, typer.Option("--last", min=0, help="Then keep only the last N (in list order).")
+    ] = None,
+    min_samples: Annotated[
+        int | None, typer.Option("--min-samples", min=0, help="Keep trajectories with >= N samples (T*B).")
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="List what would be kept; write nothing.")
+    ] = False,
+    strict: StrictOpt = True,
+    force: ForceOpt = False,
+    json: JsonOpt = False,
+) -> None:
+    """Write OUT holding IN's trajectories that match every criterion given (files linked)."""
+    from rbtool import filtering
+
+    refuse_overlap(target, [source], "--out")
+    criteria = filtering.Criteria(
+        model_weights_ids=tuple(model_weights_id or ()),
+        min_version=min_version,
+        max_version=max_version,
+        max_staleness=max_staleness,
+        min_id=min_id,
+        max_id=max_id,
+        last=last,
+        min_samples=min_samples,
+    )
+    with progress_bar("filtering", None, show_progress(json)) as advance:
+        result = filtering.filter_checkpoint(
+            source, target, criteria, strict=strict, dry_run=dry_run, overwrite=force, progress=advance
+        )
+    doc: dict[str, Any] = {
+        "source": str(source),
+        "out": str(target),
+        "dry_run": dry_run,
+        "criteria": filtering.describe_criteria(criteria),
+        **result.index.state(),
+        "source_size": result.view.index.size,
+        "dropped_ids": result.dropped,
+        "renumbered": result.view.renumbered,
+        "files": None if dry_run else result.report.as_json(),
+    }
+    if json:
+        print_json(doc)
+        return
+    action = "would keep" if dry_run else f"kept in {target}"
+    out.print(state_table(f"{source}: {action}", [("kept", doc)]))
+    out.print(f"dropped {len(result.dropped)} of {doc['source_size']}: ids {format_ids(result.dropped)}")
+    if dry_run:
+        out.print("dry run: nothing written")
+    else:
+        out.print(f"files: {files_line(doc['files'])}")

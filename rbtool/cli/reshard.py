@@ -1,0 +1,118 @@
+"""`rbtool reshard`: M rank directories (or one checkpoint) to N ranks in one step."""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from rbtool.cli._common import (
+    JsonOpt,
+    StrictOpt,
+    WorldSizeOpt,
+    files_line,
+    format_ids,
+    out,
+    print_json,
+    progress_bar,
+    refuse_overlap,
+    show_progress,
+)
+
+
+class Balance(str, enum.Enum):
+    """What the rank blocks balance."""
+
+    by_count = "count"
+    by_samples = "samples"
+
+
+def reshard(
+    source: Annotated[
+        Path, typer.Argument(metavar="IN", help="A checkpoint, or a folder of rank_* checkpoints.")
+    ],
+    world_size: WorldSizeOpt,
+    target: Annotated[
+        Path, typer.Option("--out", "-o", help="Directory to write rank_0 .. rank_{N-1} into.")
+    ],
+    balance: Annotated[
+        Balance,
+        typer.Option(
+            "--balance",
+            help="count: blocks of trajectories as a distributed load cuts them; samples: blocks of "
+            "about equal total samples. Both keep list order.",
+        ),
+    ] = Balance.by_count,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
+    strict: StrictOpt = True,
+    force: Annotated[
+        bool,
+        typer.Option("--force", help="Replace OUT if it is empty, a checkpoint or an earlier shard output."),
+    ] = False,
+    json: JsonOpt = False,
+) -> None:
+    """Write OUT/rank_r for N ranks from IN's trajectories (the merge of its ranks), files linked."""
+    from rbtool import resharding
+
+    refuse_overlap(target, [source], "--out")
+    with progress_bar("resharding", None, show_progress(json) and not dry_run) as advance:
+        result = resharding.reshard(
+            source,
+            world_size,
+            target,
+            split=balance.value,
+            strict=strict,
+            dry_run=dry_run,
+            overwrite=force,
+            progress=advance,
+        )
+    ranks: list[dict[str, Any]] = [
+        {"path": str(target / f"rank_{p.rank}"), **p.as_json()} for p in result.ranks
+    ]
+    view = result.view
+    doc: dict[str, Any] = {
+        "source": str(source),
+        "source_dirs": [str(d) for d in view.dirs],
+        "renumbered": view.renumbered,
+        "out": str(target),
+        "world_size": world_size,
+        "balance": balance.value,
+        "dry_run": dry_run,
+        "ranks": ranks,
+        "files": None if dry_run else result.report.as_json(),
+    }
+    if json:
+        print_json(doc)
+        return
+    from rich.table import Table
+
+    action = "would write" if dry_run else "wrote"
+    table = Table(
+        title=f"{source} ({len(view.dirs)} checkpoint(s)) -> {world_size} ranks, balanced by "
+        f"{balance.value}; {action} {target}",
+        title_justify="left",
+    )
+    for name in ("rank", "trajectories", "samples", "bytes", "counter"):
+        table.add_column(name, justify="right")
+    table.add_column("trajectory ids")
+    for r in ranks:
+        table.add_row(
+            f"rank_{r['rank']}",
+            str(r["size"]),
+            str(r["total_samples"]),
+            f"{r['bytes']:,}",
+            str(r["trajectory_counter"]),
+            format_ids(r["trajectory_id_list"]),
+        )
+    out.print(table)
+    if view.renumbered:
+        out.print(
+            "ids collided across the source's ranks and were renumbered; "
+            "mapping in each rank's merge_map.json"
+        )
+    if dry_run:
+        out.print("dry run: nothing written")
+    else:
+        out.print(f"files: {files_line(doc['files'])}")
