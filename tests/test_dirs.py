@@ -58,3 +58,63 @@ def test_non_strict_open_keeps_what_exists() -> None:
     assert directory == NOSAVE and index.id_list == [3, 4] and index.size == 2 and index.total_samples == 16
     assert index.trajectory_counter == 5
     assert missing_files(NOSAVE, index) == []
+
+
+# ------------------------------------------------------------------ views of rank trees
+def test_a_checkpoint_is_its_own_view() -> None:
+    from rbtool.dirs import open_view
+
+    path = FIXTURES / "ranks" / "rank_1"
+    view = open_view(path)
+    assert not view.is_tree and not view.renumbered and view.mapping() == []
+    assert view.index.id_list == [0, 1, 2, 3]
+    assert all(view.file_of(i) == path / view.index.file_name(i) for i in view.index.id_list)
+
+
+def test_colliding_ranks_are_renumbered_by_old_id_then_rank_order() -> None:
+    from rbtool.dirs import open_view
+
+    ranks = FIXTURES / "ranks"
+    view = open_view(ranks)
+    assert view.is_tree and view.renumbered and view.dirs == [ranks / "rank_0", ranks / "rank_1"]
+    # rank_0 holds ids 0-2, rank_1 ids 0-3: (0, r0) (0, r1) (1, r0) (1, r1) (2, r0) (2, r1) (3, r1)
+    expected = [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2), (1, 3)]
+    assert [view.source_of(i) for i in view.index.id_list] == [
+        (ranks / f"rank_{r}", old) for r, old in expected
+    ]
+    assert view.index.id_list == list(range(7)) and view.index.trajectory_counter == 7
+    assert all(view.index.entries[i]["trajectory_id"] == i for i in range(7))
+    for new, (r, old) in enumerate(expected):
+        assert view.file_of(new).parent == ranks / f"rank_{r}"
+        assert view.file_of(new).name.startswith(f"trajectory_{old}_")
+    assert [(m["old_id"], m["new_id"]) for m in view.mapping()] == [
+        (o, n) for n, (_, o) in enumerate(expected)
+    ]
+
+
+def test_unique_ids_are_kept_in_numeric_rank_order(tmp_path: Path) -> None:
+    """rank_2 before rank_10: sorted as text, the list would read 0, 1, 10, 2, ..."""
+    from rbtool.checkpoint import shard
+    from rbtool.dirs import open_view
+    from rbtool.index import read_index
+
+    source = FIXTURES / "varying_shapes_pt" / "ckpt"
+    shard(source, 11, tmp_path / "tree")
+    view = open_view(tmp_path / "tree")
+    whole = read_index(source)
+    assert [d.name for d in view.dirs] == [f"rank_{r}" for r in range(11)]
+    assert not view.renumbered and view.index.id_list == whole.id_list
+    assert view.index.trajectory_counter == whole.trajectory_counter
+
+
+def test_non_strict_views_drop_missing_files_per_rank(tmp_path: Path) -> None:
+    from rbtool.dirs import open_view
+
+    shutil.copytree(NOSAVE, tmp_path / "rank_0")
+    shutil.copytree(FIXTURES / "ranks" / "rank_0", tmp_path / "rank_1")
+    with pytest.raises(MissingTrajectoryFilesError, match="rank_0"):
+        open_view(tmp_path)
+    view = open_view(tmp_path, strict=False)
+    assert view.dropped == [(tmp_path / "rank_0", i) for i in (0, 1, 2)]
+    assert view.index.size == 2 + 3
+    assert open_view(tmp_path, check_files=False).index.size == 5 + 3
