@@ -1,0 +1,1704 @@
+"""LeRobot datasets: export a checkpoint as a LeRobot v3.0 dataset, import one into a buffer.
+
+Export writes one LeRobot episode per (trajectory, env column) segment, split where the
+done flags end an episode, with LeRobot's layout (`meta/info.json`, `meta/stats.json`,
+`meta/tasks.parquet`, `meta/episodes/chunk-*/file-*.parquet`, `data/chunk-*/file-*.parquet`,
+files rolled over by size). Per-frame `rb.*` columns and a sidecar (`meta/rbtool.json` plus
+`meta/rbtool/tensors.parquet`: bootstrap rows of done-like fields, `next_obs` rows that are
+not the next frame's `curr_obs`, fields with no per-frame place, the original index and
+metadata) make the export reversible: importing it gives back the same checkpoint.
+
+Import reads any LeRobot v3.0 or v2.x dataset (one trajectory per episode, B = 1) or, when
+the sidecar is there, rebuilds the exported trajectories exactly. Ids continue as `ingest`
+assigns them; into a new or empty buffer directory an rbtool export keeps its own ids.
+
+pyarrow (Parquet) and Pillow (PNG) are imported inside the functions that need them: they
+are the optional extra `rbtool[lerobot]`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import math
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from rbtool import trajfile
+from rbtool.dirs import open_checkpoint, open_view
+from rbtool.errors import CheckpointError, RbtoolError, UsageError
+from rbtool.format import check_weights_id
+from rbtool.fsutil import fsync_dir, new_staging_dir, write_bytes_atomic
+from rbtool.index import Index, init_buffer_dir, read_index
+from rbtool.layout import DONE_LIKE, done_extra_rows, drop_bootstrap_rows, with_stored_defaults
+from rbtool.writer import BufferWriter, WriteReport, new_entry
+
+if TYPE_CHECKING:
+    import numpy as np
+    import pyarrow as pa
+    import torch
+
+CODEBASE_VERSION = "v3.0"
+SIDECAR_FILE = "meta/rbtool.json"
+SIDECAR_TENSORS = "meta/rbtool/tensors.parquet"
+SIDECAR_VERSION = 1
+INFO_FILE = "meta/info.json"
+STATS_FILE = "meta/stats.json"
+TASKS_FILE = "meta/tasks.parquet"
+DATA_PATH = "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
+EPISODES_PATH = "meta/episodes/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
+DEFAULT_CHUNK_SIZE = 1000
+DEFAULT_DATA_FILE_SIZE_MB = 100.0
+DEFAULT_VIDEO_FILE_SIZE_MB = 200
+QUANTILES = {"q01": 0.01, "q10": 0.10, "q50": 0.50, "q90": 0.90, "q99": 0.99}
+
+# Every LeRobot frame carries these; they are not buffer fields.
+FRAME_FEATURES = {
+    "timestamp": "float32",
+    "frame_index": "int64",
+    "episode_index": "int64",
+    "index": "int64",
+    "task_index": "int64",
+}
+# The per-frame columns that say where a frame came from in the buffer.
+RB_TRAJECTORY_ID = "rb.trajectory_id"
+RB_ENV = "rb.env"
+RB_T = "rb.t"
+RB_MODEL_WEIGHTS_ID = "rb.model_weights_id"
+RB_FEATURES = {RB_TRAJECTORY_ID: "int64", RB_ENV: "int64", RB_T: "int64", RB_MODEL_WEIGHTS_ID: "string"}
+
+# Buffer fields and the feature names RLinf's own LeRobot writer gives them (its writer has
+# no reward: LeRobot's convention `next.reward` is used, which import reads back).
+RLINF_NAMES = {
+    ("curr_obs", "main_images"): "image",
+    ("curr_obs", "wrist_images"): "wrist_image",
+    ("curr_obs", "extra_view_images"): "extra_view_image",
+    ("curr_obs", "states"): "state",
+    ("actions",): "actions",
+    ("dones",): "done",
+    ("intervene_flags",): "intervene_flag",
+    ("rewards",): "next.reward",
+}
+# Import: LeRobot feature names and the buffer fields they become (besides RLINF_NAMES reversed).
+IMPORT_NAMES = {
+    "observation.state": ("curr_obs", "states"),
+    "action": ("actions",),
+    "reward": ("rewards",),
+    "next.done": ("dones",),
+    "wrist_image": ("curr_obs", "wrist_images"),
+}
+
+# torch dtypes Arrow holds as they are, and those kept as their bits (tagged in the sidecar).
+_NATIVE = (
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+)
+_AS_BITS = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+_MAX_ARRAY_DIMS = 5  # LeRobot's features go up to Array5D
+
+
+class LeRobotFeatureError(UsageError):
+    """A LeRobot feature that cannot become a buffer field as it is (it can be mapped or dropped)."""
+
+    def __init__(self, message: str, feature: str) -> None:
+        super().__init__(message)
+        self.feature = feature
+
+
+def _require_arrow() -> Any:
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError:
+        raise UsageError(
+            "LeRobot datasets need pyarrow, which is not installed (pip install 'rbtool[lerobot]')"
+        ) from None
+    return pyarrow
+
+
+def _require_pil() -> Any:
+    try:
+        from PIL import Image
+    except ImportError:
+        raise UsageError(
+            "LeRobot image features need Pillow, which is not installed (pip install 'rbtool[lerobot]')"
+        ) from None
+    return Image
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown tensor dtype {name!r}")
+    return dtype
+
+
+def _raw_bytes(tensor: torch.Tensor) -> bytes:
+    import torch
+
+    flat = tensor.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return b""
+    return bytes(flat.view(torch.uint8).numpy().tobytes())
+
+
+def _from_raw(data: bytes, dtype: str, shape: Sequence[int]) -> torch.Tensor:
+    import torch
+
+    tdtype = _torch_dtype(dtype)
+    if math.prod(shape) == 0:
+        return torch.empty(tuple(shape), dtype=tdtype)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(tdtype).reshape(tuple(shape)).clone()
+
+
+def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor as numpy, dtypes Arrow lacks as their bits."""
+    name = _dtype_name(tensor.dtype)
+    if name in _AS_BITS:
+        return tensor.contiguous().view(_torch_dtype(_AS_BITS[name])).numpy()
+    return tensor.contiguous().numpy()
+
+
+def _from_numpy(array: np.ndarray, dtype: str) -> torch.Tensor:
+    import numpy as np
+    import torch
+
+    if dtype in _AS_BITS:
+        return torch.from_numpy(np.ascontiguousarray(array.astype(_AS_BITS[dtype], copy=False))).view(
+            _torch_dtype(dtype)
+        )
+    return torch.from_numpy(np.ascontiguousarray(array.astype(dtype, copy=False)))
+
+
+def _json(obj: Any) -> bytes:
+    return orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
+
+
+def _encode_value(value: Any) -> Any:
+    """A scalar field as JSON (non-finite floats tagged: JSON has no NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"float": repr(value)}
+    if isinstance(value, list):
+        return [_encode_value(v) for v in value]
+    return value
+
+
+def _decode_value(value: Any) -> Any:
+    if isinstance(value, dict) and set(value) == {"float"}:
+        return float(value["float"])
+    if isinstance(value, list):
+        return [_decode_value(v) for v in value]
+    return value
+
+
+# ====================================================================== features
+@dataclass
+class Column:
+    """A buffer field stored as a per-frame LeRobot feature."""
+
+    feature: str
+    path: tuple[str, ...]
+    dtype: str  # torch dtype name of the field
+    shape: tuple[int, ...]  # per-sample shape in the trajectory
+    image: bool
+
+    @property
+    def stored(self) -> str:
+        """The dtype of the column's values (bits for dtypes Arrow lacks)."""
+        return _AS_BITS.get(self.dtype, self.dtype)
+
+    @property
+    def feature_shape(self) -> tuple[int, ...]:
+        if self.image:
+            return self.shape
+        if len(self.shape) > _MAX_ARRAY_DIMS:
+            return (math.prod(self.shape),)
+        return self.shape or (1,)
+
+    def spec(self) -> dict[str, Any]:
+        if self.image:
+            return {"dtype": "image", "shape": list(self.shape), "names": ["height", "width", "channels"]}
+        return {"dtype": self.stored, "shape": list(self.feature_shape), "names": None}
+
+
+def _is_image(dtype: str, shape: tuple[int, ...]) -> bool:
+    return dtype == "uint8" and len(shape) == 3 and shape[2] in (1, 3, 4) and shape[0] > 0 and shape[1] > 0
+
+
+def _hf_feature(spec: dict[str, Any]) -> dict[str, Any]:
+    """The Hugging Face `datasets` feature of a LeRobot feature (what LeRobot's own files record)."""
+    dtype, shape = spec["dtype"], list(spec["shape"])
+    if dtype == "image":
+        return {"_type": "Image"}
+    if shape == [1]:
+        return {"dtype": dtype, "_type": "Value"}
+    if len(shape) == 1:
+        return {"feature": {"dtype": dtype, "_type": "Value"}, "length": shape[0], "_type": "List"}
+    return {"shape": shape, "dtype": dtype, "_type": f"Array{len(shape)}D"}
+
+
+def _arrow_type(spec: dict[str, Any]) -> pa.DataType:
+    pa = _require_arrow()
+    dtype, shape = spec["dtype"], list(spec["shape"])
+    if dtype == "image":
+        return pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    value = pa.string() if dtype == "string" else pa.from_numpy_dtype(_np_dtype(dtype))
+    if shape == [1]:
+        return value
+    if len(shape) == 1:
+        return pa.list_(value, shape[0])
+    for _ in shape:
+        value = pa.list_(value)
+    return value
+
+
+def _np_dtype(name: str) -> Any:
+    import numpy as np
+
+    return np.dtype("bool" if name == "bool" else name)
+
+
+def _column_array(values: np.ndarray, spec: dict[str, Any]) -> pa.Array:
+    """Per-frame values `[n, *shape]` as an Arrow column of the feature's type."""
+    import numpy as np
+
+    pa = _require_arrow()
+    shape = list(spec["shape"])
+    n = values.shape[0]
+    flat = pa.array(np.ascontiguousarray(values).reshape(-1))
+    if shape == [1]:
+        return flat
+    if len(shape) == 1:
+        return pa.FixedSizeListArray.from_arrays(flat, shape[0])
+    array = flat
+    # Innermost lists first: level k holds n * prod(shape[:k]) lists of shape[k] values each.
+    for level in range(len(shape) - 1, -1, -1):
+        count = n * math.prod(shape[:level])
+        offsets = pa.array(np.arange(count + 1, dtype=np.int64) * shape[level], pa.int32())
+        array = pa.ListArray.from_arrays(offsets, array)
+    return array
+
+
+def _image_array(frames: np.ndarray) -> pa.Array:
+    """uint8 frames `[n, H, W, C]` as LeRobot image structs (PNG bytes, lossless)."""
+    pa = _require_arrow()
+    image = _require_pil()
+    pngs = []
+    for frame in frames:
+        picture = image.fromarray(frame[..., 0] if frame.shape[2] == 1 else frame)
+        buffer = io.BytesIO()
+        picture.save(buffer, format="PNG")
+        pngs.append(buffer.getvalue())
+    return pa.StructArray.from_arrays(
+        [pa.array(pngs, pa.binary()), pa.nulls(len(pngs), pa.string())], names=["bytes", "path"]
+    )
+
+
+def _decode_images(column: pa.Array, shape: Sequence[int], feature: str) -> np.ndarray:
+    """LeRobot image structs (PNG or any format Pillow reads) as uint8 `[n, H, W, C]`."""
+    import numpy as np
+
+    image = _require_pil()
+    channels = int(shape[2]) if len(shape) == 3 else 3
+    mode = {1: "L", 3: "RGB", 4: "RGBA"}.get(channels, "RGB")
+    out = []
+    for value in column.to_pylist():
+        if value is None or value.get("bytes") is None:
+            raise CheckpointError(f"feature {feature!r}: a frame has no image bytes")
+        with image.open(io.BytesIO(value["bytes"])) as picture:
+            if picture.mode != mode:
+                picture = picture.convert(mode)
+            array = np.asarray(picture, dtype=np.uint8)
+        out.append(array[..., None] if array.ndim == 2 else array)
+    if not out:
+        return np.zeros((0, *[int(s) for s in shape]), dtype=np.uint8)
+    return np.stack(out)
+
+
+def _column_numpy(column: Any, spec: dict[str, Any], feature: str) -> np.ndarray:
+    """An Arrow column (any list nesting) as numpy `[n, *shape]` of the feature's dtype."""
+    import numpy as np
+
+    pa = _require_arrow()
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    shape = [int(s) for s in spec["shape"]]
+    n = len(column)
+    if column.null_count:
+        raise CheckpointError(f"feature {feature!r}: {column.null_count} frame(s) have no value")
+    if spec["dtype"] == "image":
+        return _decode_images(column, shape, feature)
+    array = column
+    while (
+        pa.types.is_list(array.type)
+        or pa.types.is_large_list(array.type)
+        or pa.types.is_fixed_size_list(array.type)
+    ):
+        array = array.flatten()
+    values = array.to_numpy(zero_copy_only=False)
+    per = math.prod(shape) if shape else 1
+    if values.size != n * per:
+        raise CheckpointError(
+            f"feature {feature!r}: {values.size} values for {n} frames of shape {shape}; "
+            "the data does not match meta/info.json"
+        )
+    return np.asarray(values).astype(_np_dtype(spec["dtype"]), copy=False).reshape(n, *shape)
+
+
+# ====================================================================== stats
+def _stats(values: np.ndarray, image: bool) -> dict[str, np.ndarray]:
+    """LeRobot's per-feature statistics of frames `[n, ...]` (images per channel, in [0, 1])."""
+    import numpy as np
+
+    if image:
+        # Images: per channel over frames and pixels, subsampled as LeRobot does for speed.
+        step = max(1, values.shape[0] // 100)
+        sub = values[::step]
+        stride = max(1, max(sub.shape[1], sub.shape[2]) // 150)
+        sub = sub[:, ::stride, ::stride].astype(np.float64) / 255.0
+        data = sub.transpose(3, 0, 1, 2).reshape(sub.shape[3], -1).T
+        full = values.astype(np.float64) / 255.0
+        out = {
+            "min": full.min(axis=(0, 1, 2)),
+            "max": full.max(axis=(0, 1, 2)),
+            "mean": full.mean(axis=(0, 1, 2)),
+            "std": full.std(axis=(0, 1, 2)),
+        }
+        for key, q in QUANTILES.items():
+            out[key] = np.quantile(data, q, axis=0)
+        shaped = {k: v.reshape(-1, 1, 1) for k, v in out.items()}
+        shaped["count"] = np.array([values.shape[0]])
+        return shaped
+    data = values.astype(np.float64)
+    out = {
+        "min": values.min(axis=0),
+        "max": values.max(axis=0),
+        "mean": data.mean(axis=0),
+        "std": data.std(axis=0),
+        "count": np.array([values.shape[0]]),
+    }
+    for key, q in QUANTILES.items():
+        out[key] = np.quantile(data, q, axis=0)
+    return out
+
+
+def _aggregate(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Dataset statistics from per-episode ones (LeRobot's rule: pooled mean and variance,
+    count-weighted quantiles)."""
+    import numpy as np
+
+    counts = np.array([float(p["count"][0]) for p in parts])
+    total = counts.sum()
+    weights = counts / total
+
+    def wsum(values: list[np.ndarray]) -> np.ndarray:
+        total = np.zeros_like(values[0], dtype=np.float64)
+        for w, value in zip(weights, values, strict=True):
+            total = total + w * value.astype(np.float64)
+        return total
+
+    mean = wsum([p["mean"] for p in parts])
+    var = wsum([p["std"].astype(np.float64) ** 2 + (p["mean"] - mean) ** 2 for p in parts])
+    out = {
+        "min": np.min(np.stack([p["min"] for p in parts]), axis=0),
+        "max": np.max(np.stack([p["max"] for p in parts]), axis=0),
+        "mean": mean,
+        "std": np.sqrt(var),
+        "count": np.array([int(total)]),
+    }
+    for key in QUANTILES:
+        out[key] = wsum([p[key] for p in parts])
+    return out
+
+
+def _stats_json(stats: dict[str, np.ndarray]) -> dict[str, Any]:
+    return {k: v.tolist() for k, v in stats.items()}
+
+
+# ====================================================================== export
+@dataclass
+class ExportResult:
+    """What an export wrote."""
+
+    out: Path
+    source: Path
+    trajectories: int = 0
+    episodes: int = 0
+    frames: int = 0
+    features: dict[str, dict[str, Any]] = field(default_factory=dict)
+    columns: dict[str, str] = field(default_factory=dict)  # feature -> buffer field
+    sidecar_fields: list[str] = field(default_factory=list)  # fields kept whole in the sidecar
+    data_files: int = 0
+    episode_files: int = 0
+    bytes: int = 0
+
+
+def _field_name(path: Sequence[str]) -> str:
+    return ".".join(path)
+
+
+def _plan_node(traj: dict[str, Any], t: int, b: int) -> Iterator[tuple[str, tuple[str, ...], Any]]:
+    """(kind, path, value) for every entry of a trajectory dict, depth first in dict order."""
+    import torch
+
+    def walk(d: dict[str, Any], prefix: tuple[str, ...]) -> Iterator[tuple[str, tuple[str, ...], Any]]:
+        for key, value in d.items():
+            path = (*prefix, key)
+            if isinstance(value, dict):
+                yield "dict", path, value
+                yield from walk(value, path)
+            elif isinstance(value, torch.Tensor):
+                yield "tensor", path, value
+            else:
+                yield "value", path, value
+
+    yield from walk(traj, ())
+
+
+class _Registry:
+    """Feature names and specs, decided by the first trajectory that has each field."""
+
+    def __init__(self, names: dict[str, str], images: bool) -> None:
+        self.names = names
+        self.images = images
+        self.columns: dict[tuple[str, ...], Column] = {}
+        self.taken = set(FRAME_FEATURES) | set(RB_FEATURES)
+        self.used_names: set[str] = set()
+
+    def column(self, path: tuple[str, ...], dtype: str, shape: tuple[int, ...]) -> Column | None:
+        """The column for this field, or None when an earlier trajectory gave it another spec."""
+        image = self.images and _is_image(dtype, shape)
+        known = self.columns.get(path)
+        if known is not None:
+            return known if (known.dtype, known.shape, known.image) == (dtype, shape, image) else None
+        dotted = _field_name(path)
+        name = self.names.get(dotted)
+        if name is not None:
+            self.used_names.add(dotted)
+            if name in self.taken:
+                raise UsageError(f"feature name {name!r} for {dotted} is already taken")
+        else:
+            base = RLINF_NAMES.get(path, dotted).replace("/", "_")
+            name, n = base, 1
+            while name in self.taken:
+                n += 1
+                name = f"{base}_{n}"
+        self.taken.add(name)
+        col = Column(name, path, dtype, shape, image)
+        self.columns[path] = col
+        return col
+
+
+def _column_ok(tensor: torch.Tensor, path: tuple[str, ...], t: int, b: int) -> int | None:
+    """E (extra leading rows) when the tensor can be a per-frame column, else None."""
+    if tensor.dim() < 2 or t * b == 0:
+        return None
+    name = _dtype_name(tensor.dtype)
+    if name not in _NATIVE and name not in _AS_BITS:
+        return None
+    rows, cols = int(tensor.shape[0]), int(tensor.shape[1])
+    if any(int(d) == 0 for d in tensor.shape[2:]):
+        return None
+    if len(path) == 1 and path[0] in DONE_LIKE:
+        try:
+            return done_extra_rows(rows, t, cols, b)
+        except ValueError:
+            return None
+    return 0 if (rows, cols) == (t, b) else None
+
+
+def _schema_of(
+    traj: dict[str, Any], t: int, b: int, registry: _Registry
+) -> tuple[list[dict[str, Any]], list[Any]]:
+    """The trajectory's skeleton (how each entry is stored) and its scalar values, in dict order."""
+    nodes: list[dict[str, Any]] = []
+    values: list[Any] = []
+    columns: dict[tuple[str, ...], dict[str, Any]] = {}
+    for kind, path, value in _plan_node(traj, t, b):
+        if kind == "dict":
+            nodes.append({"path": list(path), "kind": "dict"})
+            continue
+        if kind == "value":
+            nodes.append({"path": list(path), "kind": "value"})
+            values.append(_encode_value(value))
+            continue
+        dtype = _dtype_name(value.dtype)
+        node: dict[str, Any] = {"path": list(path), "dtype": dtype}
+        extra = _column_ok(value, path, t, b)
+        shape = tuple(int(d) for d in value.shape[2:])
+        source = columns.get(("curr_obs", *path[1:])) if path[0] == "next_obs" and len(path) > 1 else None
+        if extra == 0 and source is not None and (source["dtype"], source["shape"]) == (dtype, list(shape)):
+            node.update(kind="derived", source=source["path"], shape=list(shape))
+        elif extra is not None and (col := registry.column(path, dtype, shape)) is not None:
+            node.update(kind="column", feature=col.feature, shape=list(shape), extra_rows=extra)
+            columns[path] = node
+        else:
+            node.update(kind="tensor")
+        nodes.append(node)
+    return nodes, values
+
+
+def _episode_ends(traj: dict[str, Any], t: int, b: int) -> np.ndarray:
+    """[T, B] bool: where a done flag ends an episode (dones, else terminations | truncations)."""
+    import numpy as np
+    import torch
+
+    def flags(name: str) -> np.ndarray | None:
+        value = traj.get(name)
+        if not isinstance(value, torch.Tensor) or value.dim() < 2:
+            return None
+        try:
+            done_extra_rows(int(value.shape[0]), t, int(value.shape[1]), b)
+        except ValueError:
+            return None
+        rows = drop_bootstrap_rows(value, t).reshape(t, b, -1)
+        return (rows != 0).any(dim=2).numpy()
+
+    ends = flags("dones")
+    if ends is None:
+        term, trunc = flags("terminations"), flags("truncations")
+        present = [f for f in (term, trunc) if f is not None]
+        ends = np.logical_or.reduce(present) if present else np.zeros((t, b), dtype=bool)
+    return ends
+
+
+def _digest(traj: dict[str, Any]) -> str:
+    """A hash of a trajectory's content: every entry's path, dtype, shape and bytes, in order."""
+    digest = hashlib.sha256()
+    for kind, path, value in _plan_node(traj, 0, 0):
+        digest.update(orjson.dumps([kind, list(path)]))
+        if kind == "tensor":
+            digest.update(orjson.dumps([_dtype_name(value.dtype), list(value.shape)]))
+            digest.update(_raw_bytes(value))
+        elif kind == "value":
+            digest.update(orjson.dumps(_encode_value(value)))
+    return digest.hexdigest()
+
+
+class _RollingParquet:
+    """Parquet files `template` in chunk/file order, a new one when the size limit would be crossed.
+
+    Units (episodes) are never split across files; rows are buffered into row groups.
+    """
+
+    def __init__(self, root: Path, template: str, limit_bytes: float, chunks_size: int) -> None:
+        self.root = root
+        self.template = template
+        self.limit = limit_bytes
+        self.chunks_size = chunks_size
+        self.chunk, self.file = 0, 0
+        self.writer: Any = None
+        self.sink: Any = None
+        self.schema: Any = None
+        self.pending: list[Any] = []
+        self.pending_bytes = 0
+        self.file_rows = 0
+        self.files = 0
+        self.bytes = 0
+
+    def _open(self) -> None:
+        pa = _require_arrow()
+        import pyarrow.parquet as pq
+
+        path = self.root / self.template.format(chunk_index=self.chunk, file_index=self.file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.sink = pa.OSFile(str(path), "wb")
+        self.writer = pq.ParquetWriter(self.sink, self.schema, compression="snappy")
+        self.files += 1
+
+    def _flush(self) -> None:
+        if not self.pending:
+            return
+        pa = _require_arrow()
+        if self.writer is None:
+            self._open()
+        self.writer.write_table(pa.concat_tables(self.pending))
+        self.pending, self.pending_bytes = [], 0
+
+    def _size(self) -> int:
+        return (self.sink.tell() if self.sink is not None else 0) + self.pending_bytes
+
+    def close_file(self) -> None:
+        self._flush()
+        if self.writer is not None:
+            self.writer.close()
+            self.bytes += self.sink.tell()
+            self.sink.close()
+            self.writer = self.sink = None
+
+    def add(self, table: Any, est_bytes: int) -> tuple[int, int]:
+        """Append one unit's rows; returns the (chunk, file) it went into."""
+        if self.schema is None:
+            self.schema = table.schema
+        if self.file_rows and self._size() + est_bytes >= self.limit:
+            self.close_file()
+            if self.file == self.chunks_size - 1:
+                self.chunk, self.file = self.chunk + 1, 0
+            else:
+                self.file += 1
+            self.file_rows = 0
+        self.pending.append(table)
+        self.pending_bytes += est_bytes
+        self.file_rows += table.num_rows
+        if self.pending_bytes >= 8 << 20 or sum(p.num_rows for p in self.pending) >= 10000:
+            self._flush()
+        return self.chunk, self.file
+
+    def close(self) -> None:
+        self.close_file()
+
+
+def _publish_dataset(staging: Path, out: Path, overwrite: bool) -> None:
+    """Rename a finished dataset into place; replace only an empty directory or an earlier dataset."""
+    from rbtool.errors import OutputExistsError
+
+    fsync_dir(staging)
+    if out.exists() or out.is_symlink():
+        if not overwrite:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise OutputExistsError(f"{out}: already exists")
+        if not out.is_dir() or not (not any(out.iterdir()) or (out / INFO_FILE).is_file()):
+            shutil.rmtree(staging, ignore_errors=True)
+            raise CheckpointError(f"{out}: exists and is not a LeRobot dataset; refusing to replace it")
+        old = out.parent / f".{out.name}.rbtool-old-{uuid.uuid4().hex[:12]}"
+        os.rename(out, old)
+        os.rename(staging, out)
+        fsync_dir(out.parent)
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    os.rename(staging, out)
+    fsync_dir(out.parent)
+
+
+def parse_field_map(pairs: Sequence[str], what: str) -> dict[str, str]:
+    """`NAME=VALUE` pairs as a dict (each NAME once)."""
+    mapping: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name or not value:
+            raise UsageError(f"{what} mapping {pair!r} is not NAME=VALUE")
+        if name in mapping:
+            raise UsageError(f"{what} mapping names {name!r} twice")
+        mapping[name] = value
+    return mapping
+
+
+def export_lerobot(
+    source: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    fps: int,
+    robot_type: str | None = None,
+    task: str = "",
+    names: dict[str, str] | None = None,
+    images: bool = True,
+    strict: bool = True,
+    data_file_size_mb: float = DEFAULT_DATA_FILE_SIZE_MB,
+    chunks_size: int = DEFAULT_CHUNK_SIZE,
+    overwrite: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> ExportResult:
+    """Write the checkpoint, buffer directory or rank tree at `source` as a LeRobot v3.0 dataset.
+
+    `names` maps buffer fields (dotted paths such as `curr_obs.states`) to feature names;
+    unmapped fields take RLinf's names (`image`, `state`, `actions`, `done`, ...) or their
+    dotted path. uint8 `[H, W, C]` fields become PNG image features unless `images` is
+    False. `progress(1)` is called twice per trajectory (planning, then writing).
+    """
+    import numpy as np
+
+    pa = _require_arrow()
+    if images:
+        _require_pil()
+    if isinstance(fps, bool) or not isinstance(fps, int) or fps < 1:
+        raise UsageError(f"fps must be a positive integer, got {fps!r}")
+    if not data_file_size_mb > 0:
+        raise UsageError(f"the data file size limit must be positive, got {data_file_size_mb!r}")
+    if chunks_size < 1:
+        raise UsageError(f"chunks size must be >= 1, got {chunks_size}")
+    for name in (names or {}).values():
+        if "/" in name:
+            raise UsageError(f"feature name {name!r} contains '/', which LeRobot does not allow")
+    out = Path(out)
+    view = open_view(source, strict=strict)
+    index = view.index
+    ids = list(index.id_list)
+    registry = _Registry(dict(names or {}), images)
+
+    # Pass 1: each trajectory's skeleton decides the features (memory-mapped, nothing copied).
+    schemas: list[list[dict[str, Any]]] = []
+    schema_ids: dict[bytes, int] = {}
+    records: list[dict[str, Any]] = []
+    for tid in ids:
+        path = view.file_of(tid)
+        traj = with_stored_defaults(trajfile.load(path, mmap=True), path.name)
+        t, b = (int(d) for d in index.entries[tid]["shape"][:2])
+        nodes, values = _schema_of(traj, t, b, registry)
+        key = orjson.dumps(nodes)
+        sid = schema_ids.setdefault(key, len(schemas))
+        if sid == len(schemas):
+            schemas.append(nodes)
+        records.append({"trajectory_id": tid, "T": t, "B": b, "schema": sid, "values": values})
+        if progress is not None:
+            progress(1)
+    unused = sorted(set(registry.names) - registry.used_names)
+    if unused:
+        raise UsageError(
+            f"feature mapping names {', '.join(unused)}, which no trajectory has as a per-frame field"
+        )
+
+    columns = list(registry.columns.values())
+    features: dict[str, dict[str, Any]] = {c.feature: c.spec() for c in columns}
+    for name, dtype in RB_FEATURES.items():
+        features[name] = {"dtype": dtype, "shape": [1], "names": None}
+    for name, dtype in FRAME_FEATURES.items():
+        features[name] = {"dtype": dtype, "shape": [1], "names": None}
+    schema = pa.schema(
+        [pa.field(name, _arrow_type(spec)) for name, spec in features.items()],
+        metadata={
+            "huggingface": orjson.dumps(
+                {"info": {"features": {n: _hf_feature(s) for n, s in features.items()}}}
+            )
+        },
+    )
+
+    result = ExportResult(out=out, source=Path(source), trajectories=len(ids))
+    result.columns = {c.feature: _field_name(c.path) for c in columns}
+    sidecar_fields: set[str] = set()
+    staging = new_staging_dir(out)
+    try:
+        data = _RollingParquet(staging, DATA_PATH, data_file_size_mb * (1 << 20), chunks_size)
+        blobs_path = staging / SIDECAR_TENSORS
+        blobs_path.parent.mkdir(parents=True, exist_ok=True)
+        blob_schema = pa.schema(
+            [
+                ("trajectory_id", pa.int64()),
+                ("node", pa.int32()),
+                ("kind", pa.string()),
+                ("t", pa.list_(pa.int64())),
+                ("b", pa.list_(pa.int64())),
+                ("dtype", pa.string()),
+                ("shape", pa.list_(pa.int64())),
+                ("data", pa.large_binary()),
+            ]
+        )
+        import pyarrow.parquet as pq
+
+        blob_writer = pq.ParquetWriter(str(blobs_path), blob_schema, compression="zstd")
+        blob_rows: list[dict[str, Any]] = []
+
+        def flush_blobs(force: bool = False) -> None:
+            if blob_rows and (force or len(blob_rows) >= 256):
+                blob_writer.write_table(pa.Table.from_pylist(blob_rows, schema=blob_schema))
+                blob_rows.clear()
+
+        episodes: list[dict[str, Any]] = []
+        episode_stats: list[dict[str, dict[str, np.ndarray]]] = []
+        frame_total = 0
+        for record in records:
+            tid, t, b = record["trajectory_id"], record["T"], record["B"]
+            nodes = schemas[record["schema"]]
+            path = view.file_of(tid)
+            traj = with_stored_defaults(trajfile.load(path, mmap=True), path.name)
+            record["digest"] = _digest(traj)
+            record["entry"] = index.entries[tid]
+            mwid = str(traj.get("model_weights_id") or "")
+            tensors = {p: v for kind, p, v in _plan_node(traj, t, b) if kind == "tensor"}
+            n = t * b
+            frame_cols: dict[str, np.ndarray] = {}
+            for i, node in enumerate(nodes):
+                kind = node.get("kind")
+                npath = tuple(node["path"])
+                if kind == "column":
+                    tensor = tensors[npath]
+                    if node["extra_rows"]:
+                        e = node["extra_rows"]
+                        starts = [k * (1 + t // e) for k in range(e)]
+                        blob_rows.append(_blob(tid, i, "bootstrap", tensor[starts], [], []))
+                        tensor = drop_bootstrap_rows(tensor, t)
+                    col = registry.columns[npath]
+                    arr = _to_numpy(tensor).reshape(t, b, *col.feature_shape)
+                    frame_cols[col.feature] = arr.swapaxes(0, 1).reshape(n, *col.feature_shape)
+                elif kind == "derived":
+                    nxt, cur = tensors[npath], tensors[tuple(node["source"])]
+                    same = _rows_equal(nxt[:-1], cur[1:])
+                    pos = [(ti, bi) for ti in range(t) for bi in range(b) if ti == t - 1 or not same[ti, bi]]
+                    rows = nxt[[p[0] for p in pos], [p[1] for p in pos]]
+                    blob_rows.append(
+                        _blob(tid, i, "next_obs", rows, [p[0] for p in pos], [p[1] for p in pos])
+                    )
+                elif kind == "tensor":
+                    blob_rows.append(_blob(tid, i, "tensor", tensors[npath], [], []))
+                    sidecar_fields.add(_field_name(npath))
+            flush_blobs()
+
+            ends = _episode_ends(traj, t, b)
+            env = np.repeat(np.arange(b, dtype=np.int64), t)
+            step = np.tile(np.arange(t, dtype=np.int64), b)
+            # Episode ranges in (b, t) frame order: a new one after every done flag.
+            bounds: list[tuple[int, int]] = []
+            for bi in range(b):
+                start = 0
+                for ti in range(t):
+                    if ends[ti, bi] or ti == t - 1:
+                        bounds.append((bi * t + start, bi * t + ti + 1))
+                        start = ti + 1
+            frame_index = np.zeros(n, dtype=np.int64)
+            episode_index = np.zeros(n, dtype=np.int64)
+            first_episode = len(episodes)
+            for k, (lo, hi) in enumerate(bounds):
+                frame_index[lo:hi] = np.arange(hi - lo)
+                episode_index[lo:hi] = first_episode + k
+            arrays: dict[str, Any] = {}
+            for col in columns:
+                spec = features[col.feature]
+                if col.feature in frame_cols:
+                    frames = frame_cols[col.feature]
+                    arrays[col.feature] = _image_array(frames) if col.image else _column_array(frames, spec)
+                else:
+                    arrays[col.feature] = pa.nulls(n, _arrow_type(spec))
+            arrays[RB_TRAJECTORY_ID] = pa.array(np.full(n, tid, dtype=np.int64))
+            arrays[RB_ENV] = pa.array(env)
+            arrays[RB_T] = pa.array(step)
+            arrays[RB_MODEL_WEIGHTS_ID] = pa.array([mwid] * n, pa.string())
+            arrays["timestamp"] = pa.array((frame_index / fps).astype(np.float32))
+            arrays["frame_index"] = pa.array(frame_index)
+            arrays["episode_index"] = pa.array(episode_index)
+            arrays["index"] = pa.array(np.arange(frame_total, frame_total + n, dtype=np.int64))
+            arrays["task_index"] = pa.array(np.zeros(n, dtype=np.int64))
+            table = pa.Table.from_arrays([arrays[name] for name in features], schema=schema)
+            per_row = table.nbytes / max(n, 1)
+            numeric = {
+                RB_TRAJECTORY_ID: np.full(n, tid, dtype=np.int64),
+                RB_ENV: env,
+                RB_T: step,
+                "timestamp": (frame_index / fps).astype(np.float32),
+                "frame_index": frame_index,
+                "episode_index": episode_index,
+                "index": np.arange(frame_total, frame_total + n, dtype=np.int64),
+                "task_index": np.zeros(n, dtype=np.int64),
+            }
+            for lo, hi in bounds:
+                chunk, file = data.add(table.slice(lo, hi - lo), int(per_row * (hi - lo)))
+                stats = {}
+                for col in columns:
+                    if col.feature in frame_cols:
+                        stats[col.feature] = _stats(frame_cols[col.feature][lo:hi], col.image)
+                for name, series in numeric.items():
+                    stats[name] = _stats(series[lo:hi].reshape(-1, 1), False)
+                episode_stats.append(stats)
+                episodes.append(
+                    {
+                        "episode_index": len(episodes),
+                        "tasks": [task],
+                        "length": hi - lo,
+                        "data/chunk_index": chunk,
+                        "data/file_index": file,
+                        "dataset_from_index": frame_total + lo,
+                        "dataset_to_index": frame_total + hi,
+                        "rb/trajectory_id": tid,
+                        "rb/env": int(env[lo]),
+                        "rb/t_start": int(step[lo]),
+                    }
+                )
+            record["episodes"] = [first_episode, len(bounds)]
+            frame_total += n
+            if progress is not None:
+                progress(1)
+        data.close()
+        flush_blobs(force=True)
+        blob_writer.close()
+
+        stat_names = [name for name, spec in features.items() if spec["dtype"] != "string"]
+        totals: dict[str, dict[str, np.ndarray]] = {}
+        for name in stat_names:
+            parts = [s[name] for s in episode_stats if name in s]
+            if parts:
+                totals[name] = _aggregate(parts)
+        result.episode_files = _write_episodes(
+            staging, episodes, episode_stats, stat_names, data_file_size_mb, chunks_size
+        )
+        write_bytes_atomic(
+            staging / STATS_FILE, _json({k: _stats_json(v) for k, v in totals.items()}), sync_dir=False
+        )
+        _write_tasks(staging, [task])
+        info = {
+            "codebase_version": CODEBASE_VERSION,
+            "robot_type": robot_type,
+            "total_episodes": len(episodes),
+            "total_frames": frame_total,
+            "total_tasks": 1,
+            "chunks_size": chunks_size,
+            "data_files_size_in_mb": int(data_file_size_mb)
+            if float(data_file_size_mb).is_integer()
+            else data_file_size_mb,
+            "video_files_size_in_mb": DEFAULT_VIDEO_FILE_SIZE_MB,
+            "fps": fps,
+            "splits": {"train": f"0:{len(episodes)}"},
+            "data_path": DATA_PATH,
+            "video_path": None,
+            "features": features,
+        }
+        write_bytes_atomic(staging / INFO_FILE, _json(info), sync_dir=False)
+        sidecar = {
+            "rbtool_sidecar": SIDECAR_VERSION,
+            "source": str(source),
+            "checkpoint": {
+                "trajectory_id_list": ids,
+                "trajectory_counter": index.trajectory_counter,
+                "seed": index.seed,
+                "trajectory_format": index.trajectory_format,
+                "extra_metadata": index.extra_metadata,
+            },
+            "columns": {
+                c.feature: {
+                    "path": list(c.path),
+                    "dtype": c.dtype,
+                    "stored_as": c.stored,
+                    "shape": list(c.shape),
+                }
+                for c in columns
+            },
+            "schemas": schemas,
+            "trajectories": records,
+            "tensors": SIDECAR_TENSORS,
+        }
+        write_bytes_atomic(staging / SIDECAR_FILE, _json(sidecar), sync_dir=False)
+        result.data_files = data.files
+        result.bytes = sum(p.stat().st_size for p in staging.rglob("*") if p.is_file())
+        result.episodes = len(episodes)
+        result.frames = frame_total
+        result.features = features
+        result.sidecar_fields = sorted(sidecar_fields)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _publish_dataset(staging, out, overwrite)
+    return result
+
+
+def _rows_equal(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
+    """[T-1, B] bool: rows of `a` and `b` equal bit for bit."""
+    import numpy as np
+    import torch
+
+    lead = (int(a.shape[0]), int(a.shape[1]))
+    if a.numel() == 0:
+        return np.ones(lead, dtype=bool)
+    bits_a = a.contiguous().reshape(*lead, -1).view(torch.uint8)
+    bits_b = b.contiguous().reshape(*lead, -1).view(torch.uint8)
+    return (bits_a == bits_b).all(dim=2).numpy()
+
+
+def _blob(
+    tid: int, node: int, kind: str, tensor: torch.Tensor, ts: list[int], bs: list[int]
+) -> dict[str, Any]:
+    return {
+        "trajectory_id": tid,
+        "node": node,
+        "kind": kind,
+        "t": ts,
+        "b": bs,
+        "dtype": _dtype_name(tensor.dtype),
+        "shape": [int(d) for d in tensor.shape],
+        "data": _raw_bytes(tensor),
+    }
+
+
+def _write_episodes(
+    root: Path,
+    episodes: list[dict[str, Any]],
+    stats: list[dict[str, dict[str, np.ndarray]]],
+    stat_names: list[str],
+    limit_mb: float,
+    chunks_size: int,
+) -> int:
+    pa = _require_arrow()
+    rows = []
+    for episode, ep_stats in zip(episodes, stats, strict=True):
+        row = dict(episode)
+        for name in stat_names:
+            for key in ("min", "max", "mean", "std", "count", *QUANTILES):
+                value = ep_stats.get(name, {}).get(key)
+                row[f"stats/{name}/{key}"] = None if value is None else value.tolist()
+        rows.append(row)
+    writer = _RollingParquet(root, EPISODES_PATH, limit_mb * (1 << 20), chunks_size)
+    if not rows:
+        return 0
+    table = pa.Table.from_pylist(rows)
+    per_row = table.nbytes / len(rows)
+    # Where each episode's metadata row goes is known only as rows are placed: place them
+    # first, then write each file's rows with its own chunk and file index columns.
+    placed: list[tuple[int, int]] = []
+    size, chunk, file = 0.0, 0, 0
+    for _ in rows:
+        if size and size + per_row >= writer.limit:
+            chunk, file = (chunk + 1, 0) if file == chunks_size - 1 else (chunk, file + 1)
+            size = 0.0
+        placed.append((chunk, file))
+        size += per_row
+    table = table.append_column("meta/episodes/chunk_index", pa.array([c for c, _ in placed], pa.int64()))
+    table = table.append_column("meta/episodes/file_index", pa.array([f for _, f in placed], pa.int64()))
+    import pyarrow.parquet as pq
+
+    files = 0
+    start = 0
+    while start < len(placed):
+        end = start
+        while end < len(placed) and placed[end] == placed[start]:
+            end += 1
+        target = root / EPISODES_PATH.format(chunk_index=placed[start][0], file_index=placed[start][1])
+        target.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table.slice(start, end - start), str(target), compression="snappy")
+        files += 1
+        start = end
+    return files
+
+
+def _write_tasks(root: Path, tasks: list[str]) -> None:
+    """meta/tasks.parquet as LeRobot writes it: a pandas frame indexed by the task text."""
+    pa = _require_arrow()
+    import pyarrow.parquet as pq
+
+    pandas_meta = {
+        "index_columns": ["__index_level_0__"],
+        "column_indexes": [
+            {
+                "name": None,
+                "field_name": None,
+                "pandas_type": "unicode",
+                "numpy_type": "object",
+                "metadata": {"encoding": "UTF-8"},
+            }
+        ],
+        "columns": [
+            {
+                "name": "task_index",
+                "field_name": "task_index",
+                "pandas_type": "int64",
+                "numpy_type": "int64",
+                "metadata": None,
+            },
+            {
+                "name": None,
+                "field_name": "__index_level_0__",
+                "pandas_type": "unicode",
+                "numpy_type": "object",
+                "metadata": None,
+            },
+        ],
+        "attributes": {},
+        "creator": {"library": "pyarrow", "version": pa.__version__},
+        "pandas_version": "2.2.0",
+    }
+    table = pa.table(
+        {
+            "task_index": pa.array(range(len(tasks)), pa.int64()),
+            "__index_level_0__": pa.array(tasks, pa.string()),
+        }
+    ).replace_schema_metadata({"pandas": orjson.dumps(pandas_meta)})
+    pq.write_table(table, str(root / TASKS_FILE))
+
+
+# ====================================================================== reading datasets
+@dataclass
+class _Episode:
+    index: int
+    length: int
+    tasks: list[str]
+    file: Path
+    start: int | None = None  # first global frame index (v3.0)
+
+
+class LeRobotSource:
+    """A LeRobot dataset on disk (v3.0, or v2.x with one Parquet file per episode)."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        info_path = self.root / INFO_FILE
+        if not info_path.is_file():
+            raise CheckpointError(f"{self.root}: not a LeRobot dataset (no {INFO_FILE})")
+        try:
+            self.info = orjson.loads(info_path.read_bytes())
+        except orjson.JSONDecodeError as exc:
+            raise CheckpointError(f"{info_path}: not valid JSON ({exc})") from None
+        if not isinstance(self.info, dict) or not isinstance(self.info.get("features"), dict):
+            raise CheckpointError(f"{info_path}: has no 'features' object")
+        self.version = str(self.info.get("codebase_version", ""))
+        if not re.fullmatch(r"v[23]\.\d+", self.version):
+            raise CheckpointError(
+                f"{info_path}: codebase_version {self.version!r}; rbtool reads LeRobot v2.x and v3.0 datasets"
+            )
+        self.features: dict[str, dict[str, Any]] = self.info["features"]
+        self._sidecar: dict[str, Any] | None = None
+        self._episodes: list[_Episode] | None = None
+        self._tasks: list[str] | None = None
+
+    @property
+    def v3(self) -> bool:
+        return self.version.startswith("v3")
+
+    def sidecar(self) -> dict[str, Any] | None:
+        """The rbtool sidecar, when rbtool wrote this dataset."""
+        path = self.root / SIDECAR_FILE
+        if self._sidecar is None and path.is_file():
+            try:
+                self._sidecar = orjson.loads(path.read_bytes())
+            except orjson.JSONDecodeError as exc:
+                raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+            version = self._sidecar.get("rbtool_sidecar") if isinstance(self._sidecar, dict) else None
+            if not isinstance(version, int) or version > SIDECAR_VERSION:
+                raise CheckpointError(f"{path}: sidecar version {version!r} is not one rbtool reads")
+        return self._sidecar
+
+    def tasks(self) -> list[str]:
+        if self._tasks is None:
+            self._tasks = self._read_tasks()
+        return self._tasks
+
+    def _read_tasks(self) -> list[str]:
+        if self.v3:
+            import pyarrow.parquet as pq
+
+            path = self.root / TASKS_FILE
+            if not path.is_file():
+                return []
+            table = pq.read_table(str(path))
+            names = [n for n in table.column_names if n != "task_index"]
+            text = "task" if "task" in names else (names[0] if names else None)
+            if text is None or "task_index" not in table.column_names:
+                raise CheckpointError(f"{path}: no task and task_index columns")
+            pairs = sorted(
+                zip(table.column("task_index").to_pylist(), table.column(text).to_pylist(), strict=True)
+            )
+            return [str(task) for _, task in pairs]
+        path = self.root / "meta" / "tasks.jsonl"
+        pairs = sorted((int(r["task_index"]), str(r["task"])) for r in _jsonl(path))
+        return [task for _, task in pairs]
+
+    def episodes(self) -> list[_Episode]:
+        if self._episodes is None:
+            self._episodes = self._read_episodes()
+        return self._episodes
+
+    def _read_episodes(self) -> list[_Episode]:
+        if self.v3:
+            import pyarrow.parquet as pq
+
+            files = sorted((self.root / "meta" / "episodes").glob("*/*.parquet"))
+            if not files:
+                raise CheckpointError(f"{self.root}: no meta/episodes/chunk-*/file-*.parquet")
+            template = str(self.info.get("data_path") or DATA_PATH)
+            out = []
+            wanted = [
+                "episode_index",
+                "length",
+                "tasks",
+                "data/chunk_index",
+                "data/file_index",
+                "dataset_from_index",
+            ]
+            for path in files:
+                table = pq.read_table(
+                    str(path), columns=[c for c in wanted if c in pq.read_schema(str(path)).names]
+                )
+                for row in table.to_pylist():
+                    try:
+                        file = self.root / template.format(
+                            chunk_index=row["data/chunk_index"], file_index=row["data/file_index"]
+                        )
+                        out.append(
+                            _Episode(
+                                int(row["episode_index"]),
+                                int(row["length"]),
+                                list(row.get("tasks") or []),
+                                file,
+                                row.get("dataset_from_index"),
+                            )
+                        )
+                    except (KeyError, TypeError, ValueError) as exc:
+                        raise CheckpointError(f"{path}: an episode row lacks {exc}") from None
+            return sorted(out, key=lambda e: e.index)
+        chunks = int(self.info.get("chunks_size") or DEFAULT_CHUNK_SIZE)
+        template = str(
+            self.info.get("data_path") or "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet"
+        )
+        out = []
+        for row in _jsonl(self.root / "meta" / "episodes.jsonl"):
+            ep = int(row["episode_index"])
+            file = self.root / template.format(episode_chunk=ep // chunks, episode_index=ep)
+            out.append(_Episode(ep, int(row["length"]), list(row.get("tasks") or []), file))
+        return sorted(out, key=lambda e: e.index)
+
+    def frames(self, episodes: Sequence[_Episode], columns: Sequence[str]) -> Iterator[tuple[_Episode, Any]]:
+        """(episode, its frames as an Arrow table in frame order) for each episode, reading each file once."""
+        import numpy as np
+        import pyarrow.parquet as pq
+
+        pa = _require_arrow()
+        cached: tuple[Path, Any, Any] | None = None
+        for episode in episodes:
+            if cached is None or cached[0] != episode.file:
+                if not episode.file.is_file():
+                    raise CheckpointError(f"{episode.file}: missing (episode {episode.index})")
+                try:
+                    names = pq.read_schema(str(episode.file)).names
+                    wanted = [
+                        c for c in dict.fromkeys([*columns, "episode_index", "frame_index"]) if c in names
+                    ]
+                    table = pq.read_table(str(episode.file), columns=wanted)
+                except (OSError, pa.ArrowInvalid) as exc:
+                    raise CheckpointError(f"{episode.file}: not a readable Parquet file ({exc})") from None
+                ep_col = (
+                    table.column("episode_index").to_numpy()
+                    if "episode_index" in table.column_names
+                    else np.full(table.num_rows, episode.index)
+                )
+                cached = (episode.file, table, ep_col)
+            _, table, ep_col = cached
+            rows = np.nonzero(ep_col == episode.index)[0]
+            part = table.take(pa.array(rows))
+            if "frame_index" in part.column_names and part.num_rows:
+                order = np.argsort(part.column("frame_index").to_numpy(), kind="stable")
+                part = part.take(pa.array(order))
+            if part.num_rows != episode.length:
+                raise CheckpointError(
+                    f"{episode.file}: episode {episode.index} has {part.num_rows} frames; "
+                    f"its metadata says {episode.length}"
+                )
+            yield episode, part
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing")
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(orjson.loads(line))
+            except orjson.JSONDecodeError:
+                raise CheckpointError(f"{path}: line {number} is not valid JSON") from None
+    return rows
+
+
+# ====================================================================== import
+@dataclass
+class ImportResult:
+    """What an import added."""
+
+    buffer: Path
+    dataset: Path
+    codebase_version: str
+    mode: str  # "rbtool" (rebuilt from the sidecar) or "episodes" (one trajectory per episode)
+    added_ids: list[int] = field(default_factory=list)
+    index: Index = field(default_factory=Index)
+    report: WriteReport = field(default_factory=WriteReport)
+    episodes: int = 0
+    frames: int = 0
+    fields: dict[str, str] = field(default_factory=dict)  # feature -> buffer field
+    dropped: list[str] = field(default_factory=list)
+    kept_ids: bool = False
+
+
+def _safe_id(text: str) -> str:
+    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-.") or "dataset"
+    return re.sub(r"\.{2,}", ".", cleaned)
+
+
+def default_field(name: str, spec: dict[str, Any], cameras: list[str]) -> tuple[str, ...] | None:
+    """The buffer field a LeRobot feature becomes by default (None: not buffer data)."""
+    if name in FRAME_FEATURES or name in RB_FEATURES:
+        return None
+    reverse = {v: k for k, v in RLINF_NAMES.items()}
+    if name in reverse:
+        return reverse[name]
+    if name in IMPORT_NAMES:
+        return IMPORT_NAMES[name]
+    if name.startswith("observation.images."):
+        if len(cameras) == 1:
+            return ("curr_obs", "main_images")
+        return ("curr_obs", name.removeprefix("observation.images.").replace(".", "_"))
+    if name.startswith("observation."):
+        return ("curr_obs", name.removeprefix("observation.").replace(".", "_"))
+    return (name.replace(".", "_"),)
+
+
+def count_units(
+    source: str | os.PathLike[str], *, episodes: Sequence[int] | None = None, use_sidecar: bool = True
+) -> int:
+    """How many trajectories an import of `source` writes (for a progress total)."""
+    dataset = LeRobotSource(source)
+    sidecar = dataset.sidecar() if use_sidecar and episodes is None else None
+    if sidecar is not None:
+        return len(sidecar.get("trajectories", []))
+    if episodes is not None:
+        return len(episodes)
+    return int(dataset.info.get("total_episodes") or 0)
+
+
+@contextlib.contextmanager
+def _target(
+    directory: Path, trajectory_format: str | None, on_wait: Callable[[str], None] | None
+) -> Iterator[tuple[BufferWriter, Index, bool]]:
+    """The buffer directory, created if needed and locked: (writer, its index, whether it is new).
+
+    A directory this call created is removed again if the call fails before publishing.
+    """
+    if trajectory_format is not None and trajectory_format not in ("pt", "pkl"):
+        raise UsageError(f"format must be 'pt' or 'pkl', got {trajectory_format!r}")
+    if directory.exists() and not directory.is_dir():
+        raise UsageError(f"{directory}: exists and is not a directory")
+    created = None
+    for path in (directory, *directory.parents):
+        if path.exists():
+            break
+        created = path
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    init_buffer_dir(directory, Index(trajectory_format=trajectory_format or "pt"))
+    try:
+        with BufferWriter(directory, wait=True, on_wait=on_wait) as writer:
+            _, index = open_checkpoint(directory, strict=True)
+            yield writer, index, created is not None
+    except BaseException:
+        if created is not None:
+            with contextlib.suppress(RbtoolError, OSError):
+                if not read_index(directory).id_list:
+                    shutil.rmtree(created, ignore_errors=True)
+        raise
+
+
+def import_lerobot(
+    source: str | os.PathLike[str],
+    buffer_dir: str | os.PathLike[str],
+    *,
+    episodes: Sequence[int] | None = None,
+    field_map: dict[str, str] | None = None,
+    drop: Sequence[str] = (),
+    use_sidecar: bool = True,
+    model_weights_id: str | None = None,
+    trajectory_format: str | None = None,
+    batch_size: int = 64,
+    on_wait: Callable[[str], None] | None = None,
+    progress: Callable[[int], None] | None = None,
+    on_published: Callable[[list[int]], None] | None = None,
+) -> ImportResult:
+    """Add the episodes of the LeRobot dataset at `source` to the buffer directory `buffer_dir`.
+
+    A dataset rbtool exported (it has the sidecar) is rebuilt trajectory by trajectory, every
+    tensor as it was; into a new or empty buffer directory it keeps its ids, counter, seed
+    and metadata. Any other dataset, or a selection of `episodes`, or `use_sidecar=False`,
+    gives one trajectory per episode with B = 1 (see docs/lerobot.md for the fields).
+    `field_map` maps feature names to dotted buffer fields; `drop` leaves features out.
+    """
+    _require_arrow()
+    dataset = LeRobotSource(source)
+    directory = Path(buffer_dir)
+    sidecar = dataset.sidecar() if use_sidecar and episodes is None and not field_map and not drop else None
+    if model_weights_id is not None:
+        check_weights_id(model_weights_id, "model_weights_id")
+    with _target(directory, trajectory_format, on_wait) as (writer, index, is_new):
+        if trajectory_format is not None and not is_new and trajectory_format != index.trajectory_format:
+            raise UsageError(
+                f"{directory}: holds {index.trajectory_format} files; cannot import as {trajectory_format}"
+            )
+        result = ImportResult(
+            directory, dataset.root, dataset.version, "rbtool" if sidecar else "episodes", index=index
+        )
+        counter = 0
+        if sidecar is not None:
+            items = _rebuild(dataset, sidecar)
+            # Into a buffer that never assigned an id, the export comes back as it was.
+            if not index.id_list and index.trajectory_counter == 0:
+                ckpt = sidecar["checkpoint"]
+                index.seed = ckpt.get("seed")
+                index.extra_metadata = dict(ckpt.get("extra_metadata") or {})
+                if is_new and trajectory_format is None:
+                    index.trajectory_format = ckpt.get("trajectory_format") or "pt"
+                result.kept_ids = True
+                counter = int(ckpt.get("trajectory_counter") or 0)
+            result.fields = {name: ".".join(c["path"]) for name, c in sidecar.get("columns", {}).items()}
+        else:
+            items = _episodes_as_trajectories(
+                dataset, episodes, field_map or {}, drop, model_weights_id, result
+            )
+        batch: list[int] = []
+
+        def publish() -> None:
+            writer.publish(index)
+            result.added_ids.extend(batch)
+            if on_published is not None and batch:
+                on_published(list(batch))
+            batch.clear()
+
+        try:
+            for traj, entry, frames in items:
+                if entry is not None:
+                    # An exported trajectory: its entry comes back (sizes and hashes are the new file's).
+                    tid = int(entry["trajectory_id"]) if result.kept_ids else index.trajectory_counter
+                    new = {k: v for k, v in entry.items() if k not in ("file_bytes", "sha256")}
+                    new["trajectory_id"] = tid
+                    if not result.kept_ids or not new.get("uuid"):
+                        new["uuid"] = uuid.uuid4().hex
+                else:
+                    tid = index.trajectory_counter
+                    traj, info = trajfile.normalize(traj, f"{dataset.root}: episode as trajectory {tid}")
+                    new = new_entry(tid, info, uuid.uuid4().hex)
+                if tid in index.entries:
+                    raise CheckpointError(f"{directory}: already lists trajectory id {tid}")
+                index.entries[tid] = new
+                writer.place(traj, index.file_name(tid), new, result.report)
+                index.id_list.append(tid)
+                index.trajectory_counter = max(index.trajectory_counter, tid + 1)
+                batch.append(tid)
+                result.frames += frames
+                if progress is not None:
+                    progress(1)
+                if len(batch) >= batch_size:
+                    publish()
+            index.trajectory_counter = max(index.trajectory_counter, counter)
+            if batch or result.kept_ids:
+                publish()
+        except BaseException:
+            # Files of the unpublished batch are not in the on-disk index: remove them.
+            for tid in batch:
+                (directory / index.file_name(tid)).unlink(missing_ok=True)
+            raise
+    result.episodes = (
+        sum(int(r.get("episodes", [0, 0])[1]) for r in sidecar["trajectories"])
+        if sidecar
+        else result.episodes
+    )
+    return result
+
+
+def _rebuild(
+    dataset: LeRobotSource, sidecar: dict[str, Any]
+) -> Iterator[tuple[dict[str, Any], dict[str, Any] | None, int]]:
+    """The exported trajectories, rebuilt from their frames and the sidecar, checked against their digests."""
+    import numpy as np
+    import pyarrow.parquet as pq
+    import torch
+
+    try:
+        schemas = sidecar["schemas"]
+        records = sidecar["trajectories"]
+        columns = sidecar["columns"]
+    except (KeyError, TypeError):
+        raise CheckpointError(f"{dataset.root / SIDECAR_FILE}: incomplete sidecar") from None
+    blob_path = dataset.root / str(sidecar.get("tensors") or SIDECAR_TENSORS)
+    blobs: dict[int, list[dict[str, Any]]] = {}
+    if blob_path.is_file():
+        for batch in pq.ParquetFile(str(blob_path)).iter_batches():
+            for row in batch.to_pylist():
+                blobs.setdefault(int(row["trajectory_id"]), []).append(row)
+    all_episodes = dataset.episodes()
+    features = dataset.features
+    names = [*columns, RB_TRAJECTORY_ID, RB_ENV, RB_T]
+    for record in records:
+        tid, t, b = int(record["trajectory_id"]), int(record["T"]), int(record["B"])
+        nodes = schemas[int(record["schema"])]
+        first, count = record.get("episodes", [0, 0])
+        parts = [part for _, part in dataset.frames(all_episodes[first : first + count], names)]
+        frames = sum(p.num_rows for p in parts)
+        if frames != t * b:
+            raise CheckpointError(
+                f"{dataset.root}: trajectory {tid} has {frames} frames; the sidecar says {t} x {b}"
+            )
+        rows: dict[str, np.ndarray] = {}
+        if parts:
+            import pyarrow as pa
+
+            table = pa.concat_tables(parts)
+            tt = table.column(RB_T).to_numpy()
+            bb = table.column(RB_ENV).to_numpy()
+        own = {int(r["node"]): r for r in blobs.get(tid, []) if r["kind"] != "next_obs"}
+        nxt = {int(r["node"]): r for r in blobs.get(tid, []) if r["kind"] == "next_obs"}
+        traj: dict[str, Any] = {}
+        values = iter(record.get("values", []))
+        built: dict[tuple[str, ...], torch.Tensor] = {}
+        for i, node in enumerate(nodes):
+            path = tuple(node["path"])
+            parent = traj
+            for key in path[:-1]:
+                parent = parent[key]
+            kind = node["kind"]
+            if kind == "dict":
+                parent[path[-1]] = {}
+                continue
+            if kind == "value":
+                parent[path[-1]] = _decode_value(next(values))
+                continue
+            if kind == "tensor":
+                blob = own[i]
+                tensor = _from_raw(blob["data"], blob["dtype"], blob["shape"])
+            elif kind == "column":
+                feature = node["feature"]
+                spec = features[feature]
+                arr = _column_numpy(table.column(feature), spec, feature) if parts else None
+                shape = tuple(node["shape"])
+                dtype = node["dtype"]
+                out = np.zeros((t, b, *shape), dtype=_np_dtype(_AS_BITS.get(dtype, dtype)))
+                if arr is not None:
+                    out[tt, bb] = arr.reshape(len(tt), *shape)
+                tensor = _from_numpy(out, dtype).reshape(t, b, *shape)
+                extra = int(node.get("extra_rows") or 0)
+                if extra:
+                    boot = own[i]
+                    boot_rows = _from_raw(boot["data"], boot["dtype"], boot["shape"])
+                    per = t // extra
+                    pieces = []
+                    for e in range(extra):
+                        pieces.append(boot_rows[e : e + 1])
+                        pieces.append(tensor[e * per : (e + 1) * per])
+                    tensor = torch.cat(pieces)
+                rows[feature] = out
+            else:  # derived next_obs
+                src = built[tuple(node["source"])]
+                tensor = torch.empty_like(src)
+                if t > 1:
+                    tensor[:-1] = src[1:]
+                blob = nxt[i]
+                fixes = _from_raw(blob["data"], blob["dtype"], blob["shape"])
+                if blob["t"]:
+                    tensor[list(blob["t"]), list(blob["b"])] = fixes
+            built[path] = tensor
+            parent[path[-1]] = tensor
+        if _digest(traj) != record.get("digest"):
+            raise CheckpointError(
+                f"{dataset.root}: trajectory {tid} does not rebuild to what was exported (its frames or "
+                "the sidecar were changed)"
+            )
+        yield traj, record["entry"], frames
+
+
+def _episodes_as_trajectories(
+    dataset: LeRobotSource,
+    selected: Sequence[int] | None,
+    field_map: dict[str, str],
+    drop: Sequence[str],
+    model_weights_id: str | None,
+    result: ImportResult,
+) -> Iterator[tuple[dict[str, Any], dict[str, Any] | None, int]]:
+    """One trajectory per episode (B = 1): observations as curr_obs / next_obs of consecutive frames."""
+    import numpy as np
+    import torch
+
+    features = dataset.features
+    for name in [*field_map, *drop]:
+        if name not in features:
+            raise UsageError(f"{dataset.root}: has no feature {name!r}")
+    cameras = [
+        n
+        for n, s in features.items()
+        if s.get("dtype") in ("image", "video") and n.startswith("observation.images.")
+    ]
+    mapping: dict[str, tuple[str, ...]] = {}
+    for name, spec in features.items():
+        if name in drop:
+            result.dropped.append(name)
+            continue
+        target = (
+            tuple(field_map[name].split(".")) if name in field_map else default_field(name, spec, cameras)
+        )
+        if target is None:
+            continue
+        dtype = spec.get("dtype")
+        if dtype == "video":
+            raise LeRobotFeatureError(
+                f"feature {name!r} is stored as video, which rbtool does not decode (video is lossy)", name
+            )
+        if dtype == "string" or dtype not in (*_NATIVE, "image"):
+            raise LeRobotFeatureError(
+                f"feature {name!r} has dtype {dtype!r}, which is not a tensor dtype", name
+            )
+        if target in mapping.values():
+            raise LeRobotFeatureError(
+                f"feature {name!r} would become {'.'.join(target)}, as another feature does", name
+            )
+        mapping[name] = target
+    result.fields = {name: ".".join(target) for name, target in mapping.items()}
+    episodes = dataset.episodes()
+    if selected is not None:
+        by_index = {e.index: e for e in episodes}
+        missing = [i for i in selected if i not in by_index]
+        if missing:
+            raise UsageError(f"{dataset.root}: has no episode {missing[0]} (episodes 0-{len(episodes) - 1})")
+        episodes = [by_index[i] for i in selected]
+    mwid = model_weights_id if model_weights_id is not None else f"lerobot-{_safe_id(dataset.root.name)}"
+    tasks = dataset.tasks()
+    read = [*mapping, "task_index"]
+    for episode, table in dataset.frames(episodes, read):
+        t = table.num_rows
+        fields: dict[tuple[str, ...], torch.Tensor] = {}
+        for name, target in mapping.items():
+            if name not in table.column_names:
+                raise CheckpointError(f"{episode.file}: has no column {name!r} named in meta/info.json")
+            arr = _column_numpy(table.column(name), features[name], name)
+            tensor = torch.from_numpy(np.array(arr)).reshape(t, 1, *arr.shape[1:])
+            if target[0] in DONE_LIKE and len(target) == 1:
+                flags = tensor if tensor.dtype == torch.bool else tensor != 0
+                tensor = torch.cat([torch.zeros((1, *flags.shape[1:]), dtype=torch.bool), flags])
+            fields[target] = tensor
+        if ("rewards",) not in fields:
+            fields[("rewards",)] = torch.zeros(t, 1, 1, dtype=torch.float32)
+        dones = fields.get(("dones",))
+        if dones is None:
+            dones = torch.zeros(t + 1, 1, 1, dtype=torch.bool)
+        if t:
+            dones = dones.clone()
+            dones[-1] = True
+        fields[("dones",)] = dones
+        for path in [p for p in fields if p[0] == "curr_obs"]:
+            cur = fields[path]
+            fields[("next_obs", *path[1:])] = torch.cat([cur[1:], cur[-1:]]) if t else cur.clone()
+        traj: dict[str, Any] = {"max_episode_length": t, "model_weights_id": mwid}
+        order = ["actions", "intervene_flags", "rewards", "terminations", "truncations", "dones"]
+        ranked = sorted(
+            fields,
+            key=lambda p: (
+                order.index(p[0]) if p[0] in order else len(order),
+                p[0] in ("curr_obs", "next_obs"),
+            ),
+        )
+        for path in ranked:
+            parent = traj
+            for key in path[:-1]:
+                parent = parent.setdefault(key, {})
+                if not isinstance(parent, dict):
+                    raise LeRobotFeatureError(
+                        f"buffer field {'.'.join(path)} is inside a tensor field", path[0]
+                    )
+            parent[path[-1]] = fields[path]
+        task_ids = table.column("task_index").to_pylist() if "task_index" in table.column_names else []
+        if task_ids and task_ids[0] is not None and 0 <= int(task_ids[0]) < len(tasks):
+            traj["task"] = tasks[int(task_ids[0])]
+        elif episode.tasks:
+            traj["task"] = episode.tasks[0]
+        result.episodes += 1
+        yield traj, None, t
