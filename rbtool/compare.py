@@ -1,13 +1,15 @@
 """Diff: what differs between two checkpoints (or rank trees, each read as its merge).
 
-Entries are matched by id. Without `deep`, files are compared by their recorded hashes
-where both sides record one, else by size, and only when both are in the same format;
+Entries are matched by id. Without `deep`, files in the same format are compared by identity
+(a hard link is equal), by their recorded hashes where both sides record one, else by size
+and then bytes; files in different formats are counted as unchecked;
 with `deep`, by content (every tensor's dtype, shape and values, every plain field), so
 a checkpoint and its pt -> pkl -> pt conversion compare equal.
 """
 
 from __future__ import annotations
 
+import filecmp
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -89,6 +91,13 @@ def _size(path: Path) -> int | None:
         return path.stat().st_size
     except OSError:
         return None
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _same_tensor(x: Any, y: Any) -> bool:
@@ -189,12 +198,16 @@ def diff(
             file_diff = "content" if detail else None
         elif fa.suffix != fb.suffix:
             result.files_unchecked += 1
+        elif _same_file(fa, fb):
+            pass  # one file under two names (a link): nothing to read
         elif ea.get("sha256") and eb.get("sha256"):
             if ea["sha256"] != eb["sha256"]:
                 file_diff = "sha256"
         elif _size(fa) != _size(fb):
             file_diff = "file_bytes"
             detail = f"{_size(fa)} vs {_size(fb)} bytes"
+        elif not filecmp.cmp(fa, fb, shallow=False):  # no hash to trust: compare the bytes
+            file_diff = "bytes"
         if keys or file_diff:
             result.changed.append({"trajectory_id": tid, "fields": keys, "file": file_diff, "detail": detail})
         else:
