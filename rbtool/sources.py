@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rbtool import trajfile
-from rbtool.dirs import open_checkpoint
+from rbtool.dirs import is_rank_tree, open_checkpoint, open_view
 from rbtool.errors import CheckpointError
 from rbtool.format import is_checkpoint_dir, parse_trajectory_file_name
 from rbtool.layout import TrajectoryInfo, describe_stored
@@ -30,7 +30,8 @@ class Item:
 def collect_items(sources: Sequence[str | os.PathLike[str]]) -> list[Item]:
     """Trajectory files named by `sources`, in order.
 
-    A checkpoint or buffer directory gives its list order; any other directory gives its
+    A checkpoint or buffer directory gives its list order, a folder of rank_* checkpoints
+    the list order of their merge; any other directory gives its
     `.pt`/`.pkl` files by trajectory id (then name); a file gives itself.
     """
     items: list[Item] = []
@@ -42,6 +43,9 @@ def collect_items(sources: Sequence[str | os.PathLike[str]]) -> list[Item]:
                 items.extend(
                     Item(src_dir / index.file_name(i), dict(index.entries[i])) for i in index.id_list
                 )
+            elif is_rank_tree(path):  # the merge of its ranks, in its merged list order
+                view = open_view(path, strict=True)
+                items.extend(Item(view.file_of(i), dict(view.index.entries[i])) for i in view.index.id_list)
             else:
                 files = [
                     p for p in path.iterdir() if p.suffix in (".pt", ".pkl") and not p.name.startswith(".")

@@ -135,3 +135,15 @@ def test_a_folder_without_ranks_is_one_error(tmp_path: Path) -> None:
         result = run(*args)
         assert result.exit_code == 1 and result.stdout == "", args
         assert result.stderr.startswith("Error: ") and "rank_*" in result.stderr, args
+
+
+def test_ingest_takes_a_tree_in_its_merged_order(tree: tuple[Path, Path], tmp_path: Path) -> None:
+    path, merged = tree
+    a = run_json("ingest", path, "--buffer", tmp_path / "a")
+    b = run_json("ingest", merged, "--buffer", tmp_path / "b")
+    assert a["trajectory_ids"] == b["trajectory_ids"]
+    ia, ib = read_index(tmp_path / "a"), read_index(tmp_path / "b")
+    for i in ia.id_list:
+        assert (tmp_path / "a" / ia.file_name(i)).read_bytes() == (
+            tmp_path / "b" / ib.file_name(i)
+        ).read_bytes()
