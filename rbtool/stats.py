@@ -754,6 +754,10 @@ def collect_stats(
         "index_only": index_only,
     }
     report, in_window = index_report(header, table, window, sizes, as_json)
+    if view is not None and as_json:  # a rank tree's files live in its rank directories
+        report["trajectories"]["file"] = [
+            str(view.file_of(i).relative_to(directory)) for i in view.index.id_list
+        ]
     doc.update(report)
     doc["schema"] = doc["data"] = None
     scores: dict[int, np.ndarray] | None = None

@@ -140,3 +140,16 @@ def test_commands_import_only_the_shared_helpers() -> None:
             continue
         imports = set(re.findall(r"^\s*(?:from|import) (rbtool\.cli[\w.]*)", path.read_text(), flags=re.M))
         assert imports <= {"rbtool.cli._common"}, (path.name, imports)
+
+
+def test_every_option_of_the_resharding_commands_is_documented() -> None:
+    """reshard, filter, diff, convert: each option appears in its own section of docs/cli.md."""
+    text = DOCS.read_text()
+    root = typer.main.get_command(app)
+    for name in ("reshard", "filter", "diff", "convert"):
+        section = text.split(f"\n## rbtool {name}\n", 1)[1].split("\n## rbtool ", 1)[0]
+        command = root.commands[name]  # type: ignore[attr-defined]
+        for param in command.params:
+            for opt in [*param.opts, *param.secondary_opts]:
+                if opt.startswith("--") and opt != "--help":
+                    assert f"`{opt}" in section or f" {opt}" in section, f"rbtool {name}: {opt}"
