@@ -113,10 +113,11 @@ def sample(
     from rbtool.buffer import TrajectoryReplayBuffer
     from rbtool.dirs import open_view
 
-    # a rank tree reads as the merge of its ranks; ids are the merged ones
-    view = open_view(path, check_files=False)
+    # what the buffer will load: a rank tree reads as the merge of its ranks (ids are the
+    # merged ones); non-strict drops missing files before merging, as load_checkpoint does
+    view = open_view(path, strict=strict)
     index = view.index
-    missing = [] if strict else [i for i in index.id_list if not view.file_of(i).is_file()]
+    missing = view.dropped_ids()
     buffer = TrajectoryReplayBuffer(seed=DEFAULT_SEED, sample_window_size=window, extra_fields=all_fields)
     buffer.load_checkpoint(path, strict=strict)  # reseeds from the checkpoint when it has a seed
     used_seed = buffer.seed if seed is None else seed
