@@ -59,3 +59,7 @@ class FieldsLeftOutWarning(UserWarning):
 
 class RankLayoutWarning(UserWarning):
     """A rank directory is loaded in a layout other than the one its shard was written for."""
+
+
+class FileSystemError(RbtoolError):
+    """A file-system operation failed (disk full, read-only, permission, name too long, ...)."""

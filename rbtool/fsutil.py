@@ -17,10 +17,33 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from rbtool.errors import CheckpointError, OutputExistsError
+from rbtool.errors import CheckpointError, FileSystemError, OutputExistsError, RbtoolError
 
 LOCK_FILE = ".rbtool.lock"
 STAGING_MARK = ".rbtool-staging-"
+
+
+def os_error(exc: OSError, path: str | os.PathLike[str]) -> FileSystemError:
+    """An OSError as one line naming the path and the reason (what every writer raises)."""
+    where = exc.filename if exc.filename is not None else path
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    extra = ""
+    if exc.errno == errno.ENOSPC:
+        extra = "; nothing was published and the inputs are unchanged"
+    elif exc.errno == errno.EROFS:
+        extra = "; choose a writable location"
+    return FileSystemError(f"{where}: {reason}{extra}")
+
+
+@contextlib.contextmanager
+def fs_errors(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Turn an OSError raised in the block into a FileSystemError naming `path`."""
+    try:
+        yield
+    except RbtoolError:
+        raise
+    except OSError as exc:
+        raise os_error(exc, path) from None
 
 
 def fsync_dir(directory: Path) -> None:
@@ -60,17 +83,18 @@ def write_bytes_atomic(path: Path, data: bytes, *, sync_dir: bool = True) -> Non
     The file gets the mode a plain open() would give it (0666 less the umask): mkstemp's
     0600 would keep teammates and jobs under another uid from reading a checkpoint.
     """
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        _unlink_quietly(tmp)
-        raise
+    with fs_errors(path):
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            os.fchmod(fd, 0o666 & ~_umask())
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
     if sync_dir:
         fsync_dir(path.parent)
 
@@ -80,6 +104,11 @@ def link_or_copy(src: Path, dst: Path) -> bool:
 
     Returns True when linked. Either way `dst` appears whole (temporary name, then rename).
     """
+    with fs_errors(dst):
+        return _link_or_copy(src, dst)
+
+
+def _link_or_copy(src: Path, dst: Path) -> bool:
     if dst.exists() and os.path.samefile(src, dst):
         return True
     tmp = dst.parent / f".{dst.name}.{uuid.uuid4().hex[:12]}.tmp"
@@ -108,9 +137,15 @@ def link_or_copy(src: Path, dst: Path) -> bool:
 
 def new_staging_dir(target: Path) -> Path:
     """A fresh hidden directory beside `target`, on the same file system, for building it."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.parent / f".{target.name}{STAGING_MARK}{uuid.uuid4().hex[:12]}"
-    staging.mkdir()
+    with fs_errors(target):
+        for parent in (target.parent, *target.parent.parents):
+            if parent.exists() and not parent.is_dir():
+                raise FileSystemError(f"{parent}: not a directory, so {target} cannot be made in it")
+            if parent.exists():
+                break
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = target.parent / f".{target.name}{STAGING_MARK}{uuid.uuid4().hex[:12]}"
+        staging.mkdir()
     return staging
 
 
@@ -140,6 +175,11 @@ def publish_dir(staging: Path, target: Path, *, overwrite: bool) -> None:
     With `overwrite`, an existing empty or checkpoint directory is swapped out and removed;
     otherwise an existing target is an error (and the staging directory is removed).
     """
+    with fs_errors(target):
+        _publish_dir(staging, target, overwrite=overwrite)
+
+
+def _publish_dir(staging: Path, target: Path, *, overwrite: bool) -> None:
     fsync_dir(staging)
     if target.exists() or target.is_symlink():
         if not overwrite:
@@ -166,10 +206,10 @@ def staged_dir(target: Path, *, overwrite: bool = False) -> Iterator[Path]:
     staging = new_staging_dir(target)
     try:
         yield staging
+        publish_dir(staging, target, overwrite=overwrite)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)  # gone once published
         raise
-    publish_dir(staging, target, overwrite=overwrite)
 
 
 class DirLock:
@@ -185,6 +225,10 @@ class DirLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
+        with fs_errors(self.path):
+            self._acquire()
+
+    def _acquire(self) -> None:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -211,10 +211,23 @@ class AutoSaveWriter(BufferWriter):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rbtool-writer")
         self._pending: list[Future[None]] = []
         self._guard = threading.Lock()
+        self._broken: str | None = None  # why the first failed job failed
 
     def submit(self, job: Callable[[], None]) -> None:
+        """Queue a job. Once a job has failed, later jobs do not run: an index published after
+        a failed file write would name a file that is missing."""
+
+        def guarded() -> None:
+            if self._broken is not None:
+                raise RbtoolError(f"not written: an earlier background write failed ({self._broken})")
+            try:
+                job()
+            except BaseException as exc:
+                self._broken = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise
+
         with self._guard:
-            self._pending.append(self._executor.submit(job))
+            self._pending.append(self._executor.submit(guarded))
 
     def failed(self) -> bool:
         with self._guard:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rbtool.errors import CheckpointError, OutputExistsError
+from rbtool.errors import CheckpointError, FileSystemError, OutputExistsError
 from rbtool.fsutil import (
     LOCK_FILE,
     STAGING_MARK,
@@ -130,7 +130,7 @@ def test_link_or_copy_copies_across_file_systems(tmp_path: Path, other_file_syst
 
 
 def test_link_or_copy_of_a_missing_source_raises_and_leaves_nothing(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileSystemError, match="No such file or directory"):
         link_or_copy(tmp_path / "gone.pt", tmp_path / "dst.pt")
     assert names(tmp_path) == set()
 

@@ -14,7 +14,7 @@ from conftest import make_traj, tree_digest
 
 from rbtool import layout, trajfile
 from rbtool.dirs import open_checkpoint
-from rbtool.errors import CheckpointError, TrajectoryFileError, UsageError
+from rbtool.errors import CheckpointError, FileSystemError, TrajectoryFileError, UsageError
 from rbtool.format import INDEX_FILE, METADATA_FILE
 from rbtool.fsutil import LOCK_FILE, DirLock
 from rbtool.index import Index, read_index
@@ -145,7 +145,7 @@ def vanish_when_checked(sources: list[Path]) -> Callable[[int], None]:
 def test_an_interruption_mid_batch_keeps_the_published_batches(tmp_path: Path) -> None:
     buffer = tmp_path / "buf"
     sources = loose_files(tmp_path / "loose", 4)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileSystemError, match="No such file or directory"):
         ingest(sources, buffer, batch_size=3, batch_seconds=3600, on_checked=vanish_when_checked(sources))
     index = assert_valid(buffer)
     assert index.id_list == [0, 1, 2]
@@ -155,7 +155,7 @@ def test_an_interruption_mid_batch_keeps_the_published_batches(tmp_path: Path) -
 def test_a_failed_second_batch_removes_its_files(tmp_path: Path) -> None:
     buffer = tmp_path / "buf"
     sources = loose_files(tmp_path / "loose", 4)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileSystemError, match="No such file or directory"):
         ingest(sources, buffer, batch_size=2, batch_seconds=3600, on_checked=vanish_when_checked(sources))
     index = assert_valid(buffer)
     assert index.id_list == [0, 1]  # id 2 was placed, but its batch never published: removed

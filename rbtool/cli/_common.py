@@ -97,8 +97,9 @@ class Group(TyperGroup):
 
     The root group is the one place where library errors become exit statuses: a
     `UsageError` is `Error: ...` and exit 2, any other `RbtoolError` `Error: ...` and exit 1,
-    each with the hint of the running command's option that answers it; anything else is a
-    bug and keeps its traceback. Library warnings become one line `Warning: ...` each.
+    each with the hint of the running command's option that answers it; an OSError that
+    escaped the library is one line and exit 1 too; anything else is a bug and keeps its
+    traceback. Library warnings become one line `Warning: ...` each.
     """
 
     def resolve_command(self, ctx: Any, args: list[str]) -> Any:
@@ -120,6 +121,11 @@ class Group(TyperGroup):
             except RbtoolError as exc:
                 print_error(str(exc) + option_hint(exc, ctx.meta.get(_COMMAND)))
                 raise typer.Exit(exit_status(exc)) from None
+            except OSError as exc:  # the library maps these itself; this is the last net
+                from rbtool.fsutil import os_error
+
+                print_error(str(os_error(exc, exc.filename or "?")))
+                raise typer.Exit(1) from None
 
 
 # ------------------------------------------------------------ options
