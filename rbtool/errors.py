@@ -63,3 +63,7 @@ class RankLayoutWarning(UserWarning):
 
 class FileSystemError(RbtoolError):
     """A file-system operation failed (disk full, read-only, permission, name too long, ...)."""
+
+
+class DirectoryInUseError(CheckpointError):
+    """A directory is held (locked) by a live buffer or another rbtool process."""

@@ -17,7 +17,13 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from rbtool.errors import CheckpointError, FileSystemError, OutputExistsError, RbtoolError
+from rbtool.errors import (
+    CheckpointError,
+    DirectoryInUseError,
+    FileSystemError,
+    OutputExistsError,
+    RbtoolError,
+)
 
 LOCK_FILE = ".rbtool.lock"
 STAGING_MARK = ".rbtool-staging-"
@@ -179,6 +185,21 @@ def publish_dir(staging: Path, target: Path, *, overwrite: bool) -> None:
         _publish_dir(staging, target, overwrite=overwrite)
 
 
+def _hold_locks(directories: list[Path]) -> list[DirLock]:
+    """Take every directory's lock without waiting, or refuse naming the one that is held."""
+    held: list[DirLock] = []
+    try:
+        for directory in directories:
+            lock = DirLock(directory, wait=False, create=False)  # no lock file: nobody holds it
+            lock.acquire()
+            held.append(lock)
+    except BaseException:
+        for lock in held:
+            lock.release()
+        raise
+    return held
+
+
 def _publish_dir(staging: Path, target: Path, *, overwrite: bool) -> None:
     fsync_dir(staging)
     if target.exists() or target.is_symlink():
@@ -190,11 +211,20 @@ def _publish_dir(staging: Path, target: Path, *, overwrite: bool) -> None:
             raise CheckpointError(
                 f"{target}: exists and is not a checkpoint directory; refusing to replace it"
             )
-        old = target.parent / f".{target.name}.rbtool-old-{uuid.uuid4().hex[:12]}"
-        os.rename(target, old)
-        os.rename(staging, target)
-        fsync_dir(target.parent)
-        shutil.rmtree(old, ignore_errors=True)
+        # A directory (or a rank of it) that a live buffer or another rbtool process holds
+        # is never replaced: its writer would go on writing into a deleted directory.
+        locks = _hold_locks(
+            [target, *[p for p in target.iterdir() if p.is_dir() and p.name.startswith("rank_")]]
+        )
+        try:
+            old = target.parent / f".{target.name}.rbtool-old-{uuid.uuid4().hex[:12]}"
+            os.rename(target, old)
+            os.rename(staging, target)
+            fsync_dir(target.parent)
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            for lock in locks:
+                lock.release()
         return
     os.rename(staging, target)
     fsync_dir(target.parent)
@@ -218,10 +248,18 @@ class DirLock:
     `on_wait` is called once, with the lock file's recorded holder, if the lock is busy.
     """
 
-    def __init__(self, directory: Path, *, wait: bool = True, on_wait: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        wait: bool = True,
+        on_wait: Callable[[str], None] | None = None,
+        create: bool = True,
+    ):
         self.path = directory / LOCK_FILE
         self.wait = wait
         self.on_wait = on_wait
+        self.create = create  # False: a directory without a lock file is not held by anyone
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -229,7 +267,12 @@ class DirLock:
             self._acquire()
 
     def _acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.path, os.O_RDWR | (os.O_CREAT if self.create else 0), 0o644)
+        except FileNotFoundError:
+            if self.create:
+                raise
+            return
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -238,7 +281,7 @@ class DirLock:
                 holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
             if not self.wait:
                 os.close(fd)
-                raise CheckpointError(
+                raise DirectoryInUseError(
                     f"{self.path.parent}: in use by another rbtool process ({holder or 'unknown'})"
                 ) from None
             if self.on_wait is not None:
