@@ -48,6 +48,8 @@ def test_the_eleven_ranks_are_read_in_numeric_order(eleven: Path) -> None:
     stats = run_json("stats", eleven, "--index-only")
     assert stats["rank_dirs"] == [str(eleven / f"rank_{r}") for r in range(11)]
     assert stats["trajectories"]["id"] == list(range(11))
+    verified = run_json("verify", eleven)
+    assert [c["path"] for c in verified["checkpoints"]] == [str(eleven / f"rank_{r}") for r in range(11)]
 
 
 def test_checkpoint_load_of_a_tree_is_the_load_of_its_merge(tree: tuple[Path, Path]) -> None:
