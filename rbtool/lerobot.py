@@ -25,6 +25,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -1543,7 +1544,9 @@ def _rebuild(
         values = iter(record.get("values", []))
         built: dict[tuple[str, ...], torch.Tensor] = {}
         for i, node in enumerate(nodes):
-            path = tuple(node["path"])
+            # Interned keys: equal keys are one string object, as in a loaded file, so the
+            # pickle torch.save writes memoizes them alike and the file comes back byte for byte.
+            path = tuple(sys.intern(key) for key in node["path"])
             parent = traj
             for key in path[:-1]:
                 parent = parent[key]

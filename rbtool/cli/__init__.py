@@ -16,6 +16,7 @@ from rbtool.cli import (
     diff,
     filter,
     ingest,
+    lerobot,
     merge,
     repair,
     reshard,
@@ -55,6 +56,8 @@ app.command()(reshard.reshard)
 app.command(name="filter")(filter.filter_)
 app.command()(diff.diff)
 app.command()(convert.convert)
+app.command()(lerobot.export)  # export --to lerobot
+app.add_typer(lerobot.import_app)  # import lerobot
 app.command()(stats.stats)
 app.command()(sample.sample)
 app.command()(verify.verify)

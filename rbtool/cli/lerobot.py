@@ -1,0 +1,321 @@
+"""`rbtool export --to lerobot` and `rbtool import lerobot`: LeRobot datasets in and out."""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from rbtool.cli._common import (
+    ForceOpt,
+    FormatOpt,
+    Group,
+    JsonOpt,
+    StrictOpt,
+    err,
+    files_line,
+    format_ids,
+    out,
+    print_json,
+    progress_bar,
+    refuse_overlap,
+    show_progress,
+)
+
+import_app = typer.Typer(
+    cls=Group,
+    name="import",
+    help="Add the episodes of a dataset in another format to a buffer directory.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+
+
+class ExportFormat(str, enum.Enum):
+    """Formats a checkpoint can be exported to."""
+
+    lerobot = "lerobot"
+
+
+def _unmappable(exc: Exception) -> Exception:
+    """A feature the defaults cannot map, with the options that answer it."""
+    from rbtool.errors import UsageError
+    from rbtool.lerobot import LeRobotFeatureError
+
+    if isinstance(exc, LeRobotFeatureError):
+        return UsageError(
+            f"{exc}; pass --map {exc.feature}=FIELD to map it (to a tensor field) or --drop {exc.feature}"
+        )
+    return exc
+
+
+def parse_episodes(text: str | None) -> list[int] | None:
+    """`0,3,5-9` as [0, 3, 5, 6, 7, 8, 9] (in the order given)."""
+    if text is None:
+        return None
+    episodes: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        first, dash, last = part.partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise typer.BadParameter(f"{part!r} is not N or N-M", param_hint="--episodes")
+        lo, hi = int(first), int(last) if dash else int(first)
+        if hi < lo:
+            raise typer.BadParameter(f"{part!r}: the range is empty", param_hint="--episodes")
+        episodes.extend(range(lo, hi + 1))
+    if len(set(episodes)) != len(episodes):
+        raise typer.BadParameter("names an episode twice", param_hint="--episodes")
+    return episodes
+
+
+def _key_value_table(title: str, rows: list[tuple[str, str]]) -> Table:
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column("key", style="bold")
+    table.add_column("value")
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+# ------------------------------------------------------------------------ export
+def export(
+    source: Annotated[
+        Path,
+        typer.Argument(metavar="IN", help="A checkpoint, buffer directory or folder of rank_* checkpoints."),
+    ],
+    target: Annotated[Path, typer.Argument(metavar="OUT", help="Dataset directory to write.")],
+    to: Annotated[ExportFormat, typer.Option("--to", help="Format to write.", show_default=False)],
+    fps: Annotated[
+        int, typer.Option("--fps", min=1, help="Frames per second of the data.", show_default=False)
+    ],
+    robot_type: Annotated[
+        str | None, typer.Option("--robot-type", help="Robot type recorded in meta/info.json.")
+    ] = None,
+    task: Annotated[str, typer.Option("--task", help="Task text of every episode.")] = "",
+    names: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--map",
+            metavar="FIELD=FEATURE",
+            help="Name the feature of a buffer field (dotted path, e.g. curr_obs.states=observation.state).",
+            show_default=False,
+        ),
+    ] = None,
+    images: Annotated[
+        bool,
+        typer.Option("--images/--no-images", help="uint8 [H, W, C] fields as PNG image features (lossless)."),
+    ] = True,
+    data_file_size_mb: Annotated[
+        float, typer.Option("--data-file-size-mb", min=0.001, help="Start a new data file beyond this size.")
+    ] = 100.0,
+    chunks_size: Annotated[
+        int, typer.Option("--chunks-size", min=1, help="Files per chunk directory.")
+    ] = 1000,
+    strict: StrictOpt = True,
+    force: ForceOpt = False,
+    json: JsonOpt = False,
+) -> None:
+    """Write a checkpoint as a LeRobot v3.0 dataset that `rbtool import lerobot` turns back into it.
+
+    One episode per (trajectory, env column) segment, split where the done flags end an episode.
+    """
+    from rbtool.dirs import open_view
+    from rbtool.errors import RbtoolError
+    from rbtool.lerobot import CODEBASE_VERSION, export_lerobot, parse_field_map
+
+    refuse_overlap(target, [source], "OUT")
+    mapping = parse_field_map(names or [], "--map")
+    enabled = show_progress(json)
+    total = None
+    if enabled:
+        try:
+            total = 2 * open_view(source, strict=strict, check_files=False).index.size
+        except RbtoolError:
+            total = None  # the export itself reports the problem
+    with progress_bar("exporting trajectories", total, enabled) as advance:
+        result = export_lerobot(
+            source,
+            target,
+            fps=fps,
+            robot_type=robot_type,
+            task=task,
+            names=mapping,
+            images=images,
+            strict=strict,
+            data_file_size_mb=data_file_size_mb,
+            chunks_size=chunks_size,
+            overwrite=force,
+            progress=advance,
+        )
+    fields = {feature: field for feature, field in result.columns.items()}
+    doc: dict[str, Any] = {
+        "out": str(result.out),
+        "source": str(result.source),
+        "format": to.value,
+        "codebase_version": CODEBASE_VERSION,
+        "fps": fps,
+        "trajectories": result.trajectories,
+        "episodes": result.episodes,
+        "frames": result.frames,
+        "features": [
+            {"name": name, "dtype": spec["dtype"], "shape": spec["shape"], "field": fields.get(name)}
+            for name, spec in result.features.items()
+        ],
+        "sidecar_fields": result.sidecar_fields,
+        "data_files": result.data_files,
+        "episode_files": result.episode_files,
+        "bytes": result.bytes,
+    }
+    if json:
+        print_json(doc)
+        return
+    rows = [
+        ("trajectories", str(result.trajectories)),
+        ("episodes", str(result.episodes)),
+        ("frames", str(result.frames)),
+        ("files", f"{result.data_files} data, {result.episode_files} episode metadata, {result.bytes} bytes"),
+    ]
+    out.print(_key_value_table(f"export {result.source} to LeRobot {CODEBASE_VERSION} {result.out}", rows))
+    table = Table(title="features", title_justify="left")
+    for column in ("feature", "dtype", "shape", "buffer field"):
+        table.add_column(column)
+    for item in doc["features"]:
+        table.add_row(item["name"], item["dtype"], str(item["shape"]), item["field"] or "")
+    out.print(table)
+    if result.sidecar_fields:
+        out.print(f"kept whole in the sidecar: {', '.join(result.sidecar_fields)}", markup=False)
+
+
+# ------------------------------------------------------------------------ import
+@import_app.command("lerobot")
+def import_lerobot(
+    source: Annotated[Path, typer.Argument(metavar="IN", help="A LeRobot dataset directory (v3.0 or v2.x).")],
+    buffer: Annotated[
+        Path,
+        typer.Option("--buffer", "-b", help="Buffer directory (auto_save on) to add to; created if needed."),
+    ],
+    episodes: Annotated[
+        str | None,
+        typer.Option("--episodes", metavar="LIST", help="Episodes to import, e.g. 0,3,5-9 (default: all)."),
+    ] = None,
+    field_map: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--map",
+            metavar="FEATURE=FIELD",
+            help="Buffer field of a feature (dotted path, e.g. observation.images.top=curr_obs.main_images).",
+            show_default=False,
+        ),
+    ] = None,
+    drop: Annotated[
+        list[str] | None,
+        typer.Option("--drop", metavar="FEATURE", help="Leave a feature out.", show_default=False),
+    ] = None,
+    sidecar: Annotated[
+        bool,
+        typer.Option(
+            "--sidecar/--no-sidecar",
+            help="Rebuild what rbtool exported from its sidecar (--no-sidecar: one trajectory per episode).",
+        ),
+    ] = True,
+    model_weights_id: Annotated[
+        str | None,
+        typer.Option(
+            "--model-weights-id", help="model_weights_id of the trajectories (default: lerobot-<name>)."
+        ),
+    ] = None,
+    trajectory_format: FormatOpt = None,
+    json: JsonOpt = False,
+) -> None:
+    """Add a LeRobot dataset's episodes to a buffer directory; ids continue from its trajectory_counter.
+
+    A dataset rbtool exported comes back as the checkpoint it was (into a new buffer directory,
+    with its own ids). After each published batch a line `added trajectory ids FIRST-LAST` goes
+    to stderr.
+    """
+    from rbtool.errors import RbtoolError
+    from rbtool.lerobot import count_units, parse_field_map
+    from rbtool.lerobot import import_lerobot as run_import
+
+    refuse_overlap(buffer, [source], "--buffer")
+    selected = parse_episodes(episodes)
+    mapping = parse_field_map(field_map or [], "--map")
+
+    def on_wait(holder: str) -> None:
+        err.print(f"waiting for {buffer} (locked by {holder})", markup=False)
+
+    def on_published(ids: list[int]) -> None:
+        first, last = ids[0], ids[-1]
+        err.print(f"added trajectory ids {first if first == last else f'{first}-{last}'}", markup=False)
+
+    enabled = show_progress(json)
+    total = None
+    if enabled:
+        try:
+            total = count_units(source, episodes=selected, use_sidecar=sidecar and not mapping and not drop)
+        except RbtoolError:
+            total = None
+    try:
+        with progress_bar("importing episodes", total, enabled) as advance:
+            result = run_import(
+                source,
+                buffer,
+                episodes=selected,
+                field_map=mapping,
+                drop=drop or [],
+                use_sidecar=sidecar,
+                model_weights_id=model_weights_id,
+                trajectory_format=None if trajectory_format is None else trajectory_format.value,
+                on_wait=on_wait,
+                progress=advance,
+                on_published=on_published,
+            )
+    except RbtoolError as exc:
+        raise _unmappable(exc) from None
+    index = result.index
+    doc: dict[str, Any] = {
+        "buffer": str(result.buffer),
+        "dataset": str(result.dataset),
+        "codebase_version": result.codebase_version,
+        "mode": result.mode,
+        "added": len(result.added_ids),
+        "trajectory_ids": result.added_ids,
+        "kept_ids": result.kept_ids,
+        "episodes": result.episodes,
+        "frames": result.frames,
+        "fields": [{"feature": feature, "field": f} for feature, f in result.fields.items()],
+        "dropped": result.dropped,
+        "size": index.size,
+        "total_samples": index.total_samples,
+        "trajectory_counter": index.trajectory_counter,
+        "trajectory_format": index.trajectory_format,
+        "files": result.report.as_json(),
+    }
+    if json:
+        print_json(doc)
+        return
+    ids = result.added_ids
+    rows = [
+        ("dataset", f"{result.dataset} (LeRobot {result.codebase_version})"),
+        ("read as", "rbtool export (sidecar)" if result.mode == "rbtool" else "one trajectory per episode"),
+        ("added", f"{len(ids)} ({format_ids(ids)})" if ids else "0"),
+        ("episodes", str(result.episodes)),
+        ("frames", str(result.frames)),
+        ("size", str(index.size)),
+        ("total samples", str(index.total_samples)),
+        ("trajectory counter", str(index.trajectory_counter)),
+        ("format", index.trajectory_format),
+        ("files", files_line(doc["files"])),
+    ]
+    if result.dropped:
+        rows.append(("dropped", ", ".join(result.dropped)))
+    out.print(_key_value_table(f"import into {result.buffer}", rows))
+    table = Table(title="fields", title_justify="left")
+    table.add_column("feature")
+    table.add_column("buffer field")
+    for feature, f in result.fields.items():
+        table.add_row(feature, f)
+    out.print(table)

@@ -1,0 +1,159 @@
+"""`rbtool export --to lerobot` and `rbtool import lerobot`: JSON, human view, errors, exit statuses."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES, assert_one_error, run, run_json, staging_left, tree_digest
+
+pytest.importorskip("pyarrow")
+pytest.importorskip("PIL")
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
+SOURCE = FIXTURES / "autosave_pt/autosave"
+
+
+def json_keys(doc: object) -> set[str]:
+    keys: set[str] = set()
+    if isinstance(doc, dict):
+        for key, value in doc.items():
+            keys |= {key} | json_keys(value)
+    elif isinstance(doc, list):
+        for value in doc:
+            keys |= json_keys(value)
+    return keys
+
+
+def test_every_json_key_is_documented(tmp_path: Path) -> None:
+    documented = {
+        word for span in re.findall(r"`([^`\n]+)`", DOCS.read_text()) for word in re.findall(r"\w+", span)
+    }
+    exported = run_json("export", SOURCE, tmp_path / "ds", "--to", "lerobot", "--fps", "10")
+    imported = run_json("import", "lerobot", tmp_path / "ds", "--buffer", tmp_path / "buf")
+    episodes = run_json(
+        "import", "lerobot", tmp_path / "ds", "-b", tmp_path / "b2", "--no-sidecar", "--drop", "terminations"
+    )
+    for doc in (exported, imported, episodes):
+        assert json_keys(doc) <= documented, json_keys(doc) - documented
+
+
+def test_export_then_import_gives_back_the_checkpoint(tmp_path: Path) -> None:
+    before = tree_digest(SOURCE)
+    doc = run_json(
+        "export",
+        SOURCE,
+        tmp_path / "ds",
+        "--to",
+        "lerobot",
+        "--fps",
+        "10",
+        "--task",
+        "pick",
+        "--robot-type",
+        "panda",
+    )
+    assert doc["trajectories"] == 5 and doc["frames"] == 40 and doc["codebase_version"] == "v3.0"
+    assert {"name": "image", "dtype": "image", "shape": [16, 16, 3], "field": "curr_obs.main_images"} in doc[
+        "features"
+    ]
+    info = json.loads((tmp_path / "ds/meta/info.json").read_text())
+    assert info["robot_type"] == "panda" and info["total_frames"] == 40
+    result = run("import", "lerobot", tmp_path / "ds", "--buffer", tmp_path / "buf", "--json")
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["mode"] == "rbtool" and doc["kept_ids"] and doc["trajectory_ids"] == [0, 1, 2, 3, 4]
+    assert result.stderr == "added trajectory ids 0-4\n"
+    assert tree_digest(SOURCE) == before
+    verified = run_json("verify", tmp_path / "buf", "--deep")
+    assert verified["ok"]
+    diff = run("diff", SOURCE, tmp_path / "buf", "--deep", "--json")  # RLinf wrote other bytes
+    assert diff.exit_code == 0, diff.stderr
+
+
+def test_human_views(tmp_path: Path) -> None:
+    result = run("export", SOURCE, tmp_path / "ds", "--to", "lerobot", "--fps", "5")
+    assert result.exit_code == 0 and "curr_obs.main_images" in result.stdout and "episodes" in result.stdout
+    result = run("import", "lerobot", tmp_path / "ds", "--buffer", tmp_path / "buf")
+    assert result.exit_code == 0 and "rbtool export (sidecar)" in result.stdout
+
+
+def test_export_errors_are_one_line(tmp_path: Path) -> None:
+    assert_one_error(run("export", tmp_path / "nope", tmp_path / "ds", "--to", "lerobot", "--fps", "5"))
+    missing = run(
+        "export", FIXTURES / "nosave_window2_pt/ckpt", tmp_path / "ds", "--to", "lerobot", "--fps", "5"
+    )
+    assert_one_error(missing)
+    assert missing.stderr.rstrip().endswith("pass --non-strict to keep only what exists")
+    kept = run_json(
+        "export",
+        FIXTURES / "nosave_window2_pt/ckpt",
+        tmp_path / "ds",
+        "--to",
+        "lerobot",
+        "--fps",
+        "5",
+        "--non-strict",
+    )
+    assert kept["trajectories"] == 2
+    again = run("export", SOURCE, tmp_path / "ds", "--to", "lerobot", "--fps", "5")
+    assert_one_error(again)
+    assert again.stderr.rstrip().endswith("choose another path or pass --force to replace it")
+    assert run("export", SOURCE, tmp_path / "ds", "--to", "lerobot", "--fps", "5", "--force").exit_code == 0
+    assert_one_error(run("export", SOURCE, tmp_path / "d2", "--to", "lerobot", "--fps", "5", "--map", "x"), 2)
+    assert_one_error(
+        run("export", SOURCE, tmp_path / "d3", "--to", "lerobot", "--fps", "5", "--map", "nope=y"), 2
+    )
+    usage = run("export", SOURCE, tmp_path / "d4", "--to", "lerobot", "--fps", "0")
+    assert usage.exit_code == 2 and usage.stdout == ""
+    assert run("export", SOURCE, tmp_path / "d5", "--to", "hdf5", "--fps", "5").exit_code == 2
+    assert run("export", SOURCE, SOURCE / "inside", "--to", "lerobot", "--fps", "5").exit_code == 2
+    assert not staging_left(tmp_path)
+
+
+def test_import_errors_are_one_line(tmp_path: Path) -> None:
+    run_json("export", SOURCE, tmp_path / "ds", "--to", "lerobot", "--fps", "5")
+    assert_one_error(run("import", "lerobot", SOURCE, "--buffer", tmp_path / "buf"))
+    assert_one_error(
+        run("import", "lerobot", tmp_path / "ds", "--buffer", tmp_path / "buf", "--episodes", "99"), 2
+    )
+    bad = run("import", "lerobot", tmp_path / "ds", "--buffer", tmp_path / "buf", "--episodes", "2-1")
+    assert bad.exit_code == 2 and bad.stdout == ""
+    # A string feature has no tensor form: the line names it and the options that answer it.
+    unmappable = run(
+        "import",
+        "lerobot",
+        tmp_path / "ds",
+        "--buffer",
+        tmp_path / "buf",
+        "--no-sidecar",
+        "--map",
+        "rb.model_weights_id=mwid",
+    )
+    assert_one_error(unmappable, 2)
+    assert "'rb.model_weights_id'" in unmappable.stderr
+    assert unmappable.stderr.rstrip().endswith(
+        "pass --map rb.model_weights_id=FIELD to map it (to a tensor field) or --drop rb.model_weights_id"
+    )
+    assert not (tmp_path / "buf").exists()
+
+
+def test_import_selected_episodes(tmp_path: Path) -> None:
+    run_json("export", SOURCE, tmp_path / "ds", "--to", "lerobot", "--fps", "5")
+    doc = run_json(
+        "import",
+        "lerobot",
+        tmp_path / "ds",
+        "--buffer",
+        tmp_path / "buf",
+        "--episodes",
+        "0,2-3",
+        "--model-weights-id",
+        "demo",
+    )
+    assert doc["mode"] == "episodes" and doc["episodes"] == 3 and doc["trajectory_ids"] == [0, 1, 2]
+    assert {"feature": "image", "field": "curr_obs.main_images"} in doc["fields"]
+    ckpt = run_json("checkpoint", "load", tmp_path / "buf")
+    assert ckpt["size"] == 3
