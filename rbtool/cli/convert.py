@@ -8,7 +8,6 @@ from typing import Annotated, Any
 import typer
 
 from rbtool.cli._common import (
-    ForceOpt,
     JsonOpt,
     StrictOpt,
     TrajectoryFormat,
@@ -41,7 +40,12 @@ def convert(
         ),
     ] = None,
     strict: StrictOpt = True,
-    force: ForceOpt = False,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force", help="Replace OUT if it is empty, a checkpoint or an earlier rank tree output."
+        ),
+    ] = False,
     json: JsonOpt = False,
 ) -> None:
     """Write OUT with every trajectory file of IN in FORMAT (a rank tree keeps its rank_* layout)."""

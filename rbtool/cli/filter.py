@@ -29,31 +29,40 @@ def filter_(
     target: Annotated[Path, typer.Option("--out", "-o", help="Checkpoint directory to write.")],
     model_weights_id: Annotated[
         list[str] | None,
-        typer.Option("--model-weights-id", help="Keep trajectories of this policy (repeatable)."),
+        typer.Option(
+            "--model-weights-id", metavar="ID", help="Keep trajectories of this policy (repeatable)."
+        ),
     ] = None,
     min_version: Annotated[
         float | None,
-        typer.Option("--min-version", help="Keep trajectories whose every `versions` value is >= V."),
+        typer.Option(
+            "--min-version", metavar="V", help="Keep trajectories whose every `versions` value is >= V."
+        ),
     ] = None,
     max_version: Annotated[
         float | None,
-        typer.Option("--max-version", help="Keep trajectories whose every `versions` value is <= V."),
+        typer.Option(
+            "--max-version", metavar="V", help="Keep trajectories whose every `versions` value is <= V."
+        ),
     ] = None,
     max_staleness: Annotated[
         float | None,
         typer.Option(
             "--max-staleness",
             min=0,
+            metavar="S",
             help="Keep trajectories whose oldest version is at most S behind the newest in IN.",
         ),
     ] = None,
-    min_id: Annotated[int | None, typer.Option("--min-id", help="Keep ids >= I.")] = None,
-    max_id: Annotated[int | None, typer.Option("--max-id", help="Keep ids <= I.")] = None,
+    min_id: Annotated[int | None, typer.Option("--min-id", metavar="I", help="Keep ids >= I.")] = None,
+    max_id: Annotated[int | None, typer.Option("--max-id", metavar="I", help="Keep ids <= I.")] = None,
     last: Annotated[
-        int | None, typer.Option("--last", min=0, help="Then keep only the last N (in list order).")
+        int | None,
+        typer.Option("--last", min=0, metavar="N", help="Then keep only the last N (in list order)."),
     ] = None,
     min_samples: Annotated[
-        int | None, typer.Option("--min-samples", min=0, help="Keep trajectories with >= N samples (T*B).")
+        int | None,
+        typer.Option("--min-samples", min=0, metavar="N", help="Keep trajectories with >= N samples (T*B)."),
     ] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="List what would be kept; write nothing.")
