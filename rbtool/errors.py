@@ -67,3 +67,7 @@ class FileSystemError(RbtoolError):
 
 class DirectoryInUseError(CheckpointError):
     """A directory is held (locked) by a live buffer or another rbtool process."""
+
+
+class LeftoversRemovedWarning(UserWarning):
+    """Staging directories that interrupted rbtool runs left were removed."""

@@ -176,6 +176,11 @@ PROBLEM_CODES: dict[str, tuple[str, str]] = {
         "a trajectory file the index does not list (id below trajectory_counter), or a .pt/.pkl file "
         "not named like a trajectory; readers ignore it",
     ),
+    "sizes_unrecorded": (
+        NOTICE,
+        "quick: listed files have no recorded size or hash (another writer made them), so only a deep "
+        "check, which loads every file, can tell a truncated or altered one",
+    ),
     "uncommitted_file": (
         NOTICE,
         "an unlisted trajectory file with id >= trajectory_counter: left by an interrupted writer, "

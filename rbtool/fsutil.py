@@ -11,9 +11,12 @@ import contextlib
 import errno
 import fcntl
 import os
+import re
 import shutil
+import socket
 import tempfile
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -21,6 +24,7 @@ from rbtool.errors import (
     CheckpointError,
     DirectoryInUseError,
     FileSystemError,
+    LeftoversRemovedWarning,
     OutputExistsError,
     RbtoolError,
 )
@@ -141,8 +145,51 @@ def _link_or_copy(src: Path, dst: Path) -> bool:
     return linked
 
 
+def _owner_tag() -> str:
+    """Who makes a staging directory: pid@host, so that the next run can tell if it died."""
+    return f"{os.getpid()}@{socket.gethostname()}"
+
+
+_LEFTOVER = re.compile(r"\.rbtool-(?:staging|old)-(\d+)@(.+)-[0-9a-f]{12}$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process, or not ours to signal: alive
+        return True
+    return True
+
+
+def remove_dead_leftovers(parent: Path) -> list[str]:
+    """Remove the staging and swapped-out directories in `parent` whose process has died.
+
+    Only this host's runs are judged (a pid means nothing on another node of a shared file
+    system); live runs and other hosts' runs are left alone. Returns the names removed.
+    """
+    host = socket.gethostname()
+    removed = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return []
+    for entry in entries:
+        found = _LEFTOVER.search(entry.name)
+        if found is None or found.group(2) != host or _alive(int(found.group(1))):
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.name)
+    return removed
+
+
 def new_staging_dir(target: Path) -> Path:
-    """A fresh hidden directory beside `target`, on the same file system, for building it."""
+    """A fresh hidden directory beside `target`, on the same file system, for building it.
+
+    What interrupted runs left beside it is removed first, with a warning naming it.
+    """
     with fs_errors(target):
         for parent in (target.parent, *target.parent.parents):
             if parent.exists() and not parent.is_dir():
@@ -150,7 +197,13 @@ def new_staging_dir(target: Path) -> Path:
             if parent.exists():
                 break
         target.parent.mkdir(parents=True, exist_ok=True)
-        staging = target.parent / f".{target.name}{STAGING_MARK}{uuid.uuid4().hex[:12]}"
+        removed = remove_dead_leftovers(target.parent)
+        if removed:
+            shown = ", ".join(removed[:5]) + (", ..." if len(removed) > 5 else "")
+            what = "directory" if len(removed) == 1 else "directories"
+            message = f"{target.parent}: removed {len(removed)} staging {what} that interrupted runs left"
+            warnings.warn(LeftoversRemovedWarning(f"{message} ({shown})"), stacklevel=3)
+        staging = target.parent / f".{target.name}{STAGING_MARK}{_owner_tag()}-{uuid.uuid4().hex[:12]}"
         staging.mkdir()
     return staging
 
@@ -217,7 +270,7 @@ def _publish_dir(staging: Path, target: Path, *, overwrite: bool) -> None:
             [target, *[p for p in target.iterdir() if p.is_dir() and p.name.startswith("rank_")]]
         )
         try:
-            old = target.parent / f".{target.name}.rbtool-old-{uuid.uuid4().hex[:12]}"
+            old = target.parent / f".{target.name}.rbtool-old-{_owner_tag()}-{uuid.uuid4().hex[:12]}"
             os.rename(target, old)
             os.rename(staging, target)
             fsync_dir(target.parent)

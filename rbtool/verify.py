@@ -138,8 +138,9 @@ def _list_files(directory: Path) -> _Listing:
 class _FileChecker:
     """Checks one directory's files against what check_json accepted of its index."""
 
-    def __init__(self, checked: IndexCheck, report: CheckpointReport) -> None:
+    def __init__(self, checked: IndexCheck, report: CheckpointReport, *, deep: bool = False) -> None:
         self.checked = checked
+        self.deep = deep
         self.directory = checked.directory
         self.report = report
         self.listing = _list_files(self.directory)
@@ -188,6 +189,7 @@ class _FileChecker:
                     trajectory_id=tid,
                     file=expected,
                 )
+        unrecorded = 0
         for tid in unique[present].tolist():
             entry = entries.get(tid)
             names = listing.by_id[tid]
@@ -210,6 +212,14 @@ class _FileChecker:
                 continue
             if entry is not None and expected is not None:
                 self._check_size(tid, expected, entry)
+                if entry.get("file_bytes") is None and entry.get("sha256") is None:
+                    unrecorded += 1
+        if unrecorded and not self.deep:
+            report.add(
+                "sizes_unrecorded",
+                f"{unrecorded} of {len(listed)} listed files have no recorded size or hash: a quick check "
+                "cannot tell a truncated or altered file; only a deep check, which loads every file, can",
+            )
         for tid in sorted(listing.by_id.keys() - listed):
             for name in sorted(listing.by_id[tid]):
                 if tid >= counter:
@@ -406,7 +416,7 @@ def verify_checkpoint(
         checked = check_json(path)
         report = CheckpointReport(path, checked.raw_list_len if checked.id_list is not None else None)
         report.problems.extend(checked.problems)
-        files = _FileChecker(checked, report)
+        files = _FileChecker(checked, report, deep=deep)
         files.check()
     if deep:
         files.run_deep(progress)

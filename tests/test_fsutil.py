@@ -280,3 +280,34 @@ def test_dir_lock_release_is_idempotent(tmp_path: Path) -> None:
     lock.release()
     with DirLock(tmp_path, wait=False):
         pass
+
+
+# ---------------------------------------------------------------- leftovers of dead runs
+def test_staging_of_a_dead_run_is_removed_by_the_next_writer(tmp_path: Path) -> None:
+    import socket
+    import subprocess
+    import sys
+    import warnings
+
+    from rbtool.errors import LeftoversRemovedWarning
+
+    target = tmp_path / "ckpt"
+    code = "import os; print(os.getpid())"
+    dead = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    pid = int(dead.stdout)  # that process has exited
+    host = socket.gethostname()
+    left = tmp_path / f".ckpt.rbtool-staging-{pid}@{host}-0123456789ab"
+    left.mkdir()
+    (left / "trajectory_0_x.pt").write_bytes(b"partial")
+    live = tmp_path / f".ckpt.rbtool-staging-{os.getpid()}@{host}-0123456789ab"  # this run's own
+    live.mkdir()
+    elsewhere = tmp_path / f".ckpt.rbtool-old-{pid}@another-node-0123456789ab"  # a pid on another host
+    elsewhere.mkdir()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with staged_dir(target) as staging:
+            (staging / "metadata.json").write_text("{}")
+    assert not left.exists() and live.exists() and elsewhere.exists() and target.is_dir()
+    (warning,) = [w for w in caught if issubclass(w.category, LeftoversRemovedWarning)]
+    assert "removed 1 staging directory that interrupted runs left" in str(warning.message)
+    assert left.name in str(warning.message)

@@ -77,7 +77,11 @@ def drop_from_index(ckpt: Path, tid: int) -> None:
 @pytest.mark.parametrize("rel", CLEAN)
 def test_reference_checkpoints_pass(rel: str, deep: bool) -> None:
     result = verify(FIXTURES / rel, deep=deep)
-    assert result.ok and result.counts() == {"error": 0, "warning": 0, "notice": 0}
+    # RLinf records no sizes or hashes: a quick check says only a deep one proves the files whole
+    assert result.ok and result.counts() == {"error": 0, "warning": 0, "notice": 0 if deep else 1}
+    assert all(
+        [p.code for p in c.problems] == ([] if deep else ["sizes_unrecorded"]) for c in result.checkpoints
+    )
     assert [c.size for c in result.checkpoints] == [len(read_index(FIXTURES / rel).id_list)]
 
 
@@ -91,9 +95,10 @@ def test_nosave_fixtures_fail_on_their_three_missing_files(rel: str, deep: bool)
         ("file_missing", "error", 0),
         ("file_missing", "error", 1),
         ("file_missing", "error", 2),
+        *([] if deep else [("sizes_unrecorded", "notice", None)]),
     ]
     index = read_index(FIXTURES / rel)
-    assert [p.file for p in report.problems] == [index.file_name(i) for i in (0, 1, 2)]
+    assert [p.file for p in report.problems][:3] == [index.file_name(i) for i in (0, 1, 2)]
 
 
 def test_folder_of_ranks_checks_each_rank() -> None:
@@ -105,7 +110,7 @@ def test_folder_of_ranks_checks_each_rank() -> None:
 def test_json_document_shape() -> None:
     doc = verify(FIXTURES / NOSAVE[0]).as_json()
     assert set(doc) == {"path", "deep", "ok", "checkpoints", "counts"}
-    assert doc["ok"] is False and doc["counts"] == {"error": 3, "warning": 0, "notice": 0}
+    assert doc["ok"] is False and doc["counts"] == {"error": 3, "warning": 0, "notice": 1}
     (ckpt,) = doc["checkpoints"]
     assert set(ckpt) == {"path", "ok", "size", "problems"}
     assert all(set(p) == {"code", "severity", "trajectory_id", "file", "message"} for p in ckpt["problems"])
@@ -242,6 +247,7 @@ def scenario_cases() -> dict[str, Callable[[Path], None]]:
         ),
         "hash_hint": lambda c: edit_index(c, lambda d: d["trajectory_index"]["2"].update(sha256="0" * 64)),
         "seed_null": lambda c: edit_meta(c, seed=None),
+        "sizes_unrecorded": lambda c: None,  # RLinf's files as they are: no sizes, no hashes
         "format_too_new": lambda c: edit_meta(c, format_version=2),
         "schema_differs": lambda c: save_traj(c, 3, like(c, 3, extra=make_traj()["actions"])),
     }
@@ -296,7 +302,9 @@ def test_scenarios_report_nothing_else_where_nothing_else_is_wrong(rlinf_copy: A
         ckpt = rlinf_copy(BASE)
         scenario_cases()[code](ckpt)
         report = verify_checkpoint(ckpt)
-        assert codes(report) == Counter({code: n}), (code, [p.message for p in report.problems])
+        found = codes(report)
+        found.pop("sizes_unrecorded", None)  # the base is RLinf's: it records no sizes
+        assert found == Counter({code: n}), (code, [p.message for p in report.problems])
         shutil.rmtree(ckpt)
 
 
