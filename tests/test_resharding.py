@@ -247,3 +247,22 @@ def test_a_tree_missing_a_rank_warns(tmp_path: Path) -> None:
     shutil.rmtree(out / "rank_2")
     with pytest.warns(RankLayoutWarning, match="2 rank directories.*world size 3"):
         load_state(out)
+
+
+def test_an_auto_save_buffer_resumes_one_rank_of_a_tree(tmp_path: Path) -> None:
+    """auto_save on: the rank's trajectories are linked into the auto-save directory, merged ids kept."""
+    reshard(FIXTURES / "ranks", 3, tmp_path / "r3")
+    buffer = TrajectoryReplayBuffer(
+        sample_window_size=0, auto_save=True, auto_save_path=str(tmp_path / "auto")
+    )
+    buffer.load_checkpoint(FIXTURES / "ranks", is_distributed=True, local_rank=1, world_size=3)
+    assert buffer.trajectory_id_list == [3, 4] and buffer.trajectory_counter == 5
+    buffer.add_trajectories([make_traj(t=4, b=2, image=2)])
+    assert buffer.trajectory_id_list == [3, 4, 5]
+    buffer.save_checkpoint(tmp_path / "saved")
+    buffer.close()
+    saved, rank = read_index(tmp_path / "saved"), read_index(tmp_path / "r3" / "rank_1")
+    for i in rank.id_list:
+        got = (tmp_path / "saved" / saved.file_name(i)).read_bytes()
+        assert got == (tmp_path / "r3" / "rank_1" / rank.file_name(i)).read_bytes()
+    assert read_index(tmp_path / "auto").id_list == [3, 4, 5]
