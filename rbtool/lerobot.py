@@ -113,6 +113,7 @@ _NATIVE = (
     "float32",
     "float64",
 )
+_IMAGE_NAMES = {path for path, name in RLINF_NAMES.items() if "image" in name}
 _AS_BITS = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
 _MAX_ARRAY_DIMS = 5  # LeRobot's features go up to Array5D
 
@@ -320,12 +321,16 @@ def _image_array(frames: np.ndarray) -> pa.Array:
     )
 
 
-def _decode_images(column: pa.Array, shape: Sequence[int], feature: str) -> np.ndarray:
+def _decode_images(
+    column: pa.Array, shape: Sequence[int], feature: str, spec_names: Sequence[str] | None = None
+) -> np.ndarray:
     """LeRobot image structs (PNG or any format Pillow reads) as uint8 `[n, H, W, C]`."""
     import numpy as np
 
     image = _require_pil()
-    channels = int(shape[2]) if len(shape) == 3 else 3
+    names = spec_names or []
+    channels_first = bool(names) and str(names[0]).startswith("channel")
+    channels = int(shape[0] if channels_first else shape[-1]) if len(shape) == 3 else 3
     mode = {1: "L", 3: "RGB", 4: "RGBA"}.get(channels, "RGB")
     out = []
     for value in column.to_pylist():
@@ -337,7 +342,9 @@ def _decode_images(column: pa.Array, shape: Sequence[int], feature: str) -> np.n
             array = np.asarray(picture, dtype=np.uint8)
         out.append(array[..., None] if array.ndim == 2 else array)
     if not out:
-        return np.zeros((0, *[int(s) for s in shape]), dtype=np.uint8)
+        dims = [int(d) for d in shape]
+        hwc = (*dims[1:], dims[0]) if channels_first and len(dims) == 3 else tuple(dims)
+        return np.zeros((0, *hwc), dtype=np.uint8)
     return np.stack(out)
 
 
@@ -353,7 +360,7 @@ def _column_numpy(column: Any, spec: dict[str, Any], feature: str) -> np.ndarray
     if column.null_count:
         raise CheckpointError(f"feature {feature!r}: {column.null_count} frame(s) have no value")
     if spec["dtype"] == "image":
-        return _decode_images(column, shape, feature)
+        return _decode_images(column, shape, feature, spec.get("names"))
     array = column
     while (
         pa.types.is_list(array.type)
@@ -383,12 +390,22 @@ def _stats(values: np.ndarray, image: bool) -> dict[str, np.ndarray]:
         stride = max(1, max(sub.shape[1], sub.shape[2]) // 150)
         sub = sub[:, ::stride, ::stride].astype(np.float64) / 255.0
         data = sub.transpose(3, 0, 1, 2).reshape(sub.shape[3], -1).T
-        full = values.astype(np.float64) / 255.0
+        # Exact min, max, mean and std over every pixel, a few frames at a time (a float copy
+        # of a whole episode of camera frames would not fit in memory).
+        channels = values.shape[3]
+        total = np.zeros(channels)
+        squares = np.zeros(channels)
+        for start in range(0, values.shape[0], 16):
+            block = values[start : start + 16].reshape(-1, channels).astype(np.float64)
+            total += block.sum(axis=0)
+            squares += (block * block).sum(axis=0)
+        count = max(1, values.shape[0] * values.shape[1] * values.shape[2])
+        mean = total / count
         out = {
-            "min": full.min(axis=(0, 1, 2)),
-            "max": full.max(axis=(0, 1, 2)),
-            "mean": full.mean(axis=(0, 1, 2)),
-            "std": full.std(axis=(0, 1, 2)),
+            "min": values.min(axis=(0, 1, 2)) / 255.0,
+            "max": values.max(axis=(0, 1, 2)) / 255.0,
+            "mean": mean / 255.0,
+            "std": np.sqrt(np.maximum(squares / count - mean * mean, 0.0)) / 255.0,
         }
         for key, q in QUANTILES.items():
             out[key] = np.quantile(data, q, axis=0)
@@ -504,7 +521,10 @@ class _Registry:
             if name in self.taken:
                 raise UsageError(f"feature name {name!r} for {dotted} is already taken")
         else:
-            base = RLINF_NAMES.get(path, dotted).replace("/", "_")
+            named = RLINF_NAMES.get(path, dotted)
+            if path in _IMAGE_NAMES and not image:  # RLinf's image names are for images only
+                named = dotted
+            base = named.replace("/", "_")
             name, n = base, 1
             while name in self.taken:
                 n += 1
@@ -1212,6 +1232,8 @@ class LeRobotSource:
             import pyarrow.parquet as pq
 
             files = sorted((self.root / "meta" / "episodes").glob("*/*.parquet"))
+            if not files and not self.info.get("total_episodes"):
+                return []  # an empty dataset, as LeRobot leaves one before its first episode
             if not files:
                 raise CheckpointError(f"{self.root}: no meta/episodes/chunk-*/file-*.parquet")
             template = str(self.info.get("data_path") or DATA_PATH)

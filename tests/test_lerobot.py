@@ -184,6 +184,16 @@ def test_a_second_import_continues_the_ids(tmp_path: Path) -> None:
         assert_same_value(trajfile.load(view.file_of(new)), trajfile.load(view.file_of(old)))
 
 
+def test_an_empty_checkpoint_comes_back_empty(tmp_path: Path) -> None:
+    from rbtool.index import Index, init_buffer_dir
+
+    init_buffer_dir(tmp_path / "empty", Index(seed=7, trajectory_counter=0))
+    result = export_lerobot(tmp_path / "empty", tmp_path / "ds", fps=5)
+    assert result.episodes == result.frames == 0
+    assert import_lerobot(tmp_path / "ds", tmp_path / "buf").kept_ids
+    assert_same_checkpoint(tmp_path / "buf", tmp_path / "empty")
+
+
 def test_a_rank_tree_exports_as_its_merge(tmp_path: Path) -> None:
     export_lerobot(FIXTURES / "ranks", tmp_path / "ds", fps=5)
     import_lerobot(tmp_path / "ds", tmp_path / "buf")
@@ -317,7 +327,8 @@ def test_images_as_arrays_on_request(tmp_path: Path) -> None:
     source = FIXTURES / "autosave_pt/autosave"
     export_lerobot(source, tmp_path / "ds", fps=5, images=False)
     info = json.loads((tmp_path / "ds/meta/info.json").read_text())
-    assert info["features"]["image"]["dtype"] == "uint8" and info["features"]["image"]["shape"] == [16, 16, 3]
+    array = info["features"]["curr_obs.main_images"]  # RLinf's name `image` is for image features
+    assert array["dtype"] == "uint8" and array["shape"] == [16, 16, 3] and "image" not in info["features"]
     import_lerobot(tmp_path / "ds", tmp_path / "buf")
     assert_same_checkpoint(tmp_path / "buf", source)
 
@@ -657,3 +668,33 @@ def test_the_lerobot_paths_alone_import_pyarrow() -> None:
         timeout=60,
     )
     assert probe.stderr.strip().splitlines()[-1] == "False False"
+
+
+def test_channels_first_image_features_import_as_height_width_channels(tmp_path: Path) -> None:
+    frames = build_v30(tmp_path / "ds", [2, 3])
+    info_path = tmp_path / "ds/meta/info.json"
+    info = json.loads(info_path.read_text())
+    info["features"]["observation.images.top"].update(shape=[3, 6, 5], names=["channels", "height", "width"])
+    info_path.write_text(json.dumps(info))
+    import_lerobot(tmp_path / "ds", tmp_path / "buf")
+    traj = trajfile.load(open_view(tmp_path / "buf").file_of(1))
+    images = np.stack([f["observation.images.top"] for f in frames if f["episode_index"] == 1])
+    assert torch.equal(traj["curr_obs"]["main_images"][:, 0], torch.from_numpy(images))
+
+
+def test_progress_counts_every_trajectory(mixed_buffer: Path, tmp_path: Path) -> None:
+    calls: list[int] = []
+    export_lerobot(mixed_buffer, tmp_path / "ds", fps=5, progress=calls.append)
+    assert sum(calls) == 2 * 4  # planned, then written
+    calls.clear()
+    import_lerobot(tmp_path / "ds", tmp_path / "buf", progress=calls.append)
+    assert sum(calls) == 4
+
+
+def test_multi_view_uint8_fields_are_arrays_under_their_own_name(tmp_path: Path) -> None:
+    traj = make_traj()
+    traj["curr_obs"]["main_images"] = torch.zeros(4, 2, 2, 4, 4, 3, dtype=torch.uint8)  # two views
+    source = build_buffer(tmp_path / "b", [traj])
+    result = export_lerobot(source, tmp_path / "ds", fps=5)
+    assert result.features["curr_obs.main_images"] == {"dtype": "uint8", "shape": [2, 4, 4, 3], "names": None}
+    assert "image" not in result.features

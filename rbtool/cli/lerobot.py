@@ -132,7 +132,7 @@ def export(
     total = None
     if enabled:
         try:
-            total = 2 * open_view(source, strict=strict, check_files=False).index.size
+            total = 2 * open_view(source, strict=strict).index.size
         except RbtoolError:
             total = None  # the export itself reports the problem
     with progress_bar("exporting trajectories", total, enabled) as advance:
