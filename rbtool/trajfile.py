@@ -211,52 +211,47 @@ def _open_regular(path: Path) -> None:
         raise TrajectoryFileError(f"{path}: not a regular file")
 
 
-def _check_zip_records(path: Path) -> None:
-    """A `.pt` zip's records must be stored uncompressed and fit in the file (no zip bombs)."""
+def _check_zip_records(path: Path, data: bytes | None = None) -> None:
+    """A `.pt` zip's records must be stored uncompressed and fit in the file (no zip bombs),
+    and its pickle must hold no BUILD instruction. `data`: the file's bytes, when read already."""
     import zipfile
 
+    source: Any = path if data is None else io.BytesIO(data)
+    size = os.stat(path).st_size if data is None else len(data)
     try:
-        with zipfile.ZipFile(path) as archive:
+        with zipfile.ZipFile(source) as archive:
             records = archive.infolist()
-    except (zipfile.BadZipFile, OSError, ValueError):
-        return  # not a zip (a legacy .pt) or unreadable: torch's loader names the problem
-    total = 0
-    for record in records:
-        if record.compress_type != zipfile.ZIP_STORED or record.compress_size != record.file_size:
-            raise TrajectoryFileError(f"{path}: zip record {record.filename!r:.80} is compressed")
-        total += record.file_size
-    if total > os.stat(path).st_size:
-        raise TrajectoryFileError(f"{path}: zip records claim more bytes than the file holds")
-    from rbtool.safepickle import refuse_opcodes
-
-    for record in records:
-        if record.filename.endswith("/data.pkl") or record.filename == "data.pkl":
+            total = 0
+            for record in records:
+                if record.compress_type != zipfile.ZIP_STORED or record.compress_size != record.file_size:
+                    raise TrajectoryFileError(f"{path}: zip record {record.filename!r:.80} is compressed")
+                total += record.file_size
+            if total > size:
+                raise TrajectoryFileError(f"{path}: zip records claim more bytes than the file holds")
+            pickles = [r for r in records if r.filename.endswith("/data.pkl") or r.filename == "data.pkl"]
             try:
-                with zipfile.ZipFile(path) as archive:
-                    pickled = archive.read(record)
+                pickled = [archive.read(r) for r in pickles]
             except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
                 raise TrajectoryFileError(f"{path}: not a readable .pt trajectory ({exc})") from None
-            refuse_opcodes(pickled, str(path))  # a BUILD would bypass the size checks
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return  # not a zip (a legacy .pt) or unreadable: torch's loader names the problem
+    from rbtool.safepickle import refuse_opcodes
+
+    for data_pkl in pickled:
+        refuse_opcodes(data_pkl, str(path))  # a BUILD would bypass the size checks
 
 
-def load_pt_template(path: Path, mmap: bool) -> Any:
-    """Whatever a `.pt` file holds, loaded with weights_only (no type check on the result).
-
-    With `mmap=True` nothing is read up front, so storage reads the structure and each
-    tensor's place in the file from it. Errors name the file (TrajectoryFileError, or
-    UnsafePickleError for objects other than tensors and plain data).
-    """
+def _torch_load(path: Path, source: Any, mmap: bool) -> Any:
+    """torch.load with weights_only, its failures as one-line errors naming `path`."""
     import pickle
 
     torch = require_torch()
-    _open_regular(path)
-    _check_zip_records(path)
     try:
         with warnings.catch_warnings():
             # torch warns about odd files (e.g. a plain pickle named .pt) before it refuses them;
             # the error says enough, and a warning would add lines to a one-line error
             warnings.simplefilter("ignore")
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unpickling failed"
         if "Weights only load failed" in str(exc) or "Unsupported global" in str(exc):
@@ -269,6 +264,47 @@ def load_pt_template(path: Path, mmap: bool) -> Any:
     except Exception as exc:  # torch raises RuntimeError, EOFError, ValueError... on bad bytes
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise TrajectoryFileError(f"{path}: not a readable .pt trajectory ({message})") from None
+
+
+def read_file_bytes(path: Path) -> bytes:
+    """A regular file's bytes, read once (a deep check hashes and loads the same bytes)."""
+    _open_regular(path)
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise TrajectoryFileError(f"{path}: cannot read ({exc.strerror})") from None
+
+
+def load_bytes(data: bytes, path: Path, *, suffix: str | None = None) -> dict[str, Any]:
+    """A trajectory from bytes already read from `path`, with every check load() makes."""
+    suffix = path.suffix if suffix is None else suffix
+    require_torch()
+    if suffix == ".pt":
+        _check_zip_records(path, data)
+        obj = _torch_load(path, io.BytesIO(data), mmap=False)
+    elif suffix == ".pkl":
+        from rbtool.safepickle import load_pickle_trajectory
+
+        obj = load_pickle_trajectory(data, name=str(path))
+    else:
+        raise TrajectoryFileError(f"{path}: not a trajectory file (expected .pt or .pkl)")
+    check_loaded(obj, str(path))
+    if not isinstance(obj, dict):
+        raise TrajectoryFileError(f"{path}: holds a {type(obj).__name__}, expected a trajectory dict")
+    return obj
+
+
+def load_pt_template(path: Path, mmap: bool) -> Any:
+    """Whatever a `.pt` file holds, loaded with weights_only (no type check on the result).
+
+    With `mmap=True` nothing is read up front, so storage reads the structure and each
+    tensor's place in the file from it. Errors name the file (TrajectoryFileError, or
+    UnsafePickleError for objects other than tensors and plain data).
+    """
+    require_torch()
+    _open_regular(path)
+    _check_zip_records(path)
+    obj = _torch_load(path, path, mmap=mmap)
     check_loaded(obj, str(path))
     return obj
 

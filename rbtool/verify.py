@@ -84,6 +84,9 @@ class VerifyReport:
     path: Path
     deep: bool
     checkpoints: list[CheckpointReport]
+    bytes_read: int = 0  # trajectory bytes the deep pass read (each file once)
+    seconds: float = 0.0  # how long the deep pass took
+    jobs: int = 1
 
     @property
     def ok(self) -> bool:
@@ -104,6 +107,12 @@ class VerifyReport:
             "ok": self.ok,
             "checkpoints": [c.as_json(plain=plain) for c in self.checkpoints],
             "counts": self.counts(),
+            "bytes_read": self.bytes_read,
+            "seconds": round(self.seconds, 6),
+            "bytes_per_second": round(self.bytes_read / self.seconds)
+            if self.deep and self.seconds > 0
+            else None,
+            "jobs": self.jobs,
         }
 
 
@@ -260,22 +269,44 @@ class _FileChecker:
             )
 
     # --------------------------------------------------------------- deep
-    def run_deep(self, progress: Progress | None) -> None:
-        """Load every file of a listed trajectory and check its tensors against the index."""
+    def run_deep(self, progress: Progress | None, jobs: int) -> int:
+        """Load every file of a listed trajectory and check its tensors against the index.
+
+        Files are checked on `jobs` threads (reading, hashing and torch's checks release the
+        GIL), each file read once; problems are reported in list order whatever the timing.
+        Returns the bytes read.
+        """
+        from concurrent.futures import ThreadPoolExecutor
+
         checked = self.checked
         if checked.id_list is None:
-            return
+            return 0
+        tasks = [
+            (tid, name)
+            for tid in dict.fromkeys(checked.id_list)
+            for name in sorted(self.listing.by_id.get(tid, []))
+        ]
+
+        def check(task: tuple[int, str]) -> tuple[CheckpointReport, dict[str, str] | None, int]:
+            tid, name = task
+            found = CheckpointReport(self.directory)
+            schema, size = _deep_check_file(
+                self.directory / name, tid, checked.entries.get(tid), found, self.hints_only
+            )
+            return found, schema, size
+
         schemas: list[tuple[int, str, dict[str, str]]] = []
-        for tid in dict.fromkeys(checked.id_list):
-            for name in sorted(self.listing.by_id.get(tid, [])):
-                schema = _deep_check_file(
-                    self.directory / name, tid, checked.entries.get(tid), self.report, self.hints_only
-                )
+        total = 0
+        with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="rbtool-verify") as pool:
+            for (tid, name), (found, schema, size) in zip(tasks, pool.map(check, tasks), strict=True):
+                self.report.problems.extend(found.problems)
+                total += size
                 if schema is not None:
                     schemas.append((tid, name, schema))
                 if progress is not None:
                     progress(1)
         _compare_schemas(schemas, self.report)
+        return total
 
 
 # -------------------------------------------------------------------- deep checks
@@ -293,22 +324,24 @@ def _schema_of(traj: dict[str, Any]) -> dict[str, str]:
 
 def _deep_check_file(
     path: Path, tid: int, entry: Any, report: CheckpointReport, hints_only: bool
-) -> dict[str, str] | None:
-    """Load one file and check it; returns its schema when it could be read."""
+) -> tuple[dict[str, str] | None, int]:
+    """Read one file once, hash and load those bytes, check it: (its schema or None, bytes read)."""
     import torch
 
     from rbtool import layout, trajfile
     from rbtool.errors import InvalidTrajectoryError
 
     name = path.name
+    data = b""
     try:
-        traj = trajfile.load(path)
+        data = trajfile.read_file_bytes(path)
+        traj = trajfile.load_bytes(data, path)
     except UnsafePickleError as exc:
         report.add("file_unsafe", one_line(str(exc)), trajectory_id=tid, file=name)
-        return None
+        return None, len(data)
     except RbtoolError as exc:
         report.add("file_unreadable", one_line(str(exc)), trajectory_id=tid, file=name)
-        return None
+        return None, len(data)
     traj = layout.with_stored_defaults(traj, name)
     plain = {k: v for k, v in traj.items() if k not in layout.DONE_LIKE}
     try:
@@ -345,7 +378,7 @@ def _deep_check_file(
                 )
     recorded = entry.get("sha256") if entry is not None else None
     if isinstance(recorded, str):
-        actual = trajfile.sha256_file(path)
+        actual = trajfile.sha256_bytes(data)
         if actual != recorded:
             code = "hash_hint" if hints_only else "hash_mismatch"
             why = " (another writer rewrote the checkpoint since)" if hints_only else ""
@@ -355,7 +388,7 @@ def _deep_check_file(
                 trajectory_id=tid,
                 file=name,
             )
-    return _schema_of(traj)
+    return _schema_of(traj), len(data)
 
 
 def _compare_entry(
@@ -407,29 +440,61 @@ def _compare_schemas(schemas: list[tuple[int, str, dict[str, str]]], report: Che
 
 
 # ------------------------------------------------------------------------ entry points
+def default_jobs() -> int:
+    """Threads for a deep pass: the cores this process may use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 def verify_checkpoint(
-    directory: str | os.PathLike[str], *, deep: bool = False, progress: Progress | None = None
+    directory: str | os.PathLike[str],
+    *,
+    deep: bool = False,
+    progress: Progress | None = None,
+    jobs: int | None = None,
 ) -> CheckpointReport:
     """Check one checkpoint or buffer directory and return every problem found."""
-    path = Path(directory)
+    return _verify_one(Path(directory), deep, progress, jobs or default_jobs())[0]
+
+
+def _verify_one(path: Path, deep: bool, progress: Progress | None, jobs: int) -> tuple[CheckpointReport, int]:
     with gc_paused():
         checked = check_json(path)
         report = CheckpointReport(path, checked.raw_list_len if checked.id_list is not None else None)
         report.problems.extend(checked.problems)
         files = _FileChecker(checked, report, deep=deep)
         files.check()
-    if deep:
-        files.run_deep(progress)
-    return report
+    read = files.run_deep(progress, jobs) if deep else 0
+    return report, read
 
 
 def verify(
-    path: str | os.PathLike[str], *, deep: bool = False, progress: Progress | None = None
+    path: str | os.PathLike[str],
+    *,
+    deep: bool = False,
+    progress: Progress | None = None,
+    jobs: int | None = None,
 ) -> VerifyReport:
-    """Check a checkpoint, a buffer directory, or each checkpoint of a folder of rank_* directories."""
+    """Check a checkpoint, a buffer directory, or each checkpoint of a folder of rank_* directories.
+
+    The deep pass runs on `jobs` threads (default: the cores this process may use).
+    """
+    import time
+
+    from rbtool.errors import UsageError
+
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        raise UsageError(f"jobs must be an integer >= 1, got {jobs!r}")
+    threads = jobs or default_jobs()
     root = Path(path)
-    reports = [verify_checkpoint(d, deep=deep, progress=progress) for d in checkpoint_dirs(root)]
-    return VerifyReport(root, deep, reports)
+    started = time.perf_counter()
+    results = [_verify_one(d, deep, progress, threads) for d in checkpoint_dirs(root)]
+    report = VerifyReport(root, deep, [r for r, _ in results], jobs=threads)
+    report.bytes_read = sum(n for _, n in results)
+    report.seconds = time.perf_counter() - started
+    return report
 
 
 __all__ = [

@@ -71,6 +71,16 @@ def verify(
             help="Also load every trajectory file (safely) and check shapes, schema, NaN/Inf and hashes.",
         ),
     ] = False,
+    jobs: Annotated[
+        int | None,
+        typer.Option(
+            "--jobs",
+            "-j",
+            min=1,
+            help="Files checked at once by --deep (default: the number of cores).",
+            show_default=False,
+        ),
+    ] = None,
     json: JsonOpt = False,
 ) -> None:
     """Check that a checkpoint is consistent; exit 1 if any error is found.
@@ -83,11 +93,18 @@ def verify(
 
     enabled = deep and show_progress(json)
     with progress_bar("loading trajectory files", None, enabled) as advance:
-        result = run_verify(path, deep=deep, progress=advance if enabled else None)
+        result = run_verify(path, deep=deep, progress=advance if enabled else None, jobs=jobs)
     if json:
         print_json(result.as_json(plain=False))
     else:
         _print_human(result.checkpoints)
+        if deep:
+            rate = result.bytes_read / result.seconds if result.seconds > 0 else 0.0
+            out.print(
+                f"deep pass: {result.bytes_read} bytes read in {result.seconds:.2f} s "
+                f"({rate / 1e6:.1f} MB/s, {result.jobs} job{'s' if result.jobs != 1 else ''})",
+                markup=False,
+            )
     if not result.ok:
         counts = Counter(p.code for c in result.checkpoints for p in c.problems if p.severity == "error")
         codes = ", ".join(f"{code} x{n}" for code, n in counts.most_common())
