@@ -1535,11 +1535,15 @@ def _rebuild(
     except (KeyError, TypeError):
         raise CheckpointError(f"{dataset.root / SIDECAR_FILE}: incomplete sidecar") from None
     blob_path = dataset.root / str(sidecar.get("tensors") or SIDECAR_TENSORS)
-    blobs: dict[int, list[dict[str, Any]]] = {}
-    if blob_path.is_file():
-        for batch in pq.ParquetFile(str(blob_path)).iter_batches():
-            for row in batch.to_pylist():
-                blobs.setdefault(int(row["trajectory_id"]), []).append(row)
+
+    def blob_rows() -> Iterator[dict[str, Any]]:
+        if blob_path.is_file():
+            for batch in pq.ParquetFile(str(blob_path)).iter_batches(batch_size=64):
+                yield from batch.to_pylist()
+
+    # The sidecar's tensors are in trajectory order: read them along, one trajectory at a time.
+    stream = blob_rows()
+    pending = next(stream, None)
     all_episodes = dataset.episodes()
     features = dataset.features
     names = [*columns, RB_TRAJECTORY_ID, RB_ENV, RB_T]
@@ -1560,8 +1564,18 @@ def _rebuild(
             table = pa.concat_tables(parts)
             tt = table.column(RB_T).to_numpy()
             bb = table.column(RB_ENV).to_numpy()
-        own = {int(r["node"]): r for r in blobs.get(tid, []) if r["kind"] != "next_obs"}
-        nxt = {int(r["node"]): r for r in blobs.get(tid, []) if r["kind"] == "next_obs"}
+        mine: list[dict[str, Any]] = []
+        while pending is not None and int(pending["trajectory_id"]) == tid:
+            mine.append(pending)
+            pending = next(stream, None)
+
+        def need(rows: dict[int, dict[str, Any]], node: int, tid: int = tid) -> dict[str, Any]:
+            if node not in rows:
+                raise CheckpointError(f"{blob_path}: holds no tensor {node} of trajectory {tid}")
+            return rows[node]
+
+        own = {int(r["node"]): r for r in mine if r["kind"] != "next_obs"}
+        nxt = {int(r["node"]): r for r in mine if r["kind"] == "next_obs"}
         traj: dict[str, Any] = {}
         values = iter(record.get("values", []))
         built: dict[tuple[str, ...], torch.Tensor] = {}
@@ -1580,7 +1594,7 @@ def _rebuild(
                 parent[path[-1]] = _decode_value(next(values))
                 continue
             if kind == "tensor":
-                blob = own[i]
+                blob = need(own, i)
                 tensor = _from_raw(blob["data"], blob["dtype"], blob["shape"])
             elif kind == "column":
                 feature = node["feature"]
@@ -1594,7 +1608,7 @@ def _rebuild(
                 tensor = _from_numpy(out, dtype).reshape(t, b, *shape)
                 extra = int(node.get("extra_rows") or 0)
                 if extra:
-                    boot = own[i]
+                    boot = need(own, i)
                     boot_rows = _from_raw(boot["data"], boot["dtype"], boot["shape"])
                     per = t // extra
                     pieces = []
@@ -1608,7 +1622,7 @@ def _rebuild(
                 tensor = torch.empty_like(src)
                 if t > 1:
                     tensor[:-1] = src[1:]
-                blob = nxt[i]
+                blob = need(nxt, i)
                 fixes = _from_raw(blob["data"], blob["dtype"], blob["shape"])
                 if blob["t"]:
                     tensor[list(blob["t"]), list(blob["b"])] = fixes

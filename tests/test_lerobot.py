@@ -698,3 +698,11 @@ def test_multi_view_uint8_fields_are_arrays_under_their_own_name(tmp_path: Path)
     result = export_lerobot(source, tmp_path / "ds", fps=5)
     assert result.features["curr_obs.main_images"] == {"dtype": "uint8", "shape": [2, 4, 4, 3], "names": None}
     assert "image" not in result.features
+
+
+def test_a_sidecar_missing_its_tensors_is_refused(mixed_buffer: Path, tmp_path: Path) -> None:
+    export_lerobot(mixed_buffer, tmp_path / "ds", fps=5)
+    (tmp_path / "ds/meta/rbtool/tensors.parquet").unlink()
+    with pytest.raises(CheckpointError, match="holds no tensor"):
+        import_lerobot(tmp_path / "ds", tmp_path / "buf")
+    assert not (tmp_path / "buf").exists()
