@@ -69,8 +69,18 @@ def is_rank_tree(path: str | os.PathLike[str]) -> bool:
 
 
 def missing_files(directory: Path, index: Index) -> list[int]:
-    """Ids whose trajectory files are not in `directory`."""
-    return [i for i in index.id_list if not (directory / index.file_name(i)).is_file()]
+    """Ids whose trajectory files are not in `directory` (as regular files, symlinks followed).
+
+    One directory listing instead of a stat per id: a million-entry index is checked in
+    a fraction of a second.
+    """
+    try:
+        with os.scandir(directory) as it:
+            present = {e.name for e in it if e.is_file()}
+    except OSError:
+        present = set()
+    name = index.file_name
+    return [i for i in index.id_list if name(i) not in present]
 
 
 def open_checkpoint(path: str | os.PathLike[str], *, strict: bool = True) -> tuple[Path, Index]:
