@@ -40,7 +40,7 @@ app = typer.Typer(
 
 @app.callback()
 def _root() -> None:
-    """Build, inspect, shard, merge and check trajectory replay-buffer checkpoints.
+    """Build, inspect, shard, reshard, merge, filter, diff, convert and check replay-buffer checkpoints.
 
     Every command prints a human view, or with --json exactly one JSON document on stdout.
     Exit status: 0 success, 1 an error in the input or the checkpoint, 2 usage.
