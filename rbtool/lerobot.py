@@ -407,8 +407,7 @@ def _stats(values: np.ndarray, image: bool) -> dict[str, np.ndarray]:
             "mean": mean / 255.0,
             "std": np.sqrt(np.maximum(squares / count - mean * mean, 0.0)) / 255.0,
         }
-        for key, q in QUANTILES.items():
-            out[key] = np.quantile(data, q, axis=0)
+        out.update(_quantiles(data))
         shaped = {k: v.reshape(-1, 1, 1) for k, v in out.items()}
         shaped["count"] = np.array([values.shape[0]])
         return shaped
@@ -420,8 +419,26 @@ def _stats(values: np.ndarray, image: bool) -> dict[str, np.ndarray]:
         "std": data.std(axis=0),
         "count": np.array([values.shape[0]]),
     }
+    out.update(_quantiles(data))
+    return out
+
+
+def _quantiles(data: np.ndarray) -> dict[str, np.ndarray]:
+    """QUANTILES along axis 0 as numpy's default (linear) method gives them, from one sort.
+
+    One sort for all five (np.quantile partitions once per quantile): an export computes
+    them for every feature of every episode.
+    """
+    import numpy as np
+
+    ordered = np.sort(data, axis=0)
+    n = ordered.shape[0]
+    out = {}
     for key, q in QUANTILES.items():
-        out[key] = np.quantile(data, q, axis=0)
+        h = (n - 1) * q
+        lo = math.floor(h)
+        hi = min(lo + 1, n - 1)
+        out[key] = ordered[lo] + (h - lo) * (ordered[hi] - ordered[lo])
     return out
 
 
@@ -1305,10 +1322,14 @@ class LeRobotSource:
                 cached = (episode.file, table, ep_col)
             _, table, ep_col = cached
             rows = np.nonzero(ep_col == episode.index)[0]
-            part = table.take(pa.array(rows))
-            if "frame_index" in part.column_names and part.num_rows:
-                order = np.argsort(part.column("frame_index").to_numpy(), kind="stable")
-                part = part.take(pa.array(order))
+            if len(rows) and rows[-1] - rows[0] + 1 == len(rows):
+                part = table.slice(int(rows[0]), len(rows))  # the usual case: no copy
+            else:
+                part = table.take(pa.array(rows))
+            if "frame_index" in part.column_names and part.num_rows > 1:
+                steps = part.column("frame_index").to_numpy()
+                if (np.diff(steps) < 0).any():
+                    part = part.take(pa.array(np.argsort(steps, kind="stable")))
             if part.num_rows != episode.length:
                 raise CheckpointError(
                     f"{episode.file}: episode {episode.index} has {part.num_rows} frames; "
