@@ -7,11 +7,14 @@ import json
 import math
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import FIXTURES, RLINF_DIRS, make_traj, tree_digest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -706,3 +709,58 @@ def test_a_sidecar_missing_its_tensors_is_refused(mixed_buffer: Path, tmp_path: 
     with pytest.raises(CheckpointError, match="holds no tensor"):
         import_lerobot(tmp_path / "ds", tmp_path / "buf")
     assert not (tmp_path / "buf").exists()
+
+
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int16,
+    torch.uint8,
+    torch.bool,
+]
+
+
+def random_tensor(g: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) < 0.5
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(0, 100, shape, generator=g).to(dtype)
+
+
+@given(data=st.data())
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_import_of_export_is_the_identity_on_random_buffers(tmp_path: Path, data: Any) -> None:
+    """Any T, B, E, dtype and per-sample shape; next_obs the next curr_obs, or not; done flags anywhere."""
+    root = Path(tempfile.mkdtemp(dir=tmp_path))  # a fresh directory for every example
+    trajs = []
+    for n in range(data.draw(st.integers(1, 3))):
+        t, b = data.draw(st.integers(1, 6)), data.draw(st.integers(1, 3))
+        e = data.draw(st.sampled_from([d for d in range(0, t + 1) if d == 0 or t % d == 0]))
+        g = torch.Generator().manual_seed(n)
+        traj: dict[str, Any] = {
+            "rewards": torch.randn(t, b, 1, generator=g),
+            "dones": torch.rand(t + e, b, 1, generator=g) < data.draw(st.sampled_from([0.0, 0.3, 1.0])),
+            "curr_obs": {},
+            "next_obs": {},
+            "model_weights_id": f"p{n}",
+        }
+        for k in range(data.draw(st.integers(0, 3))):
+            dtype = data.draw(st.sampled_from(DTYPES))
+            shape = tuple(data.draw(st.lists(st.integers(1, 3), max_size=2)))
+            cur = random_tensor(g, (t + 1, b, *shape), dtype)
+            traj["curr_obs"][f"o{k}"] = cur[:-1].clone()
+            shifted = data.draw(st.booleans())
+            traj["next_obs"][f"o{k}"] = (
+                cur[1:].clone() if shifted else random_tensor(g, (t, b, *shape), dtype)
+            )
+        if data.draw(st.booleans()):
+            traj["curr_obs"]["image"] = torch.randint(0, 255, (t, b, 3, 2, 3), generator=g, dtype=torch.uint8)
+        trajs.append(traj)
+    source = build_buffer(root / "buf", trajs)
+    export_lerobot(source, root / "ds", fps=5, data_file_size_mb=data.draw(st.sampled_from([0.001, 100.0])))
+    import_lerobot(root / "ds", root / "back")
+    assert_same_checkpoint(root / "back", source)
