@@ -119,11 +119,13 @@ _MAX_ARRAY_DIMS = 5  # LeRobot's features go up to Array5D
 
 
 class LeRobotFeatureError(UsageError):
-    """A LeRobot feature that cannot become a buffer field as it is (it can be mapped or dropped)."""
+    """A LeRobot feature that cannot become a buffer field as it is: it can be dropped, and
+    when only its place is the problem (`mappable`), mapped to another field."""
 
-    def __init__(self, message: str, feature: str) -> None:
+    def __init__(self, message: str, feature: str, *, mappable: bool = False) -> None:
         super().__init__(message)
         self.feature = feature
+        self.mappable = mappable
 
 
 def _require_arrow() -> Any:
@@ -1697,10 +1699,15 @@ def _episodes_as_trajectories(
             raise LeRobotFeatureError(
                 f"feature {name!r} has dtype {dtype!r}, which is not a tensor dtype", name
             )
-        if target in mapping.values():
-            raise LeRobotFeatureError(
-                f"feature {name!r} would become {'.'.join(target)}, as another feature does", name
-            )
+        for other, taken in mapping.items():
+            shorter = min(len(taken), len(target))
+            if taken[:shorter] == target[:shorter]:
+                where = "as" if taken == target else "inside or around the field of"
+                raise LeRobotFeatureError(
+                    f"feature {name!r} would become {'.'.join(target)}, {where} feature {other!r}",
+                    name,
+                    mappable=True,
+                )
         mapping[name] = target
     result.fields = {name: ".".join(target) for name, target in mapping.items()}
     episodes = dataset.episodes()
@@ -1751,9 +1758,7 @@ def _episodes_as_trajectories(
             for key in path[:-1]:
                 parent = parent.setdefault(key, {})
                 if not isinstance(parent, dict):
-                    raise LeRobotFeatureError(
-                        f"buffer field {'.'.join(path)} is inside a tensor field", path[0]
-                    )
+                    raise UsageError(f"buffer field {'.'.join(path)} would be inside a tensor field")
             parent[path[-1]] = fields[path]
         task_ids = table.column("task_index").to_pylist() if "task_index" in table.column_names else []
         if task_ids and task_ids[0] is not None and 0 <= int(task_ids[0]) < len(tasks):

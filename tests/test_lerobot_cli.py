@@ -134,9 +134,11 @@ def test_import_errors_are_one_line(tmp_path: Path) -> None:
     )
     assert_one_error(unmappable, 2)
     assert "'rb.model_weights_id'" in unmappable.stderr
-    assert unmappable.stderr.rstrip().endswith(
-        "pass --map rb.model_weights_id=FIELD to map it (to a tensor field) or --drop rb.model_weights_id"
-    )
+    assert unmappable.stderr.rstrip().endswith("pass --drop rb.model_weights_id to leave it out")
+    # Two features on one field: mapping one elsewhere answers it too.
+    clash = run("import", "lerobot", tmp_path / "ds", "-b", tmp_path / "buf", "--map", "state=actions")
+    assert_one_error(clash, 2)
+    assert clash.stderr.rstrip().endswith("pass --map state=FIELD to place it elsewhere or --drop state")
     assert not (tmp_path / "buf").exists()
 
 

@@ -46,9 +46,11 @@ def _unmappable(exc: Exception) -> Exception:
     from rbtool.lerobot import LeRobotFeatureError
 
     if isinstance(exc, LeRobotFeatureError):
-        return UsageError(
-            f"{exc}; pass --map {exc.feature}=FIELD to map it (to a tensor field) or --drop {exc.feature}"
-        )
+        if exc.mappable:
+            return UsageError(
+                f"{exc}; pass --map {exc.feature}=FIELD to place it elsewhere or --drop {exc.feature}"
+            )
+        return UsageError(f"{exc}; pass --drop {exc.feature} to leave it out")
     return exc
 
 
