@@ -1659,6 +1659,12 @@ def _rebuild(
         yield traj, record["entry"], frames
 
 
+def _column(table: Any, name: str, episode: _Episode) -> Any:
+    if name not in table.column_names:
+        raise CheckpointError(f"{episode.file}: has no column {name!r} named in meta/info.json")
+    return table.column(name)
+
+
 def _episodes_as_trajectories(
     dataset: LeRobotSource,
     selected: Sequence[int] | None,
@@ -1681,9 +1687,16 @@ def _episodes_as_trajectories(
         if s.get("dtype") in ("image", "video") and n.startswith("observation.images.")
     ]
     mapping: dict[str, tuple[str, ...]] = {}
+    # RLinf's writer splits a multi-view camera field [N, H, W, C] into image features
+    # `wrist_image-0`, `wrist_image-1`, ...: they are stacked back into one field.
+    views: dict[tuple[str, ...], list[tuple[int, str]]] = {}
     for name, spec in features.items():
         if name in drop:
             result.dropped.append(name)
+            continue
+        split = re.fullmatch(r"(wrist_image|extra_view_image)-(\d+)", name)
+        if split and name not in field_map and spec.get("dtype") == "image":
+            views.setdefault(("curr_obs", f"{split.group(1)}s"), []).append((int(split.group(2)), name))
             continue
         target = (
             tuple(field_map[name].split(".")) if name in field_map else default_field(name, spec, cameras)
@@ -1709,7 +1722,18 @@ def _episodes_as_trajectories(
                     mappable=True,
                 )
         mapping[name] = target
+    for target, group in views.items():
+        group.sort()
+        if target in mapping.values():
+            other = next(n for n, t in mapping.items() if t == target)
+            raise LeRobotFeatureError(
+                f"feature {other!r} would become {'.'.join(target)}, as the views {group[0][1]}... do",
+                other,
+                mappable=True,
+            )
     result.fields = {name: ".".join(target) for name, target in mapping.items()}
+    for target, group in views.items():
+        result.fields.update({name: f"{'.'.join(target)}[{i}]" for i, (_, name) in enumerate(group)})
     episodes = dataset.episodes()
     if selected is not None:
         by_index = {e.index: e for e in episodes}
@@ -1719,19 +1743,22 @@ def _episodes_as_trajectories(
         episodes = [by_index[i] for i in selected]
     mwid = model_weights_id if model_weights_id is not None else f"lerobot-{_safe_id(dataset.root.name)}"
     tasks = dataset.tasks()
-    read = [*mapping, "task_index"]
+    read = [*mapping, *(name for group in views.values() for _, name in group), "task_index"]
     for episode, table in dataset.frames(episodes, read):
         t = table.num_rows
         fields: dict[tuple[str, ...], torch.Tensor] = {}
         for name, target in mapping.items():
-            if name not in table.column_names:
-                raise CheckpointError(f"{episode.file}: has no column {name!r} named in meta/info.json")
-            arr = _column_numpy(table.column(name), features[name], name)
+            arr = _column_numpy(_column(table, name, episode), features[name], name)
             tensor = torch.from_numpy(np.array(arr)).reshape(t, 1, *arr.shape[1:])
             if target[0] in DONE_LIKE and len(target) == 1:
                 flags = tensor if tensor.dtype == torch.bool else tensor != 0
                 tensor = torch.cat([torch.zeros((1, *flags.shape[1:]), dtype=torch.bool), flags])
             fields[target] = tensor
+        for target, group in views.items():
+            frames = [_column_numpy(_column(table, name, episode), features[name], name) for _, name in group]
+            fields[target] = torch.from_numpy(np.stack(frames, axis=1)).reshape(
+                t, 1, len(group), *frames[0].shape[1:]
+            )
         if ("rewards",) not in fields:
             fields[("rewards",)] = torch.zeros(t, 1, 1, dtype=torch.float32)
         dones = fields.get(("dones",))

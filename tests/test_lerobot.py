@@ -764,3 +764,33 @@ def test_import_of_export_is_the_identity_on_random_buffers(tmp_path: Path, data
     export_lerobot(source, root / "ds", fps=5, data_file_size_mb=data.draw(st.sampled_from([0.001, 100.0])))
     import_lerobot(root / "ds", root / "back")
     assert_same_checkpoint(root / "back", source)
+
+
+def test_rlinf_multi_view_image_features_stack_into_one_field(tmp_path: Path) -> None:
+    """RLinf's writer splits wrist_images [N, H, W, C] into wrist_image-0, wrist_image-1, ..."""
+    frames = build_v30(tmp_path / "ds", [2, 3])
+    rng = np.random.default_rng(5)
+    views = {f"wrist_image-{i}": rng.integers(0, 256, (5, 4, 4, 3), dtype=np.uint8) for i in (1, 0)}
+    info_path = tmp_path / "ds/meta/info.json"
+    info = json.loads(info_path.read_text())
+    start = 0
+    for path in sorted((tmp_path / "ds/data").glob("*/*.parquet")):
+        table = pq.read_table(path)
+        for name, images in views.items():
+            part = images[start : start + table.num_rows]
+            table = table.append_column(name, pa.array([{"bytes": png(v), "path": None} for v in part]))
+            info["features"][name] = {
+                "dtype": "image",
+                "shape": [4, 4, 3],
+                "names": ["height", "width", "channel"],
+            }
+        start += table.num_rows
+        pq.write_table(table, path)
+    info_path.write_text(json.dumps(info))
+    result = import_lerobot(tmp_path / "ds", tmp_path / "buf")
+    assert result.fields["wrist_image-0"] == "curr_obs.wrist_images[0]"
+    traj = trajfile.load(open_view(tmp_path / "buf").file_of(1))
+    stacked = np.stack([views["wrist_image-0"][2:], views["wrist_image-1"][2:]], axis=1)
+    assert torch.equal(traj["curr_obs"]["wrist_images"][:, 0], torch.from_numpy(stacked))
+    assert traj["next_obs"]["wrist_images"].shape == (3, 1, 2, 4, 4, 3)
+    del frames
