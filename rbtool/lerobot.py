@@ -284,7 +284,7 @@ def _arrow_type(spec: dict[str, Any]) -> pa.DataType:
 def _np_dtype(name: str) -> Any:
     import numpy as np
 
-    return np.dtype("bool" if name == "bool" else name)
+    return np.dtype(name)
 
 
 def _column_array(values: np.ndarray, spec: dict[str, Any]) -> pa.Array:
@@ -499,7 +499,7 @@ def _field_name(path: Sequence[str]) -> str:
     return ".".join(path)
 
 
-def _plan_node(traj: dict[str, Any], t: int, b: int) -> Iterator[tuple[str, tuple[str, ...], Any]]:
+def _entries(traj: dict[str, Any]) -> Iterator[tuple[str, tuple[str, ...], Any]]:
     """(kind, path, value) for every entry of a trajectory dict, depth first in dict order."""
     import torch
 
@@ -579,7 +579,7 @@ def _schema_of(
     nodes: list[dict[str, Any]] = []
     values: list[Any] = []
     columns: dict[tuple[str, ...], dict[str, Any]] = {}
-    for kind, path, value in _plan_node(traj, t, b):
+    for kind, path, value in _entries(traj):
         if kind == "dict":
             nodes.append({"path": list(path), "kind": "dict"})
             continue
@@ -630,7 +630,7 @@ def _episode_ends(traj: dict[str, Any], t: int, b: int) -> np.ndarray:
 def _digest(traj: dict[str, Any]) -> str:
     """A hash of a trajectory's content: every entry's path, dtype, shape and bytes, in order."""
     digest = hashlib.sha256()
-    for kind, path, value in _plan_node(traj, 0, 0):
+    for kind, path, value in _entries(traj):
         digest.update(orjson.dumps([kind, list(path)]))
         if kind == "tensor":
             digest.update(orjson.dumps([_dtype_name(value.dtype), list(value.shape)]))
@@ -868,7 +868,7 @@ def export_lerobot(
             record["digest"] = _digest(traj)
             record["entry"] = index.entries[tid]
             mwid = str(traj.get("model_weights_id") or "")
-            tensors = {p: v for kind, p, v in _plan_node(traj, t, b) if kind == "tensor"}
+            tensors = {p: v for kind, p, v in _entries(traj) if kind == "tensor"}
             n = t * b
             frame_cols: dict[str, np.ndarray] = {}
             for i, node in enumerate(nodes):
