@@ -47,7 +47,7 @@ REQUIRED_METADATA_KEYS = METADATA_KEYS[:4]
 RBTOOL_METADATA_KEYS = ("format_version",)
 # Entry keys the reference implementation writes, then the optional ones rbtool adds.
 ENTRY_KEYS = ("num_samples", "trajectory_id", "max_episode_length", "shape", "model_weights_id")
-OPTIONAL_ENTRY_KEYS = ("uuid", "file_bytes", "sha256")
+OPTIONAL_ENTRY_KEYS = ("uuid", "file_bytes", "sha256", "source_sha256")
 
 INT64_LIMIT = 1 << 63  # every count, id and size is an int in [0, 2**63)
 DIM_LIMIT = 1 << 31  # shape dims below this multiply without int64 overflow
@@ -303,6 +303,7 @@ def _typed_decoder() -> Any:
             ("uuid", str | None, None),
             ("file_bytes", count | None, None),
             ("sha256", str | None, None),
+            ("source_sha256", str | None, None),
         ],
         namespace={"__getitem__": getitem, "get": get},
         gc=False,
@@ -440,8 +441,9 @@ def entry_problems(key: str, entry: Any) -> list[tuple[str, str]]:
         found.append(("entry_invalid", f"{where} has a uuid that is not a string: {entry['uuid']!r}"))
     if entry.get("file_bytes") is not None and not _is_count(entry["file_bytes"]):
         found.append(("entry_invalid", f"{where} has an invalid file_bytes {entry['file_bytes']!r}"))
-    if entry.get("sha256") is not None and type(entry["sha256"]) is not str:
-        found.append(("entry_invalid", f"{where} has a sha256 that is not a string: {entry['sha256']!r}"))
+    for key in ("sha256", "source_sha256"):
+        if entry.get(key) is not None and type(entry[key]) is not str:
+            found.append(("entry_invalid", f"{where} has a {key} that is not a string: {entry[key]!r}"))
     return found
 
 
@@ -614,6 +616,7 @@ def _entry_mask(keys: list[str], values: list[Any]) -> tuple[np.ndarray, np.ndar
     ok &= _optional_str_mask(_column(rows, "uuid", None))
     ok &= _optional_count_mask(_column(rows, "file_bytes", None))
     ok &= _optional_str_mask(_column(rows, "sha256", None))
+    ok &= _optional_str_mask(_column(rows, "source_sha256", None))
     return ids, nums, ok
 
 

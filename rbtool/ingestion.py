@@ -16,12 +16,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rbtool import trajfile
 from rbtool.dirs import open_checkpoint
 from rbtool.errors import RbtoolError, UsageError
 from rbtool.format import FORMATS, INDEX_FILE, METADATA_FILE, is_checkpoint_dir, parse_trajectory_file_name
 from rbtool.fsutil import LOCK_FILE
 from rbtool.index import Index, init_buffer_dir, read_index
-from rbtool.sources import check_item, collect_items
+from rbtool.sources import Item, Skipped, check_item, collect_sources
 from rbtool.writer import BufferWriter, WriteReport, new_entry
 
 _TEMP_RE = re.compile(r"^\.trajectory_.*\.tmp$")
@@ -36,6 +37,8 @@ class IngestResult:
     index: Index = field(default_factory=Index)
     report: WriteReport = field(default_factory=WriteReport)
     removed_leftovers: list[str] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)  # not trajectories, or already there
+    duplicates: int = 0  # trajectories skipped because the buffer already holds them
 
 
 def remove_uncommitted(directory: Path, index: Index) -> list[str]:
@@ -93,6 +96,37 @@ def _is_empty(directory: Path) -> bool:
         return False
 
 
+def _content_hash(item: Item) -> str:
+    """The sha256 of a source file: its recorded one when the size still matches, else read."""
+    entry = item.entry
+    if entry is not None and entry.get("sha256") and entry.get("file_bytes") == item.path.stat().st_size:
+        return str(entry["sha256"])
+    return trajfile.sha256_file(item.path)
+
+
+def _identities(index: Index) -> tuple[dict[str, int], dict[str, int]]:
+    """What the buffer already holds: uuid -> id, and content hash -> id (its files' and sources')."""
+    uuids: dict[str, int] = {}
+    hashes: dict[str, int] = {}
+    for tid in index.id_list:
+        entry = index.entries[tid]
+        if entry.get("uuid"):
+            uuids.setdefault(entry["uuid"], tid)
+        for key in ("sha256", "source_sha256"):
+            if entry.get(key):
+                hashes.setdefault(entry[key], tid)
+    return uuids, hashes
+
+
+def _already_held(
+    source_uuid: str | None, digest: str, uuids: dict[str, int], hashes: dict[str, int]
+) -> int | None:
+    """The id under which the buffer holds this trajectory already, or None."""
+    if source_uuid is not None and source_uuid in uuids:
+        return uuids[source_uuid]
+    return hashes.get(digest)
+
+
 def _publish(writer: BufferWriter, index: Index, batch: list[int], result: IngestResult) -> list[int]:
     """Write the index listing `batch`; from then on its files belong to the directory."""
     writer.publish(index)
@@ -110,14 +144,29 @@ def ingest(
     on_wait: Callable[[str], None] | None = None,
     on_checked: Callable[[int], None] | None = None,
     on_published: Callable[[list[int]], None] | None = None,
+    recursive: bool = False,
+    allow_duplicates: bool = False,
 ) -> IngestResult:
     """Add the trajectories of `sources` (files, folders of files, checkpoints) to `buffer_dir`.
 
     A new directory gets `trajectory_format` (default pt); an existing one keeps its own and
     a differing `trajectory_format` is an error. `on_published` receives the ids of each batch
     once the index that lists them is on disk.
+
+    Ingest is idempotent: a trajectory the buffer already holds (the same content, or the
+    same uuid when it comes from a checkpoint) is skipped and counted, so re-running an
+    interrupted ingest adds only what is missing; `allow_duplicates` adds it again. The
+    buffer itself is never a source. Folders are walked in natural order (`t2` before
+    `t10`), their subfolders too with `recursive`; whatever is passed over is in `skipped`.
     """
     directory = Path(buffer_dir)
+    buffer_real = Path(os.path.realpath(directory))
+    for source in sources:
+        real = Path(os.path.realpath(source))
+        if real == buffer_real or buffer_real in real.parents:
+            raise UsageError(
+                f"{source}: is the buffer directory {directory} (or inside it); it cannot be its own source"
+            )
     if trajectory_format is not None and trajectory_format not in FORMATS:
         raise UsageError(f"format must be 'pt' or 'pkl', got {trajectory_format!r}")
     if directory.exists() and not directory.is_dir():
@@ -142,27 +191,37 @@ def ingest(
         result = IngestResult(directory, index=index)
         result.removed_leftovers = remove_uncommitted(directory, index)
 
-        items = collect_items(sources)
+        collected = collect_sources(sources, recursive=recursive, exclude=[buffer_real])
+        result.skipped.extend(collected.skipped)
         checked = []
-        for item in items:
-            checked.append(check_item(item))
+        for item in collected.items:
+            checked.append((item, check_item(item), _content_hash(item)))
             if on_checked is not None:
                 on_checked(1)
+        uuids, hashes = _identities(index)
 
         batch: list[int] = []
         last_publish = time.monotonic()
         try:
-            for ready in checked:
+            for item, ready, digest in checked:
+                source_uuid = item.entry.get("uuid") if item.entry else None
+                held = _already_held(source_uuid, digest, uuids, hashes)
+                if held is not None and not allow_duplicates:
+                    result.skipped.append(Skipped(item.path, f"already in the buffer as id {held}"))
+                    result.duplicates += 1
+                    continue
                 tid = index.trajectory_counter
-                entry = new_entry(tid, ready.info, uuid.uuid4().hex)
+                # a source's uuid is kept (so it is known next time), unless the buffer has it already
+                kept = source_uuid if isinstance(source_uuid, str) and source_uuid not in uuids else None
+                entry = new_entry(tid, ready.info, kept or uuid.uuid4().hex)
                 index.entries[tid] = entry
                 writer.place(ready.path, index.file_name(tid), entry, result.report)
-                if (
-                    ready.sha256
-                    and "sha256" not in entry
-                    and ready.path.suffix == f".{index.trajectory_format}"
-                ):
-                    entry["sha256"] = ready.sha256
+                if "sha256" not in entry and ready.path.suffix == f".{index.trajectory_format}":
+                    entry["sha256"] = digest  # the file is the source's bytes
+                elif entry.get("sha256") != digest:
+                    entry["source_sha256"] = digest  # rewritten: remember what it came from
+                uuids[entry["uuid"]] = tid
+                hashes.setdefault(digest, tid)
                 index.id_list.append(tid)
                 index.trajectory_counter = tid + 1
                 batch.append(tid)

@@ -7,15 +7,16 @@ and every file is opened safely and checked before anything is written.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rbtool import trajfile
 from rbtool.dirs import is_rank_tree, open_checkpoint, open_view
 from rbtool.errors import CheckpointError
-from rbtool.format import is_checkpoint_dir, parse_trajectory_file_name
+from rbtool.format import is_checkpoint_dir
 from rbtool.layout import TrajectoryInfo, describe_stored
 
 
@@ -27,44 +28,107 @@ class Item:
     entry: dict[str, Any] | None = None
 
 
-def collect_items(sources: Sequence[str | os.PathLike[str]]) -> list[Item]:
-    """Trajectory files named by `sources`, in order.
+_DIGITS = re.compile(r"(\d+)")
+
+
+def natural_key(name: str) -> tuple[Any, ...]:
+    """Sort key under which `t2.pt` comes before `t10.pt` (digit runs compare as numbers)."""
+    return tuple(int(part) if part.isdigit() else part for part in _DIGITS.split(name))
+
+
+@dataclass
+class Skipped:
+    """Something a source held that is not added, and why."""
+
+    path: Path
+    reason: str
+
+    def as_json(self) -> dict[str, str]:
+        return {"source": str(self.path), "reason": self.reason}
+
+
+@dataclass
+class Collected:
+    """The trajectory files of some sources, in order, and what was passed over."""
+
+    items: list[Item] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+
+
+def _is_under(path: Path, others: Sequence[Path]) -> bool:
+    real = Path(os.path.realpath(path))
+    return any(real == o or o in real.parents for o in others)
+
+
+def _directory_items(path: Path) -> list[Item] | None:
+    """A checkpoint's items in its list order, a rank tree's in its merge's; None for a plain folder."""
+    if is_checkpoint_dir(path):
+        src_dir, index = open_checkpoint(path, strict=True)
+        return [Item(src_dir / index.file_name(i), dict(index.entries[i])) for i in index.id_list]
+    if is_rank_tree(path):  # the merge of its ranks, in its merged list order
+        view = open_view(path, strict=True)
+        return [Item(view.file_of(i), dict(view.index.entries[i])) for i in view.index.id_list]
+    return None
+
+
+def _walk(folder: Path, recursive: bool, exclude: Sequence[Path], found: Collected) -> int:
+    """Add a plain folder's trajectory files in natural order; returns how many were found."""
+    count = 0
+    for entry in sorted(folder.iterdir(), key=lambda p: natural_key(p.name)):
+        if entry.name.startswith("."):
+            continue  # hidden: a writer's temporary files, locks, staging
+        if _is_under(entry, exclude):
+            found.skipped.append(Skipped(entry, "the destination itself"))
+        elif entry.is_dir():
+            if not recursive:
+                found.skipped.append(Skipped(entry, "a folder (not descended into)"))
+                continue
+            inner = _directory_items(entry)
+            if inner is None:
+                count += _walk(entry, recursive, exclude, found)
+            else:
+                found.items.extend(inner)
+                count += len(inner)
+        elif entry.suffix in (".pt", ".pkl") and entry.is_file():
+            found.items.append(Item(entry))
+            count += 1
+        else:
+            found.skipped.append(Skipped(entry, "not a trajectory file (.pt or .pkl)"))
+    return count
+
+
+def collect_sources(
+    sources: Sequence[str | os.PathLike[str]], *, recursive: bool = False, exclude: Sequence[Path] = ()
+) -> Collected:
+    """Trajectory files named by `sources`, in order, and what was skipped.
 
     A checkpoint or buffer directory gives its list order, a folder of rank_* checkpoints
-    the list order of their merge; any other directory gives its
-    `.pt`/`.pkl` files by trajectory id (then name); a file gives itself.
+    the list order of their merge; any other folder gives its `.pt`/`.pkl` files in natural
+    order (`t2` before `t10`), and with `recursive` its subfolders' in place (a checkpoint
+    among them in its list order); a file gives itself. Entries under `exclude` (resolved
+    paths) are skipped.
     """
-    items: list[Item] = []
+    found = Collected()
     for source in sources:
         path = Path(source)
         if path.is_dir():
-            if is_checkpoint_dir(path):
-                src_dir, index = open_checkpoint(path, strict=True)
-                items.extend(
-                    Item(src_dir / index.file_name(i), dict(index.entries[i])) for i in index.id_list
-                )
-            elif is_rank_tree(path):  # the merge of its ranks, in its merged list order
-                view = open_view(path, strict=True)
-                items.extend(Item(view.file_of(i), dict(view.index.entries[i])) for i in view.index.id_list)
-            else:
-                files = [
-                    p for p in path.iterdir() if p.suffix in (".pt", ".pkl") and not p.name.startswith(".")
-                ]
-
-                def order(p: Path) -> tuple[int, str]:
-                    parsed = parse_trajectory_file_name(p.name)
-                    return (parsed[0] if parsed else -1, p.name)
-
-                items.extend(Item(p) for p in sorted(files, key=order))
-                if not files:
-                    raise CheckpointError(f"{path}: holds no trajectory files (.pt or .pkl)")
+            inner = _directory_items(path)
+            if inner is not None:
+                found.items.extend(inner)
+            elif _walk(path, recursive, exclude, found) == 0:
+                raise CheckpointError(f"{path}: holds no trajectory files (.pt or .pkl)")
         elif path.is_file():
             if path.suffix not in (".pt", ".pkl"):
                 raise CheckpointError(f"{path}: not a trajectory file (expected .pt or .pkl)")
-            items.append(Item(path))
+            found.items.append(Item(path))
         else:
             raise CheckpointError(f"{path}: no such file or directory")
-    return items
+    return found
+
+
+def collect_items(sources: Sequence[str | os.PathLike[str]]) -> list[Item]:
+    """The trajectory files of `sources`, in order (see collect_sources)."""
+    return collect_sources(sources).items
 
 
 @dataclass

@@ -68,7 +68,13 @@ def test_ids_continue_and_single_id_line(tmp_path: Path, five_files: list[Path])
     assert "added trajectory ids 3" in result.stderr.splitlines()
     assert "ingest into" in result.stdout and "trajectory counter" in result.stdout
     doc = run_json("ingest", five_files[4], five_files[0], "--buffer", buffer)
-    assert doc["trajectory_ids"] == [4, 5]
+    assert doc["trajectory_ids"] == [4]  # file 0 is in the buffer already: skipped, counted
+    assert doc["duplicates"] == 1 and doc["skipped"] == [
+        {"source": str(five_files[0]), "reason": "already in the buffer as id 0"}
+    ]
+    assert doc["size"] == 5 and doc["trajectory_counter"] == 5
+    doc = run_json("ingest", five_files[0], "--buffer", buffer, "--allow-duplicates")
+    assert doc["trajectory_ids"] == [5] and doc["duplicates"] == 0
     assert doc["size"] == 6 and doc["trajectory_counter"] == 6
 
 
@@ -76,11 +82,12 @@ def test_ingest_checkpoint_directory_keeps_its_order(tmp_path: Path, five_files:
     first = tmp_path / "first"
     run_json("ingest", *reversed(five_files), "--buffer", first)
     second = tmp_path / "second"
-    doc = run_json("ingest", five_files[0], first, "--buffer", second)
+    doc = run_json("ingest", five_files[0], first, "--buffer", second, "--allow-duplicates")
     assert doc["trajectory_ids"] == [0, 1, 2, 3, 4, 5]
     index = read_index(second)
     weights = [index.entries[i]["model_weights_id"] for i in index.id_list]
     assert weights == ["v0", "v4", "v3", "v2", "v1", "v0"]
+    assert len({index.entries[i]["uuid"] for i in index.id_list}) == 6  # uuids stay unique
 
 
 def test_ingest_as_pkl_converts_and_keeps_tensors(tmp_path: Path, five_files: list[Path]) -> None:

@@ -168,7 +168,8 @@ def ingest_sequence(root: Path, fmt: str, seed: int) -> tuple[int, int]:
     rng = random.Random(seed)
     sources = make_sources(root / "sources", 80, seed)
     buffer = root / "buffer"
-    argv = ["ingest", *map(str, sources), "--buffer", str(buffer), "--format", fmt]
+    # every run adds all the sources again, so each run has a full write phase to be killed in
+    argv = ["ingest", *map(str, sources), "--buffer", str(buffer), "--format", fmt, "--allow-duplicates"]
 
     def writing_started(before: set[str]) -> Callable[[], bool]:
         """True once a new trajectory file (or its hidden temporary) appears in the buffer."""
@@ -197,8 +198,9 @@ def ingest_sequence(root: Path, fmt: str, seed: int) -> tuple[int, int]:
 
     # an uninterrupted ingest (in-process: no second torch import) resumes cleanly after all that
     start = counter_of(buffer)
-    result = ingest(sources, buffer)
+    result = ingest(sources, buffer, allow_duplicates=True)
     assert result.added_ids == list(range(start, start + len(sources)))
+    assert ingest(sources, buffer).duplicates == len(sources)  # all there: nothing added
     report = verify_checkpoint(buffer, deep=True)
     assert report.ok and not [p for p in report.problems if p.code == "uncommitted_file"]
     return kills, midway

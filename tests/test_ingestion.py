@@ -95,7 +95,8 @@ def test_ingesting_a_checkpoint_follows_its_list_order(tmp_path: Path) -> None:
     assert result.added_ids == [0, 1, 2] and index.trajectory_format == "pkl"
     src_index = read_index(source)
     for new, old in zip(index.id_list, (7, 2, 5), strict=True):
-        assert index.entries[new]["uuid"] != src_index.entries[old]["uuid"]
+        # the trajectory keeps its uuid, so a later ingest of the same checkpoint knows it
+        assert index.entries[new]["uuid"] == src_index.entries[old]["uuid"]
         assert index.entries[new]["shape"] == src_index.entries[old]["shape"]
 
 
@@ -256,3 +257,74 @@ def test_ingest_waits_for_the_directory_s_lock(tmp_path: Path) -> None:
     thread.join(30)
     assert holders == [f"pid {os.getpid()}"]
     assert outcome["result"].added_ids == [1, 2]
+
+
+# ------------------------------------------------------------------ idempotency
+def test_running_an_interrupted_ingest_again_adds_only_what_is_missing(tmp_path: Path) -> None:
+    files = loose_files(tmp_path / "loose", 6)
+    buffer = tmp_path / "buf"
+    with pytest.raises(KeyboardInterrupt):
+
+        def stop_after_first_batch(ids: list[int]) -> None:
+            raise KeyboardInterrupt
+
+        ingest(files, buffer, batch_size=2, on_published=stop_after_first_batch)
+    assert assert_valid(buffer).id_list == [0, 1]
+    again = ingest(files, buffer)
+    assert again.added_ids == [2, 3, 4, 5] and again.duplicates == 2
+    assert [(s.path, s.reason) for s in again.skipped] == [
+        (files[0], "already in the buffer as id 0"),
+        (files[1], "already in the buffer as id 1"),
+    ]
+    index = assert_valid(buffer)
+    for tid, src in zip(index.id_list, files, strict=True):
+        assert index.entries[tid]["sha256"] == trajfile.sha256_file(src)
+    assert ingest(files, buffer).added_ids == []  # a third run adds nothing
+
+
+def test_a_rewritten_source_is_still_recognised(tmp_path: Path) -> None:
+    """pkl files ingested into a pt buffer are rewritten; their source hash is remembered."""
+    files = loose_files(tmp_path / "loose", 3, fmt="pkl")
+    buffer = tmp_path / "buf"
+    first = ingest(files, buffer, trajectory_format="pt")
+    assert first.report.written == 3
+    index = read_index(buffer)
+    assert all(
+        index.entries[i]["source_sha256"] == trajfile.sha256_file(f)
+        for i, f in zip(index.id_list, files, strict=True)
+    )
+    assert ingest(files, buffer).duplicates == 3
+
+
+def test_a_checkpoint_ingested_twice_is_recognised_by_uuid(tmp_path: Path) -> None:
+    source = existing_buffer(tmp_path / "src", [0, 1, 2], counter=3)
+    buffer = tmp_path / "buf"
+    ingest([source], buffer, trajectory_format="pkl")  # rewritten: another hash, same uuids
+    second = ingest([source], buffer)
+    assert second.added_ids == [] and second.duplicates == 3
+    forced = ingest([source], buffer, allow_duplicates=True)
+    assert forced.added_ids == [3, 4, 5]
+    uuids = [read_index(buffer).entries[i]["uuid"] for i in range(6)]
+    assert len(set(uuids)) == 6  # duplicates get fresh uuids
+
+
+def test_the_buffer_is_never_its_own_source(tmp_path: Path) -> None:
+    buffer = tmp_path / "buf"
+    ingest(loose_files(tmp_path / "loose", 2), buffer)
+    before = tree_digest(buffer)
+    for source in (buffer, buffer / read_index(buffer).file_name(0), Path(str(buffer) + "/.")):
+        with pytest.raises(UsageError, match="cannot be its own source"):
+            ingest([source], buffer)
+    assert tree_digest(buffer) == before
+
+
+def test_a_recursive_walk_passes_over_the_buffer_inside_it(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    files = loose_files(root / "a", 2) + loose_files(root / "b", 1, start=2)
+    buffer = root / "buf"
+    shallow = ingest([root / "a"], buffer)
+    assert shallow.added_ids == [0, 1]
+    walked = ingest([root], buffer, recursive=True)
+    assert walked.added_ids == [2] and walked.duplicates == 2
+    assert "the destination itself" in {s.reason for s in walked.skipped}
+    assert read_index(buffer).size == len(files)

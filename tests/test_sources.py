@@ -19,7 +19,7 @@ from rbtool.errors import (
     TrajectoryFileError,
 )
 from rbtool.index import Index, read_index
-from rbtool.sources import Item, check_item, collect_items
+from rbtool.sources import Item, check_item, collect_items, collect_sources
 from rbtool.writer import copied_entries, new_entry, write_checkpoint
 
 
@@ -54,7 +54,7 @@ def test_a_reference_buffer_directory_gives_its_list_order() -> None:
     assert [i.path.name for i in collect_items([source])] == [index.file_name(t) for t in index.id_list]
 
 
-def test_a_loose_folder_gives_files_by_id_then_name(tmp_path: Path) -> None:
+def test_a_loose_folder_gives_files_in_natural_order(tmp_path: Path) -> None:
     loose = tmp_path / "loose"
     loose.mkdir()
     traj = make_traj(t=2, b=1)
@@ -70,14 +70,45 @@ def test_a_loose_folder_gives_files_by_id_then_name(tmp_path: Path) -> None:
     ]
     for name in names:
         (loose / name).write_bytes(trajfile.to_bytes(traj, "pt"))
-    assert [i.path.name for i in collect_items([loose])] == [
+    (loose / "t10.pt").write_bytes(trajfile.to_bytes(traj, "pt"))
+    (loose / "t2.pt").write_bytes(trajfile.to_bytes(traj, "pt"))
+    (loose / "sub").mkdir()
+    (loose / "sub" / "t1.pt").write_bytes(trajfile.to_bytes(traj, "pt"))
+    found = collect_sources([loose])
+    assert [i.path.name for i in found.items] == [
         "alpha.pkl",
-        "zeta.pt",
+        "t2.pt",  # t2 before t10: digits compare as numbers
+        "t10.pt",
         "trajectory_2_a.pt",
         "trajectory_2_b.pkl",
         "trajectory_10_a.pt",
+        "zeta.pt",
     ]
-    assert all(i.entry is None for i in collect_items([loose]))
+    assert all(i.entry is None for i in found.items)
+    assert [(s.path.name, s.reason) for s in found.skipped] == [
+        ("notes.txt", "not a trajectory file (.pt or .pkl)"),
+        ("sub", "a folder (not descended into)"),
+    ]
+    deep = collect_sources([loose], recursive=True)
+    walked = [str(i.path.relative_to(loose)) for i in deep.items]
+    assert walked[:4] == ["alpha.pkl", "sub/t1.pt", "t2.pt", "t10.pt"]  # a subfolder in its place
+    assert [s.path.name for s in deep.skipped] == ["notes.txt"]
+
+
+def test_a_checkpoint_inside_a_walked_folder_keeps_its_list_order(tmp_path: Path) -> None:
+    import shutil
+
+    from conftest import FIXTURES
+
+    root = tmp_path / "root"
+    shutil.copytree(FIXTURES / "ranks" / "rank_1", root / "ckpt")
+    (root / "z.pt").write_bytes(trajfile.to_bytes(make_traj(t=2, b=1), "pt"))
+    found = collect_sources([root], recursive=True)
+    assert [i.entry["trajectory_id"] for i in found.items if i.entry] == [0, 1, 2, 3]
+    assert found.items[-1].path.name == "z.pt"
+    excluded = collect_sources([root], recursive=True, exclude=[(root / "ckpt").resolve()])
+    assert [i.path.name for i in excluded.items] == ["z.pt"]
+    assert [s.reason for s in excluded.skipped] == ["the destination itself"]
 
 
 def test_sources_are_concatenated_in_the_order_given(tmp_path: Path) -> None:

@@ -50,11 +50,23 @@ def ingest(
         typer.Option("--buffer", "-b", help="Buffer directory (auto_save on) to add to; created if needed."),
     ],
     trajectory_format: FormatOpt = None,
+    recursive: Annotated[
+        bool, typer.Option("--recursive", "-r", help="Also walk the subfolders of folders given as sources.")
+    ] = False,
+    allow_duplicates: Annotated[
+        bool,
+        typer.Option(
+            "--allow-duplicates",
+            help="Add again what the buffer already holds (same content or uuid); default: skip it.",
+        ),
+    ] = False,
     json: JsonOpt = False,
 ) -> None:
     """Add trajectories to a buffer directory; ids continue from its trajectory_counter.
 
-    Every source is checked before anything is written. After each published batch a line
+    Every source is checked before anything is written. A trajectory the buffer already holds
+    is skipped (so an interrupted ingest can simply be run again); folders are walked in
+    natural order (t2 before t10). After each published batch a line
     `added trajectory ids FIRST-LAST` goes to stderr.
     """
     from rbtool.ingestion import ingest as ingest_sources
@@ -75,6 +87,8 @@ def ingest(
             on_wait=on_wait,
             on_checked=advance,
             on_published=on_published,
+            recursive=recursive,
+            allow_duplicates=allow_duplicates,
         )
 
     index = result.index
@@ -88,6 +102,8 @@ def ingest(
         "trajectory_format": index.trajectory_format,
         "files": result.report.as_json(),
         "removed_leftovers": result.removed_leftovers,
+        "duplicates": result.duplicates,
+        "skipped": [s.as_json() for s in result.skipped],
     }
     if json:
         print_json(doc)
@@ -104,4 +120,11 @@ def ingest(
     table.add_row("files", files_line(doc["files"]))
     if result.removed_leftovers:
         table.add_row("removed leftovers", ", ".join(result.removed_leftovers))
+    if result.skipped:
+        table.add_row("skipped", f"{len(result.skipped)} ({result.duplicates} already in the buffer)")
     out.print(table)
+    shown = 20
+    for skipped in result.skipped[:shown]:
+        out.print(f"skipped {skipped.path}: {skipped.reason}", markup=False)
+    if len(result.skipped) > shown:
+        out.print(f"... and {len(result.skipped) - shown} more skipped (--json lists them all)", markup=False)
