@@ -114,6 +114,7 @@ _NATIVE = (
     "float64",
 )
 _IMAGE_NAMES = {path for path, name in RLINF_NAMES.items() if "image" in name}
+_MULTI_VIEW = {("curr_obs", "wrist_images"), ("curr_obs", "extra_view_images")}
 _AS_BITS = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
 _MAX_ARRAY_DIMS = 5  # LeRobot's features go up to Array5D
 
@@ -230,6 +231,7 @@ class Column:
     dtype: str  # torch dtype name of the field
     shape: tuple[int, ...]  # per-sample shape in the trajectory
     image: bool
+    views: int = 0  # > 0: a multi-view [N, H, W, C] field, one image feature `<feature>-<i>` per view
 
     @property
     def stored(self) -> str:
@@ -239,15 +241,44 @@ class Column:
     @property
     def feature_shape(self) -> tuple[int, ...]:
         if self.image:
-            return self.shape
+            return self.shape[1:] if self.views else self.shape
         if len(self.shape) > _MAX_ARRAY_DIMS:
             return (math.prod(self.shape),)
         return self.shape or (1,)
 
+    @property
+    def frame_shape(self) -> tuple[int, ...]:
+        """The shape of one frame's values (all views of a multi-view field)."""
+        return (self.views, *self.feature_shape) if self.views else self.feature_shape
+
     def spec(self) -> dict[str, Any]:
         if self.image:
-            return {"dtype": "image", "shape": list(self.shape), "names": ["height", "width", "channels"]}
+            return {
+                "dtype": "image",
+                "shape": list(self.feature_shape),
+                "names": ["height", "width", "channels"],
+            }
         return {"dtype": self.stored, "shape": list(self.feature_shape), "names": None}
+
+    def names(self) -> list[str]:
+        """The LeRobot features this field is stored as (one per view for a multi-view field)."""
+        return [f"{self.feature}-{i}" for i in range(self.views)] if self.views else [self.feature]
+
+    def specs(self) -> dict[str, dict[str, Any]]:
+        return {name: self.spec() for name in self.names()}
+
+    def fields(self) -> dict[str, str]:
+        """Feature name -> the buffer field (`path[i]` for view i) it holds."""
+        dotted = _field_name(self.path)
+        if not self.views:
+            return {self.feature: dotted}
+        return {name: f"{dotted}[{i}]" for i, name in enumerate(self.names())}
+
+    def split(self, frames: np.ndarray) -> dict[str, np.ndarray]:
+        """Per-frame values `[n, *shape]` as the values of each feature."""
+        if not self.views:
+            return {self.feature: frames}
+        return {name: frames[:, i] for i, name in enumerate(self.names())}
 
 
 def _is_image(dtype: str, shape: tuple[int, ...]) -> bool:
@@ -529,11 +560,23 @@ class _Registry:
 
     def column(self, path: tuple[str, ...], dtype: str, shape: tuple[int, ...]) -> Column | None:
         """The column for this field, or None when an earlier trajectory gave it another spec."""
+        dotted = _field_name(path)
         image = self.images and _is_image(dtype, shape)
+        # RLinf's writer stores several wrist / extra-view cameras as `wrist_image-0`, `-1`, ...
+        views = (
+            shape[0]
+            if self.images
+            and path in _MULTI_VIEW
+            and len(shape) == 4
+            and shape[0] > 0
+            and _is_image(dtype, shape[1:])
+            else 0
+        )
+        image = image or views > 0
         known = self.columns.get(path)
         if known is not None:
-            return known if (known.dtype, known.shape, known.image) == (dtype, shape, image) else None
-        dotted = _field_name(path)
+            same = (known.dtype, known.shape, known.image, known.views) == (dtype, shape, image, views)
+            return known if same else None
         name = self.names.get(dotted)
         if name is not None:
             self.used_names.add(dotted)
@@ -545,11 +588,13 @@ class _Registry:
                 named = dotted
             base = named.replace("/", "_")
             name, n = base, 1
-            while name in self.taken:
+            while any(v in self.taken for v in Column(name, path, dtype, shape, image, views).names()):
                 n += 1
                 name = f"{base}_{n}"
-        self.taken.add(name)
-        col = Column(name, path, dtype, shape, image)
+        col = Column(name, path, dtype, shape, image, views)
+        if any(v in self.taken for v in col.names()):
+            raise UsageError(f"feature name {name!r} for {dotted} is already taken")
+        self.taken.update(col.names())
         self.columns[path] = col
         return col
 
@@ -813,7 +858,7 @@ def export_lerobot(
         )
 
     columns = list(registry.columns.values())
-    features: dict[str, dict[str, Any]] = {c.feature: c.spec() for c in columns}
+    features: dict[str, dict[str, Any]] = {name: spec for c in columns for name, spec in c.specs().items()}
     for name, dtype in RB_FEATURES.items():
         features[name] = {"dtype": dtype, "shape": [1], "names": None}
     for name, dtype in FRAME_FEATURES.items():
@@ -828,7 +873,7 @@ def export_lerobot(
     )
 
     result = ExportResult(out=out, source=Path(source), trajectories=len(ids))
-    result.columns = {c.feature: _field_name(c.path) for c in columns}
+    result.columns = {name: f for c in columns for name, f in c.fields().items()}
     sidecar_fields: set[str] = set()
     staging = new_staging_dir(out)
     try:
@@ -882,8 +927,8 @@ def export_lerobot(
                         blob_rows.append(_blob(tid, i, "bootstrap", tensor[starts], [], []))
                         tensor = drop_bootstrap_rows(tensor, t)
                     col = registry.columns[npath]
-                    arr = _to_numpy(tensor).reshape(t, b, *col.feature_shape)
-                    frame_cols[col.feature] = arr.swapaxes(0, 1).reshape(n, *col.feature_shape)
+                    arr = _to_numpy(tensor).reshape(t, b, *col.frame_shape)
+                    frame_cols[col.feature] = arr.swapaxes(0, 1).reshape(n, *col.frame_shape)
                 elif kind == "derived":
                     nxt, cur = tensors[npath], tensors[tuple(node["source"])]
                     same = _rows_equal(nxt[:-1], cur[1:])
@@ -916,12 +961,13 @@ def export_lerobot(
                 episode_index[lo:hi] = first_episode + k
             arrays: dict[str, Any] = {}
             for col in columns:
-                spec = features[col.feature]
                 if col.feature in frame_cols:
-                    frames = frame_cols[col.feature]
-                    arrays[col.feature] = _image_array(frames) if col.image else _column_array(frames, spec)
+                    for name, frames in col.split(frame_cols[col.feature]).items():
+                        spec = features[name]
+                        arrays[name] = _image_array(frames) if col.image else _column_array(frames, spec)
                 else:
-                    arrays[col.feature] = pa.nulls(n, _arrow_type(spec))
+                    for name, spec in col.specs().items():
+                        arrays[name] = pa.nulls(n, _arrow_type(spec))
             arrays[RB_TRAJECTORY_ID] = pa.array(np.full(n, tid, dtype=np.int64))
             arrays[RB_ENV] = pa.array(env)
             arrays[RB_T] = pa.array(step)
@@ -948,7 +994,8 @@ def export_lerobot(
                 stats = {}
                 for col in columns:
                     if col.feature in frame_cols:
-                        stats[col.feature] = _stats(frame_cols[col.feature][lo:hi], col.image)
+                        for name, frames in col.split(frame_cols[col.feature][lo:hi]).items():
+                            stats[name] = _stats(frames, col.image)
                 for name, series in numeric.items():
                     stats[name] = _stats(series[lo:hi].reshape(-1, 1), False)
                 episode_stats.append(stats)
@@ -1021,6 +1068,7 @@ def export_lerobot(
                     "dtype": c.dtype,
                     "stored_as": c.stored,
                     "shape": list(c.shape),
+                    "views": c.views,
                 }
                 for c in columns
             },
@@ -1488,7 +1536,13 @@ def import_lerobot(
                     index.trajectory_format = ckpt.get("trajectory_format") or "pt"
                 result.kept_ids = True
                 counter = int(ckpt.get("trajectory_counter") or 0)
-            result.fields = {name: ".".join(c["path"]) for name, c in sidecar.get("columns", {}).items()}
+            for name, c in sidecar.get("columns", {}).items():
+                dotted = ".".join(c["path"])
+                views = int(c.get("views") or 0)
+                if views:
+                    result.fields.update({f"{name}-{v}": f"{dotted}[{v}]" for v in range(views)})
+                else:
+                    result.fields[name] = dotted
         else:
             items = _episodes_as_trajectories(
                 dataset, episodes, field_map or {}, drop, model_weights_id, result
@@ -1569,7 +1623,12 @@ def _rebuild(
     pending = next(stream, None)
     all_episodes = dataset.episodes()
     features = dataset.features
-    names = [*columns, RB_TRAJECTORY_ID, RB_ENV, RB_T]
+
+    def stored_as(base: str) -> list[str]:
+        views = int(columns[base].get("views") or 0)
+        return [f"{base}-{v}" for v in range(views)] if views else [base]
+
+    names = [*(name for base in columns for name in stored_as(base)), RB_TRAJECTORY_ID, RB_ENV, RB_T]
     for record in records:
         tid, t, b = int(record["trajectory_id"]), int(record["T"]), int(record["B"])
         nodes = schemas[int(record["schema"])]
@@ -1621,8 +1680,13 @@ def _rebuild(
                 tensor = _from_raw(blob["data"], blob["dtype"], blob["shape"])
             elif kind == "column":
                 feature = node["feature"]
-                spec = features[feature]
-                arr = _column_numpy(table.column(feature), spec, feature) if parts else None
+                stored = stored_as(feature) if feature in columns else [feature]
+                arr = None
+                if parts:
+                    per_view = [_column_numpy(table.column(name), features[name], name) for name in stored]
+                    arr = (
+                        np.stack(per_view, axis=1) if len(stored) > 1 or stored[0] != feature else per_view[0]
+                    )
                 shape = tuple(node["shape"])
                 dtype = node["dtype"]
                 out = np.zeros((t, b, *shape), dtype=_np_dtype(_AS_BITS.get(dtype, dtype)))

@@ -116,6 +116,8 @@ def generated(t: int = 4, b: int = 2, seed: int = 0, **overrides: Any) -> dict[s
     traj["z"] = torch.randn(t, b, 3, generator=g, dtype=torch.complex64)  # no Arrow type: kept whole
     traj["info"] = {"note": "hello", "ratio": float("nan"), "tags": ["a", "b"], "flag": True}
     traj["gray"] = torch.randint(0, 255, (t, b, 3, 4, 1), generator=g, dtype=torch.uint8)
+    wrist = torch.randint(0, 255, (t + 1, b, 2, 4, 4, 3), generator=g, dtype=torch.uint8)  # two views
+    traj["curr_obs"]["wrist_images"], traj["next_obs"]["wrist_images"] = wrist[:-1].clone(), wrist[1:].clone()
     traj.update(overrides)
     return traj
 
@@ -794,3 +796,24 @@ def test_rlinf_multi_view_image_features_stack_into_one_field(tmp_path: Path) ->
     assert torch.equal(traj["curr_obs"]["wrist_images"][:, 0], torch.from_numpy(stacked))
     assert traj["next_obs"]["wrist_images"].shape == (3, 1, 2, 4, 4, 3)
     del frames
+
+
+def test_multi_view_wrist_cameras_export_as_rlinfs_split_image_features(tmp_path: Path) -> None:
+    traj = make_traj()
+    g = torch.Generator().manual_seed(3)
+    wrist = torch.randint(0, 255, (5, 2, 2, 4, 6, 3), generator=g, dtype=torch.uint8)  # two wrist cameras
+    traj["curr_obs"]["wrist_images"], traj["next_obs"]["wrist_images"] = wrist[:-1].clone(), wrist[1:].clone()
+    source = build_buffer(tmp_path / "b", [traj])
+    result = export_lerobot(source, tmp_path / "ds", fps=5)
+    for view in (0, 1):
+        assert result.features[f"wrist_image-{view}"]["dtype"] == "image"
+        assert result.columns[f"wrist_image-{view}"] == f"curr_obs.wrist_images[{view}]"
+    import_lerobot(tmp_path / "ds", tmp_path / "buf")
+    assert_same_checkpoint(tmp_path / "buf", source)
+    # Read as plain episodes, the views stack back into RLinf's one field.
+    import_lerobot(tmp_path / "ds", tmp_path / "eps", use_sidecar=False)
+    first = trajfile.load(open_view(tmp_path / "eps").file_of(0))
+    assert first["curr_obs"]["wrist_images"].shape[2:] == (2, 4, 6, 3)
+    assert torch.equal(
+        first["curr_obs"]["wrist_images"][:, 0], traj["curr_obs"]["wrist_images"][: len(first["rewards"]), 0]
+    )

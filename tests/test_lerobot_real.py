@@ -125,13 +125,16 @@ def lerobot(script: str, *args: Path) -> str:
     return proc.stdout
 
 
-def expected_row(traj: dict[str, Any], path: tuple[str, ...], t: int, b: int, steps: int) -> np.ndarray:
+def expected_row(traj: dict[str, Any], field: str, t: int, b: int, steps: int) -> np.ndarray:
+    """The row of `field` (a dotted path, `path[i]` for view i of a multi-view field) at (t, b)."""
+    dotted, _, view = field.partition("[")
+    path = tuple(dotted.split("."))
     value: Any = traj
     for key in path:
         value = value[key]
     if len(path) == 1 and path[0] in DONE_LIKE:
         value = drop_bootstrap_rows(value, steps)
-    row = value[t, b]
+    row = value[t, b] if not view else value[t, b, int(view.rstrip("]"))]
     if row.dtype == torch.bfloat16:
         row = row.view(torch.uint16)
     return np.asarray(row.numpy())
@@ -161,7 +164,7 @@ def check_frames(
         for feature, field in columns.items():
             if feature in missing:
                 continue
-            want = expected_row(traj, tuple(field.split(".")), t, b, steps)
+            want = expected_row(traj, field, t, b, steps)
             got = frames[feature][i]
             # Same dtype, except where LeRobot's conversion through Python numbers widens it
             # (exactly): integers (and bf16 bits) to int64, float16 to float32.
