@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rbtool.errors import CheckpointError, MissingTrajectoryFilesError, RankLayoutWarning
-from rbtool.format import is_checkpoint_dir, parse_trajectory_file_name
+from rbtool.format import escapes, is_checkpoint_dir, parse_trajectory_file_name
 from rbtool.index import Index, read_index
 
 
@@ -76,10 +76,19 @@ def missing_files(directory: Path, index: Index) -> list[int]:
     """
     try:
         with os.scandir(directory) as it:
-            present = {e.name for e in it if e.is_file()}
+            entries = [e for e in it if e.is_file()]
     except OSError:
-        present = set()
+        entries = []
+    present = {e.name for e in entries}
     name = index.file_name
+    listed = {name(i) for i in index.id_list} & {e.name for e in entries if e.is_symlink()}
+    outside = [(n, t) for n in sorted(listed) if (t := escapes(directory, n)) is not None]
+    if outside:
+        shown = ", ".join(f"{n} -> {t}" for n, t in outside[:5])
+        raise CheckpointError(
+            f"{directory}: {len(outside)} listed file(s) are symlinks to files outside the checkpoint "
+            f"({shown}); refused"
+        )
     return [i for i in index.id_list if name(i) not in present]
 
 

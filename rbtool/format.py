@@ -94,6 +94,20 @@ def parse_trajectory_file_name(name: str) -> tuple[int, str, str] | None:
     return int(match.group(1)), match.group(2), match.group(3)
 
 
+def escapes(directory: Path, name: str) -> str | None:
+    """Where `directory/name` leads when it is a symlink resolving outside `directory`, else None.
+
+    A checkpoint's files must be its own: a link to a file elsewhere (a secret, say) would be
+    read, copied into outputs and verified as if it were a trajectory.
+    """
+    path = directory / name
+    if not os.path.islink(path):
+        return None
+    target = os.path.realpath(path)
+    home = os.path.realpath(directory)
+    return None if os.path.dirname(target) == home or target.startswith(home + os.sep) else target
+
+
 def index_path(directory: Path) -> Path:
     """The index file of a directory: the current name, else the legacy misspelt one."""
     path = directory / INDEX_FILE
@@ -156,6 +170,10 @@ PROBLEM_CODES: dict[str, tuple[str, str]] = {
         "interrupted between its two files); rbtool recounts, the next write or `rbtool repair` fixes it",
     ),
     "file_missing": (ERROR, "a listed trajectory has no file"),
+    "file_outside": (
+        ERROR,
+        "a listed trajectory's file is a symlink to a file outside the checkpoint (refused, never read)",
+    ),
     "duplicate_files": (
         WARNING,
         "a listed trajectory has more than one file (for example a .pt and a .pkl); readers use the one "
@@ -723,6 +741,12 @@ def check_metadata(meta: Any) -> tuple[Metadata, list[Problem]]:
 def read_file(path: Path, missing: str, unreadable: str, found: list[Problem]) -> bytes | None:
     """The bytes of `path`, or None after recording why they could not be read."""
     name = path.name
+    outside = escapes(path.parent, name)
+    if outside is not None:
+        found.append(
+            problem(unreadable, f"{name}: a symlink to {outside}, outside the checkpoint", file=name)
+        )
+        return None
     try:
         # O_NONBLOCK: opening a FIFO must not wait for a writer; anything but a regular file
         # (a FIFO, a device such as /dev/zero) is refused before a byte is read

@@ -23,6 +23,7 @@ from rbtool.format import (
     METADATA_FILE,
     IndexCheck,
     check_json,
+    escapes,
     parse_trajectory_file_name,
     trajectory_file_name,
 )
@@ -79,14 +80,20 @@ class RepairResult:
         }
 
 
-def _trajectory_files(directory: Path) -> dict[int, list[Path]]:
-    """Visible files named like trajectories, by id (hidden temporary files are never adopted)."""
+def _trajectory_files(directory: Path) -> tuple[dict[int, list[Path]], list[tuple[Path, str]]]:
+    """Visible files named like trajectories, by id (hidden temporary files are never adopted),
+    and the symlinks among them that lead outside the directory (never adopted either)."""
     found: dict[int, list[Path]] = {}
+    outside: list[tuple[Path, str]] = []
     for path in sorted(directory.iterdir()):
         parsed = parse_trajectory_file_name(path.name)
         if parsed is not None and not path.name.startswith(".") and path.is_file():
+            target = escapes(directory, path.name)
+            if target is not None:
+                outside.append((path, target))
+                continue
             found.setdefault(parsed[0], []).append(path)
-    return found
+    return found, outside
 
 
 class _Planner:
@@ -94,9 +101,13 @@ class _Planner:
 
     def __init__(self, source: Path, out: Path) -> None:
         self.source = source
-        self.files = _trajectory_files(source)
+        self.files, outside = _trajectory_files(source)
         self.result = RepairedCheckpoint(source, out, Index())
         self.checked: IndexCheck = check_json(source)
+        for path, target in outside:
+            self.result.ignored.append(
+                {"file": path.name, "reason": f"a symlink to {target}, outside the checkpoint: not read"}
+            )
 
     def fixed(self, tid: int | None, message: str) -> None:
         self.result.fixed.append({"trajectory_id": tid, "message": message})

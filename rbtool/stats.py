@@ -21,8 +21,14 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from rbtool.dirs import checkpoint_dirs, open_view
-from rbtool.errors import NeedsTrajectoryFilesError, RbtoolError, TrajectoryFileError, UsageError
-from rbtool.format import IndexCheck, check_json, trajectory_file_name
+from rbtool.errors import (
+    CheckpointError,
+    NeedsTrajectoryFilesError,
+    RbtoolError,
+    TrajectoryFileError,
+    UsageError,
+)
+from rbtool.format import IndexCheck, check_json, escapes, trajectory_file_name
 from rbtool.index import Index, read_index
 
 if TYPE_CHECKING:
@@ -230,7 +236,12 @@ def file_sizes(file_of: Callable[[int], Path], index: Index) -> np.ndarray:
 
     def size(path: Path) -> int:
         try:
-            st = os.stat(path)
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                target = escapes(path.parent, path.name)
+                if target is not None:  # never read, never counted as the checkpoint's
+                    raise CheckpointError(f"{path}: a symlink to {target}, outside the checkpoint; refused")
+                st = os.stat(path)
         except OSError:
             return -1
         return st.st_size if stat.S_ISREG(st.st_mode) else -1

@@ -34,6 +34,7 @@ from rbtool.format import (
     IndexCheck,
     Problem,
     check_json,
+    escapes,
     gc_paused,
     one_line,
     parse_trajectory_file_name,
@@ -123,6 +124,7 @@ class _Listing:
 
     by_id: dict[int, list[str]] = field(default_factory=dict)
     badly_named: list[str] = field(default_factory=list)
+    outside: dict[int, list[tuple[str, str]]] = field(default_factory=dict)  # symlinks leaving the dir
 
 
 def _list_files(directory: Path) -> _Listing:
@@ -139,6 +141,10 @@ def _list_files(directory: Path) -> _Listing:
                     listing.badly_named.append(name)
                 continue
             if not entry.is_file():
+                continue
+            target = escapes(directory, name) if entry.is_symlink() else None
+            if target is not None:
+                listing.outside.setdefault(parsed[0], []).append((name, target))
                 continue
             listing.by_id.setdefault(parsed[0], []).append(name)
     return listing
@@ -174,8 +180,17 @@ class _FileChecker:
             return  # without a readable index, no file can be called missing or stray
         listed = dict.fromkeys(checked.id_list)
         counter = max(checked.meta.trajectory_counter or 0, max(listed, default=-1) + 1)
+        for tid in sorted(listing.outside.keys() & listed.keys()):
+            for name, target in listing.outside[tid]:
+                report.add(
+                    "file_outside",
+                    f"{name}: a symlink to {target}, outside the checkpoint; refused",
+                    trajectory_id=tid,
+                    file=name,
+                )
+        found_ids = listing.by_id.keys() | listing.outside.keys()
         unique = np.fromiter(listed, dtype=np.int64, count=len(listed))
-        present = np.isin(unique, np.fromiter(listing.by_id, dtype=np.int64, count=len(listing.by_id)))
+        present = np.isin(unique, np.fromiter(found_ids, dtype=np.int64, count=len(found_ids)))
         missing = unique[~present].tolist()
         entries = checked.entries
         if self.fmt in FORMATS and entries.keys() >= set(missing):
@@ -201,7 +216,9 @@ class _FileChecker:
         unrecorded = 0
         for tid in unique[present].tolist():
             entry = entries.get(tid)
-            names = listing.by_id[tid]
+            names = listing.by_id.get(tid, [])
+            if not names:
+                continue  # only links to files elsewhere: reported above
             expected = self._expected_name(tid, entry)
             if len(names) > 1 and (expected is None or expected in names):
                 report.add(

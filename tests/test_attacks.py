@@ -266,7 +266,15 @@ def test_json_fifos_and_devices_do_not_hang(tmp_path: Path, name: str) -> None:
     (ckpt / name).symlink_to("/dev/zero")  # reading it would never end
     result = run("checkpoint", "load", ckpt)
     _assert_clean(result)
-    assert result.exit_code == 1 and "not a regular file" in result.stderr
+    assert result.exit_code == 1 and "/dev/zero, outside the checkpoint" in result.stderr
+    if os.geteuid() == 0:  # a device node inside the checkpoint itself (making one needs root)
+        import stat
+
+        (ckpt / name).unlink()
+        os.mknod(ckpt / name, 0o600 | stat.S_IFCHR, os.makedev(1, 5))  # what /dev/zero is
+        result = run("checkpoint", "load", ckpt)
+        _assert_clean(result)
+        assert result.exit_code == 1 and "not a regular file" in result.stderr
 
 
 def test_a_trajectory_fifo_does_not_hang(tmp_path: Path) -> None:
@@ -305,3 +313,63 @@ def test_reference_and_rbtool_files_pass_the_checks(tmp_path: Path) -> None:
     buffer_bytes = io.BytesIO()
     torch.save(make_traj(), buffer_bytes)
     assert buffer_bytes.tell() > 0
+
+
+# ------------------------------------------------------------------ links that leave the checkpoint
+def _secret(tmp_path: Path) -> Path:
+    """A file outside the checkpoint that happens to load as a trajectory."""
+    secret = tmp_path / "elsewhere" / "secret.pt"
+    secret.parent.mkdir()
+    torch.save(make_traj(seed=99), secret)
+    return secret
+
+
+def test_a_listed_symlink_out_of_the_checkpoint_is_refused_everywhere(tmp_path: Path) -> None:
+    ckpt = _checkpoint(tmp_path, "pt")
+    name = read_index(ckpt).file_name(1)
+    (ckpt / name).unlink()
+    (ckpt / name).symlink_to(_secret(tmp_path))
+    before = tree_digest(ckpt)
+    verified = run("verify", ckpt, "--json")
+    _assert_clean(verified)
+    assert verified.exit_code == 1 and '"file_outside"' in verified.stdout
+    for argv in (
+        ["verify", ckpt, "--deep"],
+        ["checkpoint", "load", ckpt],
+        ["stats", ckpt],
+        ["sample", ckpt, "--num-chunks", "4"],
+        ["merge", ckpt, "--out", tmp_path / "merged", "--format", "pkl"],
+        ["shard", ckpt, "--world-size", "2", "--out", tmp_path / "shards"],
+        ["ingest", ckpt, "--buffer", tmp_path / "buf"],
+    ):
+        result = run(*argv)
+        _assert_clean(result)
+        assert result.exit_code == 1, argv
+        text = " ".join((result.stderr + result.stdout).split())
+        assert "outside the checkpoint" in text or "file_outside" in text, argv
+    assert not (tmp_path / "merged").exists() and not (tmp_path / "shards").exists()
+    repaired = run("repair", ckpt, "--out", tmp_path / "repaired", "--json")
+    assert repaired.exit_code == 0 and read_index(tmp_path / "repaired").id_list == [0]
+    assert "outside the checkpoint" in repaired.stdout
+    assert tree_digest(ckpt) == before
+
+
+def test_a_json_symlink_out_of_the_checkpoint_is_refused(tmp_path: Path) -> None:
+    ckpt = _checkpoint(tmp_path, "pt")
+    outside = tmp_path / "elsewhere.json"
+    outside.write_bytes((ckpt / "metadata.json").read_bytes())
+    (ckpt / "metadata.json").unlink()
+    (ckpt / "metadata.json").symlink_to(outside)
+    result = run("checkpoint", "load", ckpt)
+    _assert_clean(result)
+    assert result.exit_code == 1 and "outside the checkpoint" in result.stderr
+
+
+def test_a_symlink_inside_the_checkpoint_is_fine(tmp_path: Path) -> None:
+    ckpt = _checkpoint(tmp_path, "pt")
+    index = read_index(ckpt)
+    real = ckpt / "kept_aside.bin"
+    (ckpt / index.file_name(1)).rename(real)
+    (ckpt / index.file_name(1)).symlink_to(real.name)  # relative, within the directory
+    assert run("checkpoint", "load", ckpt).exit_code == 0
+    assert run("sample", ckpt, "--num-chunks", "4").exit_code == 0

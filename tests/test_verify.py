@@ -225,6 +225,11 @@ def scenario_cases() -> dict[str, Callable[[Path], None]]:
         "counter_too_low": lambda c: edit_meta(c, trajectory_counter=3),
         "metadata_behind_index": behind,
         "file_missing": lambda c: file_of(c, 2).unlink(),
+        "file_outside": lambda c: (
+            shutil.move(file_of(c, 2), c.parent / "elsewhere.pt"),
+            (c / (c.parent / "elsewhere.pt").name).unlink(missing_ok=True),
+            (c / read_index(c).file_name(2)).symlink_to(c.parent / "elsewhere.pt"),
+        ),
         "duplicate_files": lambda c: shutil.copy(file_of(c, 2), file_of(c, 2).with_suffix(".pkl")),
         "file_name_mismatch": lambda c: file_of(c, 2).rename(c / "trajectory_2_other.pt"),
         "file_size_mismatch": lambda c: (
