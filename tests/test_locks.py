@@ -110,3 +110,33 @@ def test_the_library_raises_directory_in_use(tmp_path: Path, live_buffer: Any) -
 
     with pytest.raises(DirectoryInUseError, match="in use by another rbtool process"):
         restore(SOURCE, tmp_path / "live", overwrite=True)
+
+
+def test_sample_reads_a_live_buffer_consistently(tmp_path: Path) -> None:
+    """A buffer that keeps adding while `rbtool sample` reads it: one consistent index per run."""
+    import threading
+
+    buffer = TrajectoryReplayBuffer(
+        sample_window_size=0, auto_save=True, auto_save_path=str(tmp_path / "live")
+    )
+    buffer.add_trajectories([make_traj(seed=0)])
+    buffer.flush()
+    stop = threading.Event()
+
+    def keep_adding() -> None:
+        seed = 1
+        while not stop.is_set():
+            buffer.add_trajectories([make_traj(seed=seed)])
+            buffer.flush()
+            seed += 1
+
+    writer = threading.Thread(target=keep_adding)
+    writer.start()
+    try:
+        for _ in range(8):
+            result = run("sample", tmp_path / "live", "--num-chunks", "16", "--json")
+            assert result.exit_code == 0, result.stderr
+    finally:
+        stop.set()
+        writer.join()
+        buffer.close()
