@@ -137,6 +137,16 @@ class TrajectoryFormat(str, enum.Enum):
 
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")]
+JobsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--jobs",
+        "-j",
+        min=1,
+        help="Files worked on at once (default: the number of cores).",
+        show_default=False,
+    ),
+]
 ForceOpt = Annotated[
     bool, typer.Option("--force", help="Replace OUT if it is an existing checkpoint directory.")
 ]

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from rbtool.cli._common import (
+    JobsOpt,
     JsonOpt,
     StrictOpt,
     TrajectoryFormat,
@@ -29,16 +30,7 @@ def convert(
     trajectory_format: Annotated[
         TrajectoryFormat, typer.Option("--format", help="The format to write every trajectory file in.")
     ],
-    jobs: Annotated[
-        int | None,
-        typer.Option(
-            "--jobs",
-            "-j",
-            min=1,
-            help="Files converted at once (default: the number of cores).",
-            show_default=False,
-        ),
-    ] = None,
+    jobs: JobsOpt = None,
     strict: StrictOpt = True,
     force: Annotated[
         bool,

@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from rbtool.cli._common import JsonOpt, out, print_json, progress_bar, show_progress
+from rbtool.cli._common import JobsOpt, JsonOpt, out, print_json, progress_bar, show_progress
 
 if TYPE_CHECKING:
     from rbtool.verify import CheckpointReport
@@ -71,16 +71,7 @@ def verify(
             help="Also load every trajectory file (safely) and check shapes, schema, NaN/Inf and hashes.",
         ),
     ] = False,
-    jobs: Annotated[
-        int | None,
-        typer.Option(
-            "--jobs",
-            "-j",
-            min=1,
-            help="Files checked at once by --deep (default: the number of cores).",
-            show_default=False,
-        ),
-    ] = None,
+    jobs: JobsOpt = None,
     json: JsonOpt = False,
 ) -> None:
     """Check that a checkpoint is consistent; exit 1 if any error is found.
