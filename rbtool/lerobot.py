@@ -1418,6 +1418,7 @@ class ImportResult:
     fields: dict[str, str] = field(default_factory=dict)  # feature -> buffer field
     dropped: list[str] = field(default_factory=list)
     kept_ids: bool = False
+    skipped: int = 0  # trajectories an interrupted import of the same export had already added
 
 
 def _safe_id(text: str) -> str:
@@ -1525,11 +1526,14 @@ def import_lerobot(
             directory, dataset.root, dataset.version, "rbtool" if sidecar else "episodes", index=index
         )
         counter = 0
+        resumed: set[int] = set()
         if sidecar is not None:
             items = _rebuild(dataset, sidecar)
-            # Into a buffer that never assigned an id, the export comes back as it was.
-            if not index.id_list and index.trajectory_counter == 0:
-                ckpt = sidecar["checkpoint"]
+            # Into a buffer that never assigned an id, the export comes back as it was; into
+            # one an interrupted import of it left (its first ids, same entries), it goes on.
+            ckpt = sidecar["checkpoint"]
+            resumed = _resumed_ids(directory, index, sidecar)
+            if (not index.id_list and index.trajectory_counter == 0) or resumed:
                 index.seed = ckpt.get("seed")
                 index.extra_metadata = dict(ckpt.get("extra_metadata") or {})
                 if is_new and trajectory_format is None:
@@ -1558,6 +1562,11 @@ def import_lerobot(
 
         try:
             for traj, entry, frames in items:
+                if result.kept_ids and entry is not None and int(entry["trajectory_id"]) in resumed:
+                    result.skipped += 1
+                    if progress is not None:
+                        progress(1)
+                    continue
                 if entry is not None:
                     # An exported trajectory: its entry comes back (sizes and hashes are the new file's).
                     tid = int(entry["trajectory_id"]) if result.kept_ids else index.trajectory_counter
@@ -1595,6 +1604,33 @@ def import_lerobot(
         else result.episodes
     )
     return result
+
+
+def _resumed_ids(directory: Path, index: Index, sidecar: dict[str, Any]) -> set[int]:
+    """The ids an interrupted import of this export left in `index` (empty if it is not one).
+
+    Such a buffer lists a prefix of the export's ids, each with the exported entry (sizes,
+    hashes and uuids aside) and the exported content (its digest), and the export's seed.
+    """
+    ckpt = sidecar.get("checkpoint") or {}
+    ids = list(ckpt.get("trajectory_id_list") or [])
+    done = index.id_list
+    if not done or done != ids[: len(done)] or index.seed != ckpt.get("seed"):
+        return set()
+    records = {int(r["trajectory_id"]): r for r in sidecar.get("trajectories", [])}
+    hints = ("uuid", "file_bytes", "sha256")
+    for tid in done:
+        mine = {k: v for k, v in index.entries[tid].items() if k not in hints}
+        theirs = {k: v for k, v in (records.get(tid, {}).get("entry") or {}).items() if k not in hints}
+        if mine != theirs:
+            return set()
+    for tid in done:  # entries alike: the contents decide
+        name = index.file_name(tid)
+        if _digest(with_stored_defaults(trajfile.load(directory / name, mmap=True), name)) != records[
+            tid
+        ].get("digest"):
+            return set()
+    return set(done)
 
 
 def _rebuild(

@@ -172,21 +172,28 @@ def test_rbtool_written_files_come_back_byte_for_byte(mixed_buffer: Path, tmp_pa
         assert b.file_of(tid).read_bytes() == a.file_of(tid).read_bytes(), tid
 
 
-def test_a_second_import_continues_the_ids(tmp_path: Path) -> None:
+def test_into_a_buffer_holding_other_trajectories_the_ids_continue(tmp_path: Path) -> None:
     source = FIXTURES / "autosave_pt/autosave"
     export_lerobot(source, tmp_path / "ds", fps=5)
-    import_lerobot(tmp_path / "ds", tmp_path / "buf")
+    ingest([FIXTURES / "nested_obs_pt"], tmp_path / "buf")  # ids 0-3
     second = import_lerobot(tmp_path / "ds", tmp_path / "buf")
-    assert not second.kept_ids and second.added_ids == [5, 6, 7, 8, 9]
-    view = open_view(tmp_path / "buf")
-    assert view.index.trajectory_counter == 10
+    assert not second.kept_ids and second.added_ids == [4, 5, 6, 7, 8]
+    view, original = open_view(tmp_path / "buf"), open_view(source)
+    assert view.index.trajectory_counter == 9
     for old, new in zip(range(5), second.added_ids, strict=True):
-        ea, eb = view.index.entries[old], view.index.entries[new]
-        assert eb["uuid"] != ea["uuid"]
-        assert {k: v for k, v in eb.items() if k not in ("uuid", "trajectory_id")} == {
-            k: v for k, v in ea.items() if k not in ("uuid", "trajectory_id")
-        }
-        assert_same_value(trajfile.load(view.file_of(new)), trajfile.load(view.file_of(old)))
+        ea, eb = original.index.entries[old], view.index.entries[new]
+        assert eb["uuid"] != ea.get("uuid")
+        keep = ("num_samples", "max_episode_length", "shape", "model_weights_id")
+        assert {k: eb[k] for k in keep} == {k: ea[k] for k in keep}
+        assert_same_value(trajfile.load(view.file_of(new)), trajfile.load(original.file_of(old)))
+
+
+def test_importing_an_export_twice_adds_it_once(tmp_path: Path) -> None:
+    export_lerobot(FIXTURES / "autosave_pt/autosave", tmp_path / "ds", fps=5)
+    import_lerobot(tmp_path / "ds", tmp_path / "buf")
+    again = import_lerobot(tmp_path / "ds", tmp_path / "buf")
+    assert again.skipped == 5 and again.added_ids == []
+    assert_same_checkpoint(tmp_path / "buf", FIXTURES / "autosave_pt/autosave")
 
 
 def test_an_empty_checkpoint_comes_back_empty(tmp_path: Path) -> None:
@@ -817,3 +824,21 @@ def test_multi_view_wrist_cameras_export_as_rlinfs_split_image_features(tmp_path
     assert torch.equal(
         first["curr_obs"]["wrist_images"][:, 0], traj["curr_obs"]["wrist_images"][: len(first["rewards"]), 0]
     )
+
+
+def test_an_interrupted_import_of_an_export_goes_on_where_it_stopped(tmp_path: Path) -> None:
+    source = FIXTURES / "autosave_pt/autosave"
+    export_lerobot(source, tmp_path / "ds", fps=5)
+    seen: list[int] = []
+
+    def stop_after_three(n: int) -> None:
+        seen.append(n)
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        import_lerobot(tmp_path / "ds", tmp_path / "buf", batch_size=2, progress=stop_after_three)
+    assert open_view(tmp_path / "buf").index.id_list == [0, 1]  # the published batch
+    again = import_lerobot(tmp_path / "ds", tmp_path / "buf")
+    assert again.kept_ids and again.skipped == 2 and again.added_ids == [2, 3, 4]
+    assert_same_checkpoint(tmp_path / "buf", source)

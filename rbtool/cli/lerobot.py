@@ -286,6 +286,7 @@ def import_lerobot(
         "added": len(result.added_ids),
         "trajectory_ids": result.added_ids,
         "kept_ids": result.kept_ids,
+        "skipped": result.skipped,
         "episodes": result.episodes,
         "frames": result.frames,
         "fields": [{"feature": feature, "field": f} for feature, f in result.fields.items()],
@@ -304,6 +305,11 @@ def import_lerobot(
         ("dataset", f"{result.dataset} (LeRobot {result.codebase_version})"),
         ("read as", "rbtool export (sidecar)" if result.mode == "rbtool" else "one trajectory per episode"),
         ("added", f"{len(ids)} ({format_ids(ids)})" if ids else "0"),
+        *(
+            [("skipped", f"{result.skipped} (already added by an interrupted import)")]
+            if result.skipped
+            else []
+        ),
         ("episodes", str(result.episodes)),
         ("frames", str(result.frames)),
         ("size", str(index.size)),
