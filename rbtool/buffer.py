@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rbtool import trajfile
-from rbtool.dirs import open_view, warn_layout
+from rbtool.dirs import CheckpointView, open_view, warn_layout
 from rbtool.errors import BufferClosedError, CheckpointError, EmptyBufferError, UsageError
 from rbtool.format import FORMATS, trajectory_file_name
 from rbtool.index import Index, init_buffer_dir, read_index, window_of
@@ -387,7 +387,7 @@ class TrajectoryReplayBuffer:
 
     def load_checkpoint(
         self,
-        load_path: str | Path,
+        load_path: str | Path | CheckpointView,
         is_distributed: bool = False,
         local_rank: int = 0,
         world_size: int = 1,
@@ -401,13 +401,16 @@ class TrajectoryReplayBuffer:
         Trajectory files are read when first sampled. With auto_save off the window's files
         are kept open, so deleting or replacing `load_path` later does not break sampling
         or saving; with auto_save on they are linked (or copied) into the auto-save
-        directory, which stays a valid checkpoint.
+        directory, which stays a valid checkpoint. `load_path` may also be a view already
+        opened with rbtool.dirs.open_view: then exactly that index is loaded.
         """
         self._check_open()
         self.flush()
         if is_distributed:
             Index().rank_block(world_size, local_rank)  # validates world_size and rank
-        view = open_view(load_path, strict=strict)
+        # an already-open view (what a caller has looked at) is loaded as it is: reading the
+        # directory again could meet a newer index, if a live buffer writes there
+        view = load_path if isinstance(load_path, CheckpointView) else open_view(load_path, strict=strict)
         warn_layout(view, world_size if is_distributed else None)
         index = view.index
         if is_distributed:

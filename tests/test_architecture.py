@@ -22,6 +22,7 @@ OPERATIONS = {
     "rbtool.conversion",
     "rbtool.filtering",
     "rbtool.ingestion",
+    "rbtool.lerobot",
     "rbtool.repair",
     "rbtool.resharding",
     "rbtool.stats",

@@ -119,7 +119,7 @@ def sample(
     index = view.index
     missing = view.dropped_ids()
     buffer = TrajectoryReplayBuffer(seed=DEFAULT_SEED, sample_window_size=window, extra_fields=all_fields)
-    buffer.load_checkpoint(path, strict=strict)  # reseeds from the checkpoint when it has a seed
+    buffer.load_checkpoint(view, strict=strict)  # the index just read; reseeds when it has a seed
     used_seed = buffer.seed if seed is None else seed
     if seed is not None:
         buffer.seed = seed
