@@ -60,6 +60,11 @@ EPISODES_PATH = "meta/episodes/chunk-{chunk_index:03d}/file-{file_index:03d}.par
 DEFAULT_CHUNK_SIZE = 1000
 DEFAULT_DATA_FILE_SIZE_MB = 100.0
 DEFAULT_VIDEO_FILE_SIZE_MB = 200
+VIDEO_PATH = "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"
+VIDEO_ENCODER = "libx264"  # H.264: PyAV's FFmpeg has it, and it takes frames of any even size
+VIDEO_CODEC = "h264"
+VIDEO_PIX_FMT = "yuv420p"
+VIDEO_OPTIONS = {"crf": "18", "g": "2", "preset": "veryfast"}
 QUANTILES = {"q01": 0.01, "q10": 0.10, "q50": 0.50, "q90": 0.90, "q99": 0.99}
 
 # Every LeRobot frame carries these; they are not buffer fields.
@@ -138,6 +143,16 @@ def _require_arrow() -> Any:
             "LeRobot datasets need pyarrow, which is not installed (pip install 'rbtool[lerobot]')"
         ) from None
     return pyarrow
+
+
+def _require_av() -> Any:
+    try:
+        import av
+    except ImportError:
+        raise UsageError(
+            "LeRobot video features need PyAV, which is not installed (pip install 'rbtool[lerobot]')"
+        ) from None
+    return av
 
 
 def _require_pil() -> Any:
@@ -232,6 +247,7 @@ class Column:
     shape: tuple[int, ...]  # per-sample shape in the trajectory
     image: bool
     views: int = 0  # > 0: a multi-view [N, H, W, C] field, one image feature `<feature>-<i>` per view
+    video: bool = False  # an image field stored as a video feature (mp4 files, not in the Parquet data)
 
     @property
     def stored(self) -> str:
@@ -251,7 +267,24 @@ class Column:
         """The shape of one frame's values (all views of a multi-view field)."""
         return (self.views, *self.feature_shape) if self.views else self.feature_shape
 
-    def spec(self) -> dict[str, Any]:
+    def spec(self, fps: int = 0) -> dict[str, Any]:
+        if self.video:
+            height, width, channels = self.feature_shape
+            return {
+                "dtype": "video",
+                "shape": list(self.feature_shape),
+                "names": ["height", "width", "channels"],
+                "info": {
+                    "video.height": height,
+                    "video.width": width,
+                    "video.codec": VIDEO_CODEC,
+                    "video.pix_fmt": VIDEO_PIX_FMT,
+                    "video.is_depth_map": False,
+                    "video.fps": fps,
+                    "video.channels": channels,
+                    "has_audio": False,
+                },
+            }
         if self.image:
             return {
                 "dtype": "image",
@@ -264,8 +297,8 @@ class Column:
         """The LeRobot features this field is stored as (one per view for a multi-view field)."""
         return [f"{self.feature}-{i}" for i in range(self.views)] if self.views else [self.feature]
 
-    def specs(self) -> dict[str, dict[str, Any]]:
-        return {name: self.spec() for name in self.names()}
+    def specs(self, fps: int = 0) -> dict[str, dict[str, Any]]:
+        return {name: self.spec(fps) for name in self.names()}
 
     def fields(self) -> dict[str, str]:
         """Feature name -> the buffer field (`path[i]` for view i) it holds."""
@@ -283,6 +316,11 @@ class Column:
 
 def _is_image(dtype: str, shape: tuple[int, ...]) -> bool:
     return dtype == "uint8" and len(shape) == 3 and shape[2] in (1, 3, 4) and shape[0] > 0 and shape[1] > 0
+
+
+def _is_video(dtype: str, shape: tuple[int, ...]) -> bool:
+    """An image that a yuv420p video holds: RGB, even height and width."""
+    return _is_image(dtype, shape) and shape[2] == 3 and shape[0] % 2 == 0 and shape[1] % 2 == 0
 
 
 def _hf_feature(spec: dict[str, Any]) -> dict[str, Any]:
@@ -394,6 +432,8 @@ def _column_numpy(column: Any, spec: dict[str, Any], feature: str) -> np.ndarray
         raise CheckpointError(f"feature {feature!r}: {column.null_count} frame(s) have no value")
     if spec["dtype"] == "image":
         return _decode_images(column, shape, feature, spec.get("names"))
+    if spec["dtype"] == "video":  # decoded by LeRobotSource.frames: flat uint8 per frame
+        return np.asarray(column.flatten().to_numpy()).reshape(n, *_hwc(spec))
     array = column
     while (
         pa.types.is_list(array.type)
@@ -522,6 +562,7 @@ class ExportResult:
     columns: dict[str, str] = field(default_factory=dict)  # feature -> buffer field
     sidecar_fields: list[str] = field(default_factory=list)  # fields kept whole in the sidecar
     data_files: int = 0
+    video_files: int = 0
     episode_files: int = 0
     bytes: int = 0
 
@@ -551,9 +592,10 @@ def _entries(traj: dict[str, Any]) -> Iterator[tuple[str, tuple[str, ...], Any]]
 class _Registry:
     """Feature names and specs, decided by the first trajectory that has each field."""
 
-    def __init__(self, names: dict[str, str], images: bool) -> None:
+    def __init__(self, names: dict[str, str], images: bool, video: bool = False) -> None:
         self.names = names
         self.images = images
+        self.video = video
         self.columns: dict[tuple[str, ...], Column] = {}
         self.taken = set(FRAME_FEATURES) | set(RB_FEATURES)
         self.used_names: set[str] = set()
@@ -573,9 +615,16 @@ class _Registry:
             else 0
         )
         image = image or views > 0
+        video = self.video and image and _is_video(dtype, shape[1:] if views else shape)
         known = self.columns.get(path)
         if known is not None:
-            same = (known.dtype, known.shape, known.image, known.views) == (dtype, shape, image, views)
+            same = (known.dtype, known.shape, known.image, known.views, known.video) == (
+                dtype,
+                shape,
+                image,
+                views,
+                video,
+            )
             return known if same else None
         name = self.names.get(dotted)
         if name is not None:
@@ -588,10 +637,10 @@ class _Registry:
                 named = dotted
             base = named.replace("/", "_")
             name, n = base, 1
-            while any(v in self.taken for v in Column(name, path, dtype, shape, image, views).names()):
+            while any(v in self.taken for v in Column(name, path, dtype, shape, image, views, video).names()):
                 n += 1
                 name = f"{base}_{n}"
-        col = Column(name, path, dtype, shape, image, views)
+        col = Column(name, path, dtype, shape, image, views, video)
         if any(v in self.taken for v in col.names()):
             raise UsageError(f"feature name {name!r} for {dotted} is already taken")
         self.taken.update(col.names())
@@ -758,6 +807,105 @@ class _RollingParquet:
         self.close_file()
 
 
+class _RollingVideo:
+    """One video feature's mp4 files, episodes one after another in each, as LeRobot lays them out.
+
+    A file takes episodes until it has reached the size limit, then the next file starts;
+    an episode is never split. Frame k of a file has timestamp k / fps.
+    """
+
+    def __init__(self, root: Path, feature: str, fps: int, limit_bytes: float, chunks_size: int) -> None:
+        self.root = root
+        self.feature = feature
+        self.fps = fps
+        self.limit = limit_bytes
+        self.chunks_size = chunks_size
+        self.chunk, self.file = 0, 0
+        self.container: Any = None
+        self.stream: Any = None
+        self.path: Path | None = None
+        self.frames = 0  # frames in the open file
+        self.muxed = 0  # bytes of the packets written to it (the encoder may still hold a few frames)
+        self.files = 0
+
+    def _open(self, height: int, width: int) -> None:
+        av = _require_av()
+        self.path = self.root / VIDEO_PATH.format(
+            video_key=self.feature, chunk_index=self.chunk, file_index=self.file
+        )
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.container = av.open(str(self.path), "w")
+        self.stream = self.container.add_stream(VIDEO_ENCODER, rate=self.fps)
+        self.stream.width, self.stream.height = width, height
+        self.stream.pix_fmt = VIDEO_PIX_FMT
+        self.stream.options = dict(VIDEO_OPTIONS)
+        self.files += 1
+
+    def close_file(self) -> None:
+        if self.container is not None:
+            for packet in self.stream.encode():
+                self.container.mux(packet)
+            self.container.close()
+            self.container = self.stream = None
+
+    def add(self, frames: np.ndarray) -> tuple[int, int, float, float]:
+        """Append one episode's uint8 frames `[n, H, W, 3]`: (chunk, file, from_timestamp, to_timestamp)."""
+        av = _require_av()
+        if self.container is not None and self.muxed >= self.limit:
+            self.close_file()
+            self.chunk, self.file = (
+                (self.chunk + 1, 0)
+                if self.file == self.chunks_size - 1
+                else (
+                    self.chunk,
+                    self.file + 1,
+                )
+            )
+            self.frames = self.muxed = 0
+        if self.container is None:
+            self._open(int(frames.shape[1]), int(frames.shape[2]))
+        start = self.frames
+        for frame in frames:
+            picture = av.VideoFrame.from_ndarray(frame, format="rgb24")
+            picture.pts = self.frames
+            for packet in self.stream.encode(picture):
+                self.muxed += packet.size
+                self.container.mux(packet)
+            self.frames += 1
+        return self.chunk, self.file, start / self.fps, self.frames / self.fps
+
+
+def _video_columns(name: str, where: tuple[int, int, float, float]) -> dict[str, Any]:
+    """An episode's `videos/<feature>/...` metadata columns, as LeRobot names them."""
+    keys = ("chunk_index", "file_index", "from_timestamp", "to_timestamp")
+    return {f"videos/{name}/{key}": value for key, value in zip(keys, where, strict=True)}
+
+
+def _decode_video(path: Path, feature: str, channels: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every frame of an mp4 file: (timestamps in seconds, uint8 frames `[n, H, W, C]`)."""
+    import numpy as np
+
+    av = _require_av()
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (video of feature {feature!r})")
+    times: list[float] = []
+    frames: list[np.ndarray] = []
+    try:
+        with av.open(str(path)) as container:
+            stream = container.streams.video[0]
+            for frame in container.decode(stream):
+                times.append(float(frame.pts * frame.time_base) if frame.pts is not None else len(times))
+                if channels == 1:
+                    frames.append(frame.to_ndarray(format="gray")[..., None])
+                else:
+                    frames.append(frame.to_ndarray(format="rgba" if channels == 4 else "rgb24"))
+    except (av.error.FFmpegError, IndexError) as exc:
+        raise CheckpointError(f"{path}: not a readable video ({exc})") from None
+    if not frames:
+        return np.zeros(0), np.zeros((0, 0, 0, channels), dtype=np.uint8)
+    return np.asarray(times), np.stack(frames)
+
+
 def _publish_dataset(staging: Path, out: Path, overwrite: bool) -> None:
     """Rename a finished dataset into place; replace only an empty directory or an earlier dataset."""
     from rbtool.errors import OutputExistsError
@@ -802,8 +950,10 @@ def export_lerobot(
     task: str = "",
     names: dict[str, str] | None = None,
     images: bool = True,
+    video: bool = False,
     strict: bool = True,
     data_file_size_mb: float = DEFAULT_DATA_FILE_SIZE_MB,
+    video_file_size_mb: float = DEFAULT_VIDEO_FILE_SIZE_MB,
     chunks_size: int = DEFAULT_CHUNK_SIZE,
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
@@ -813,13 +963,22 @@ def export_lerobot(
     `names` maps buffer fields (dotted paths such as `curr_obs.states`) to feature names;
     unmapped fields take RLinf's names (`image`, `state`, `actions`, `done`, ...) or their
     dotted path. uint8 `[H, W, C]` fields become PNG image features unless `images` is
-    False. `progress(1)` is called twice per trajectory (planning, then writing).
+    False. With `video`, RGB image fields of even height and width are `video` features
+    instead (H.264 mp4 files, lossy); the sidecar keeps their exact rows, so that an import
+    of the export is still bit for bit. `progress(1)` is called twice per trajectory
+    (planning, then writing).
     """
     import numpy as np
 
     pa = _require_arrow()
+    if video and not images:
+        raise UsageError("video needs images: video features are image fields")
     if images:
         _require_pil()
+    if video:
+        _require_av()
+    if not video_file_size_mb > 0:
+        raise UsageError(f"the video file size limit must be positive, got {video_file_size_mb!r}")
     if isinstance(fps, bool) or not isinstance(fps, int) or fps < 1:
         raise UsageError(f"fps must be a positive integer, got {fps!r}")
     if not data_file_size_mb > 0:
@@ -833,7 +992,7 @@ def export_lerobot(
     view = open_view(source, strict=strict)
     index = view.index
     ids = list(index.id_list)
-    registry = _Registry(dict(names or {}), images)
+    registry = _Registry(dict(names or {}), images, video)
 
     # Pass 1: each trajectory's skeleton decides the features (memory-mapped, nothing copied).
     schemas: list[list[dict[str, Any]]] = []
@@ -858,16 +1017,19 @@ def export_lerobot(
         )
 
     columns = list(registry.columns.values())
-    features: dict[str, dict[str, Any]] = {name: spec for c in columns for name, spec in c.specs().items()}
+    features: dict[str, dict[str, Any]] = {name: spec for c in columns for name, spec in c.specs(fps).items()}
     for name, dtype in RB_FEATURES.items():
         features[name] = {"dtype": dtype, "shape": [1], "names": None}
     for name, dtype in FRAME_FEATURES.items():
         features[name] = {"dtype": dtype, "shape": [1], "names": None}
+    # Video features live in their mp4 files, not in the Parquet data (as LeRobot writes them).
+    in_data = {name: spec for name, spec in features.items() if spec["dtype"] != "video"}
+    video_names = [name for name, spec in features.items() if spec["dtype"] == "video"]
     schema = pa.schema(
-        [pa.field(name, _arrow_type(spec)) for name, spec in features.items()],
+        [pa.field(name, _arrow_type(spec)) for name, spec in in_data.items()],
         metadata={
             "huggingface": orjson.dumps(
-                {"info": {"features": {n: _hf_feature(s) for n, s in features.items()}}}
+                {"info": {"features": {n: _hf_feature(s) for n, s in in_data.items()}}}
             )
         },
     )
@@ -878,6 +1040,10 @@ def export_lerobot(
     staging = new_staging_dir(out)
     try:
         data = _RollingParquet(staging, DATA_PATH, data_file_size_mb * (1 << 20), chunks_size)
+        videos = {
+            name: _RollingVideo(staging, name, fps, video_file_size_mb * (1 << 20), chunks_size)
+            for name in video_names
+        }
         blobs_path = staging / SIDECAR_TENSORS
         blobs_path.parent.mkdir(parents=True, exist_ok=True)
         blob_schema = pa.schema(
@@ -927,6 +1093,8 @@ def export_lerobot(
                         blob_rows.append(_blob(tid, i, "bootstrap", tensor[starts], [], []))
                         tensor = drop_bootstrap_rows(tensor, t)
                     col = registry.columns[npath]
+                    if col.video:  # the exact rows: the video is lossy
+                        blob_rows.append(_blob(tid, i, "frames", tensor, [], []))
                     arr = _to_numpy(tensor).reshape(t, b, *col.frame_shape)
                     frame_cols[col.feature] = arr.swapaxes(0, 1).reshape(n, *col.frame_shape)
                 elif kind == "derived":
@@ -961,6 +1129,8 @@ def export_lerobot(
                 episode_index[lo:hi] = first_episode + k
             arrays: dict[str, Any] = {}
             for col in columns:
+                if col.video:
+                    continue
                 if col.feature in frame_cols:
                     for name, frames in col.split(frame_cols[col.feature]).items():
                         spec = features[name]
@@ -977,7 +1147,7 @@ def export_lerobot(
             arrays["episode_index"] = pa.array(episode_index)
             arrays["index"] = pa.array(np.arange(frame_total, frame_total + n, dtype=np.int64))
             arrays["task_index"] = pa.array(np.zeros(n, dtype=np.int64))
-            table = pa.Table.from_arrays([arrays[name] for name in features], schema=schema)
+            table = pa.Table.from_arrays([arrays[name] for name in in_data], schema=schema)
             per_row = table.nbytes / max(n, 1)
             numeric = {
                 RB_TRAJECTORY_ID: np.full(n, tid, dtype=np.int64),
@@ -992,10 +1162,18 @@ def export_lerobot(
             for lo, hi in bounds:
                 chunk, file = data.add(table.slice(lo, hi - lo), int(per_row * (hi - lo)))
                 stats = {}
+                placed: dict[str, Any] = {}
                 for col in columns:
                     if col.feature in frame_cols:
                         for name, frames in col.split(frame_cols[col.feature][lo:hi]).items():
                             stats[name] = _stats(frames, col.image)
+                            if col.video:
+                                placed.update(_video_columns(name, videos[name].add(frames)))
+                    elif col.video:
+                        # A trajectory without this field: black frames keep the video's timeline.
+                        for name in col.names():
+                            blank = np.zeros((hi - lo, *col.feature_shape), dtype=np.uint8)
+                            placed.update(_video_columns(name, videos[name].add(blank)))
                 for name, series in numeric.items():
                     stats[name] = _stats(series[lo:hi].reshape(-1, 1), False)
                 episode_stats.append(stats)
@@ -1008,6 +1186,7 @@ def export_lerobot(
                         "data/file_index": file,
                         "dataset_from_index": frame_total + lo,
                         "dataset_to_index": frame_total + hi,
+                        **placed,
                         "rb/trajectory_id": tid,
                         "rb/env": int(env[lo]),
                         "rb/t_start": int(step[lo]),
@@ -1018,6 +1197,8 @@ def export_lerobot(
             if progress is not None:
                 progress(1)
         data.close()
+        for writer in videos.values():
+            writer.close_file()
         flush_blobs(force=True)
         blob_writer.close()
 
@@ -1044,11 +1225,13 @@ def export_lerobot(
             "data_files_size_in_mb": int(data_file_size_mb)
             if float(data_file_size_mb).is_integer()
             else data_file_size_mb,
-            "video_files_size_in_mb": DEFAULT_VIDEO_FILE_SIZE_MB,
+            "video_files_size_in_mb": int(video_file_size_mb)
+            if float(video_file_size_mb).is_integer()
+            else video_file_size_mb,
             "fps": fps,
             "splits": {"train": f"0:{len(episodes)}"},
             "data_path": DATA_PATH,
-            "video_path": None,
+            "video_path": VIDEO_PATH if video_names else None,
             "features": features,
         }
         write_bytes_atomic(staging / INFO_FILE, _json(info), sync_dir=False)
@@ -1069,6 +1252,7 @@ def export_lerobot(
                     "stored_as": c.stored,
                     "shape": list(c.shape),
                     "views": c.views,
+                    "video": c.video,
                 }
                 for c in columns
             },
@@ -1078,6 +1262,7 @@ def export_lerobot(
         }
         write_bytes_atomic(staging / SIDECAR_FILE, _json(sidecar), sync_dir=False)
         result.data_files = data.files
+        result.video_files = sum(writer.files for writer in videos.values())
         result.bytes = sum(p.stat().st_size for p in staging.rglob("*") if p.is_file())
         result.episodes = len(episodes)
         result.frames = frame_total
@@ -1221,6 +1406,7 @@ class _Episode:
     tasks: list[str]
     file: Path
     start: int | None = None  # first global frame index (v3.0)
+    videos: dict[str, tuple[int, int, float]] = field(default_factory=dict)  # feature -> chunk, file, from
 
 
 class LeRobotSource:
@@ -1313,6 +1499,9 @@ class LeRobotSource:
                 "data/file_index",
                 "dataset_from_index",
             ]
+            video_names = [n for n, s in self.features.items() if s.get("dtype") == "video"]
+            for name in video_names:
+                wanted += [f"videos/{name}/{key}" for key in ("chunk_index", "file_index", "from_timestamp")]
             for path in files:
                 table = pq.read_table(
                     str(path), columns=[c for c in wanted if c in pq.read_schema(str(path)).names]
@@ -1322,6 +1511,14 @@ class LeRobotSource:
                         file = self.root / template.format(
                             chunk_index=row["data/chunk_index"], file_index=row["data/file_index"]
                         )
+                        videos = {
+                            name: (
+                                int(row[f"videos/{name}/chunk_index"]),
+                                int(row[f"videos/{name}/file_index"]),
+                                float(row[f"videos/{name}/from_timestamp"]),
+                            )
+                            for name in video_names
+                        }
                         out.append(
                             _Episode(
                                 int(row["episode_index"]),
@@ -1329,6 +1526,7 @@ class LeRobotSource:
                                 list(row.get("tasks") or []),
                                 file,
                                 row.get("dataset_from_index"),
+                                videos,
                             )
                         )
                     except (KeyError, TypeError, ValueError) as exc:
@@ -1351,7 +1549,12 @@ class LeRobotSource:
         import pyarrow.parquet as pq
 
         pa = _require_arrow()
+        video = [c for c in columns if self.features.get(c, {}).get("dtype") == "video"]
+        columns = [c for c in columns if c not in video]
+        if video:
+            columns = [*columns, "timestamp"]
         cached: tuple[Path, Any, Any] | None = None
+        decoded: dict[str, tuple[Path, np.ndarray, np.ndarray]] = {}
         for episode in episodes:
             if cached is None or cached[0] != episode.file:
                 if not episode.file.is_file():
@@ -1385,7 +1588,61 @@ class LeRobotSource:
                     f"{episode.file}: episode {episode.index} has {part.num_rows} frames; "
                     f"its metadata says {episode.length}"
                 )
+            for name in video:
+                part = part.append_column(name, self._video_frames(name, episode, part, decoded))
             yield episode, part
+
+    def _video_frames(
+        self, name: str, episode: _Episode, part: Any, decoded: dict[str, tuple[Path, np.ndarray, np.ndarray]]
+    ) -> Any:
+        """The episode's frames of a video feature, decoded, as a column of flat uint8 lists."""
+        import numpy as np
+
+        pa = _require_arrow()
+        spec = self.features[name]
+        if not self.v3 or name not in episode.videos:
+            where = "v2.x video" if not self.v3 else "episode metadata with no video columns"
+            raise CheckpointError(f"{self.root}: feature {name!r}: rbtool does not read {where}")
+        chunk, file, start = episode.videos[name]
+        template = str(self.info.get("video_path") or VIDEO_PATH)
+        path = self.root / template.format(video_key=name, chunk_index=chunk, file_index=file)
+        if name not in decoded or decoded[name][0] != path:
+            decoded[name] = (path, *_decode_video(path, name, _hwc(spec)[2]))
+        _, times, frames = decoded[name]
+        fps = float(spec.get("info", {}).get("video.fps") or self.info.get("fps") or 1)
+        if "timestamp" in part.column_names:
+            wanted = start + part.column("timestamp").to_numpy().astype(np.float64)
+        else:
+            wanted = start + part.column("frame_index").to_numpy() / fps
+        if len(wanted) and not len(times):
+            raise CheckpointError(f"{path}: holds no frames (episode {episode.index})")
+        at = np.clip(np.searchsorted(times, wanted), 1, max(len(times) - 1, 1)) if len(times) > 1 else None
+        if at is None:
+            nearest = np.zeros(len(wanted), dtype=np.int64)
+        else:
+            nearest = np.where(np.abs(times[at - 1] - wanted) <= np.abs(times[at] - wanted), at - 1, at)
+        if len(wanted) and (off := float(np.abs(times[nearest] - wanted).max())) > 0.5 / fps:
+            raise CheckpointError(
+                f"{path}: episode {episode.index} wants a frame {off:.3f} s from any the video holds"
+            )
+        rows = frames[nearest]
+        if rows.shape[1:] != _hwc(spec):
+            raise CheckpointError(
+                f"{path}: frames of shape {list(rows.shape[1:])}; meta/info.json says {spec.get('shape')}"
+            )
+        flat = pa.array(np.ascontiguousarray(rows).reshape(-1))
+        return pa.FixedSizeListArray.from_arrays(flat, math.prod(rows.shape[1:]))
+
+
+def _hwc(spec: dict[str, Any]) -> tuple[int, int, int]:
+    """(height, width, channels) of an image or video feature (its names say the order)."""
+    shape = [int(d) for d in spec.get("shape") or []]
+    if len(shape) != 3:
+        raise CheckpointError(f"an image feature of shape {shape}; rbtool reads [H, W, C] or [C, H, W]")
+    names = spec.get("names") or []
+    if names and str(names[0]).startswith("channel"):
+        return shape[1], shape[2], shape[0]
+    return shape[0], shape[1], shape[2]
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
@@ -1664,7 +1921,14 @@ def _rebuild(
         views = int(columns[base].get("views") or 0)
         return [f"{base}-{v}" for v in range(views)] if views else [base]
 
-    names = [*(name for base in columns for name in stored_as(base)), RB_TRAJECTORY_ID, RB_ENV, RB_T]
+    # Video features are not decoded: the sidecar holds their exact rows.
+    in_video = {base for base in columns if columns[base].get("video")}
+    names = [
+        *(name for base in columns if base not in in_video for name in stored_as(base)),
+        RB_TRAJECTORY_ID,
+        RB_ENV,
+        RB_T,
+    ]
     for record in records:
         tid, t, b = int(record["trajectory_id"]), int(record["T"]), int(record["B"])
         nodes = schemas[int(record["schema"])]
@@ -1692,7 +1956,8 @@ def _rebuild(
                 raise CheckpointError(f"{blob_path}: holds no tensor {node} of trajectory {tid}")
             return rows[node]
 
-        own = {int(r["node"]): r for r in mine if r["kind"] != "next_obs"}
+        own = {int(r["node"]): r for r in mine if r["kind"] not in ("next_obs", "frames")}
+        exact = {int(r["node"]): r for r in mine if r["kind"] == "frames"}
         nxt = {int(r["node"]): r for r in mine if r["kind"] == "next_obs"}
         traj: dict[str, Any] = {}
         values = iter(record.get("values", []))
@@ -1713,6 +1978,9 @@ def _rebuild(
                 continue
             if kind == "tensor":
                 blob = need(own, i)
+                tensor = _from_raw(blob["data"], blob["dtype"], blob["shape"])
+            elif kind == "column" and node["feature"] in in_video:
+                blob = need(exact, i)
                 tensor = _from_raw(blob["data"], blob["dtype"], blob["shape"])
             elif kind == "column":
                 feature = node["feature"]
@@ -1795,7 +2063,7 @@ def _episodes_as_trajectories(
             result.dropped.append(name)
             continue
         split = re.fullmatch(r"(wrist_image|extra_view_image)-(\d+)", name)
-        if split and name not in field_map and spec.get("dtype") == "image":
+        if split and name not in field_map and spec.get("dtype") in ("image", "video"):
             views.setdefault(("curr_obs", f"{split.group(1)}s"), []).append((int(split.group(2)), name))
             continue
         target = (
@@ -1804,11 +2072,7 @@ def _episodes_as_trajectories(
         if target is None:
             continue
         dtype = spec.get("dtype")
-        if dtype == "video":
-            raise LeRobotFeatureError(
-                f"feature {name!r} is stored as video, which rbtool does not decode (video is lossy)", name
-            )
-        if dtype == "string" or dtype not in (*_NATIVE, "image"):
+        if dtype == "string" or dtype not in (*_NATIVE, "image", "video"):
             raise LeRobotFeatureError(
                 f"feature {name!r} has dtype {dtype!r}, which is not a tensor dtype", name
             )

@@ -637,14 +637,14 @@ def test_a_feature_that_cannot_be_a_tensor_names_itself(tmp_path: Path) -> None:
     build_v30(tmp_path / "ds", [3, 5, 4])
     info_path = tmp_path / "ds/meta/info.json"
     info = json.loads(info_path.read_text())
-    info["features"]["observation.images.side"] = {"dtype": "video", "shape": [6, 5, 3], "names": None}
+    info["features"]["observation.note"] = {"dtype": "string", "shape": [1], "names": None}
     info_path.write_text(json.dumps(info))
-    with pytest.raises(LeRobotFeatureError, match=r"observation\.images\.side") as caught:
+    with pytest.raises(LeRobotFeatureError, match=r"observation\.note") as caught:
         import_lerobot(tmp_path / "ds", tmp_path / "buf")
-    assert caught.value.feature == "observation.images.side"
+    assert caught.value.feature == "observation.note"
     assert not (tmp_path / "buf").exists()
-    result = import_lerobot(tmp_path / "ds", tmp_path / "buf", drop=["observation.images.side"])
-    assert result.fields["observation.images.top"] == "curr_obs.top"  # two cameras: each keeps its name
+    result = import_lerobot(tmp_path / "ds", tmp_path / "buf", drop=["observation.note"])
+    assert result.fields["observation.images.top"] == "curr_obs.main_images"
 
 
 def test_importing_into_an_existing_buffer_continues_its_ids(tmp_path: Path) -> None:

@@ -159,3 +159,57 @@ def test_import_selected_episodes(tmp_path: Path) -> None:
     assert {"feature": "image", "field": "curr_obs.main_images"} in doc["fields"]
     ckpt = run_json("checkpoint", "load", tmp_path / "buf")
     assert ckpt["size"] == 3
+
+
+def test_export_video_json_round_trip_and_errors(tmp_path: Path) -> None:
+    pytest.importorskip("av")
+    documented = {
+        word for span in re.findall(r"`([^`\n]+)`", DOCS.read_text()) for word in re.findall(r"\w+", span)
+    }
+    doc = run_json("export", SOURCE, tmp_path / "ds", "--to", "lerobot", "--fps", "10", "--video")
+    assert json_keys(doc) <= documented, json_keys(doc) - documented
+    assert doc["video_files"] == 1 and doc["frames"] == 40
+    assert {"name": "image", "dtype": "video", "shape": [16, 16, 3], "field": "curr_obs.main_images"} in doc[
+        "features"
+    ]
+    assert (tmp_path / "ds/videos/image/chunk-000/file-000.mp4").is_file()
+    imported = run_json("import", "lerobot", tmp_path / "ds", "--buffer", tmp_path / "buf")
+    assert imported["mode"] == "rbtool" and imported["kept_ids"]
+    assert run("diff", SOURCE, tmp_path / "buf", "--deep", "--json").exit_code == 0  # the same data
+    episodes = run_json("import", "lerobot", tmp_path / "ds", "-b", tmp_path / "b2", "--no-sidecar")
+    assert episodes["mode"] == "episodes"
+    human = run("export", SOURCE, tmp_path / "d2", "--to", "lerobot", "--fps", "10", "--video")
+    assert human.exit_code == 0 and "1 video" in human.stdout
+    refused = run(
+        "export", SOURCE, tmp_path / "d3", "--to", "lerobot", "--fps", "10", "--video", "--no-images"
+    )
+    assert_one_error(refused, 2)
+    assert "--video needs --images" in refused.stderr
+    (tmp_path / "ds/videos/image/chunk-000/file-000.mp4").write_bytes(b"not a video")
+    broken = run("import", "lerobot", tmp_path / "ds", "-b", tmp_path / "b3", "--no-sidecar")
+    assert_one_error(broken)
+    assert "not a readable video" in broken.stderr
+    assert not staging_left(tmp_path)
+
+
+def test_only_video_paths_import_pyav(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    run_json("export", SOURCE, tmp_path / "ds", "--to", "lerobot", "--fps", "5")
+    code = (
+        "import sys\n"
+        "from rbtool.cli import app\n"
+        "for argv in (['--help'], ['verify', sys.argv[1]], ['export', '--help'],\n"
+        "             ['export', sys.argv[1], sys.argv[2], '--to', 'lerobot', '--fps', '5'],\n"
+        "             ['import', 'lerobot', sys.argv[3], '-b', sys.argv[4]]):\n"
+        "    try:\n"
+        "        app(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print('av' in sys.modules, file=sys.stderr)\n"
+    )
+    args = [str(SOURCE), str(tmp_path / "d2"), str(tmp_path / "ds"), str(tmp_path / "buf")]
+    probe = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+    assert probe.stderr.strip().splitlines()[-1] == "False", probe.stderr
+    assert (tmp_path / "d2/meta/info.json").is_file() and (tmp_path / "buf").is_dir()

@@ -233,3 +233,97 @@ def test_rbtool_imports_samples_and_verifies_what_lerobot_wrote(tmp_path: Path) 
     # And back: the imported buffer exports to a dataset LeRobot loads, frame for frame.
     again = export_lerobot(tmp_path / "buf", tmp_path / "again", fps=10, task="t")
     check_frames(tmp_path / "buf", tmp_path / "again", tmp_path, task="t", fps=10, columns=again.columns)
+
+
+# Runs under LeRobot's interpreter: the frames of every video feature, decoded by LeRobot with PyAV.
+READ_VIDEO = """
+import sys
+import numpy as np
+from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+root, out = sys.argv[1], sys.argv[2]
+ds = LeRobotDataset("local/rbtool-video", root=root, video_backend="pyav")
+arrays = {key: [] for key in ds.meta.video_keys}
+index = []
+for i in range(len(ds)):
+    item = ds[i]
+    index.append([int(item[k]) for k in ("rb.trajectory_id", "rb.env", "rb.t")])
+    for key in arrays:  # LeRobot gives float CHW in [0, 1]
+        arrays[key].append((item[key] * 255).round().clamp(0, 255).byte().permute(1, 2, 0).numpy())
+np.savez(out, __index__=np.array(index), **{k: np.stack(v) for k, v in arrays.items()})
+print(len(ds), ds.num_episodes, ",".join(ds.meta.video_keys))
+"""
+
+# Runs under LeRobot's interpreter: a video dataset written by LeRobot's own writer (its
+# default encoder), and the frames it was given.
+WRITE_VIDEO = """
+import sys
+import numpy as np
+from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+root, out = sys.argv[1], sys.argv[2]
+features = {
+    "observation.images.top": {
+        "dtype": "video", "shape": (64, 64, 3), "names": ["height", "width", "channels"]
+    },
+    "observation.state": {"dtype": "float32", "shape": (2,), "names": None},
+}
+ds = LeRobotDataset.create(
+    repo_id="local/video-by-lerobot", fps=10, features=features, root=root, use_videos=True
+)
+y, x = np.mgrid[0:64, 0:64]
+saved = []
+for episode, n in enumerate([5, 7]):
+    for i in range(n):
+        k = len(saved)
+        channels = [20 + 2 * x + k, 20 + 2 * y + 2 * k, np.full_like(x, 60 + 3 * k)]
+        image = np.stack(channels, -1).astype(np.uint8)
+        saved.append(image)
+        ds.add_frame({"observation.images.top": image, "observation.state": np.array([k, i], np.float32),
+                      "task": "look"})
+    ds.save_episode()
+ds.finalize()
+np.save(out, np.stack(saved))
+print(ds.meta.features["observation.images.top"]["info"]["video.codec"])
+"""
+
+
+def test_lerobot_loads_a_video_export_and_its_frames_are_close_to_the_buffer_rows(tmp_path: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_lerobot import build_buffer
+    from test_lerobot_video import with_camera
+
+    source = build_buffer(
+        tmp_path / "cams", [with_camera(6, 2, 0, 32, 32, 16), with_camera(5, 1, 1, 32, 32, 16)]
+    )
+    result = export_lerobot(source, tmp_path / "ds", fps=10, task="look", video=True)
+    total, _, keys = lerobot(READ_VIDEO, tmp_path / "ds", tmp_path / "frames.npz").split()
+    assert int(total) == result.frames and set(keys.split(",")) == {"image", "wrist_image-0", "wrist_image-1"}
+    frames = np.load(tmp_path / "frames.npz", allow_pickle=False)
+    view = open_view(source)
+    cache: dict[int, dict[str, Any]] = {}
+    for feature in keys.split(","):
+        errors = []
+        for i, (tid, b, t) in enumerate(frames["__index__"].tolist()):
+            if tid not in cache:
+                cache[tid] = trajfile.load(view.file_of(tid))
+            want = expected_row(
+                cache[tid], result.columns[feature], t, b, view.index.entries[tid]["shape"][0]
+            )
+            errors.append(np.abs(frames[feature][i].astype(np.float64) - want).mean())
+        assert float(np.mean(errors)) < 4, (feature, float(np.mean(errors)))
+
+
+def test_rbtool_imports_the_video_lerobot_wrote(tmp_path: Path) -> None:
+    codec = lerobot(WRITE_VIDEO, tmp_path / "made", tmp_path / "frames.npy").split()[-1]
+    saved = np.load(tmp_path / "frames.npy")
+    result = import_lerobot(tmp_path / "made", tmp_path / "buf")
+    assert result.fields["observation.images.top"] == "curr_obs.main_images"
+    view = open_view(tmp_path / "buf")
+    start = 0
+    for tid, n in zip(view.index.id_list, [5, 7], strict=True):
+        images = trajfile.load(view.file_of(tid))["curr_obs"]["main_images"][:, 0].numpy()
+        assert images.shape == (n, 64, 64, 3)
+        error = np.abs(images.astype(np.float64) - saved[start : start + n]).mean()
+        assert error < 4, (codec, error)
+        start += n

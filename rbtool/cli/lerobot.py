@@ -110,6 +110,13 @@ def export(
         bool,
         typer.Option("--images/--no-images", help="uint8 [H, W, C] fields as PNG image features (lossless)."),
     ] = True,
+    video: Annotated[
+        bool,
+        typer.Option(
+            "--video",
+            help="RGB image fields (even height and width) as H.264 video features (lossy; needs PyAV).",
+        ),
+    ] = False,
     data_file_size_mb: Annotated[
         float, typer.Option("--data-file-size-mb", min=0.001, help="Start a new data file beyond this size.")
     ] = 100.0,
@@ -125,10 +132,12 @@ def export(
     One episode per (trajectory, env column) segment, split where the done flags end an episode.
     """
     from rbtool.dirs import open_view
-    from rbtool.errors import RbtoolError
+    from rbtool.errors import RbtoolError, UsageError
     from rbtool.lerobot import CODEBASE_VERSION, export_lerobot, parse_field_map
 
     refuse_overlap(target, [source], "OUT")
+    if video and not images:
+        raise UsageError("--video needs --images: video features are image fields")
     mapping = parse_field_map(names or [], "--map")
     enabled = show_progress(json)
     total = None
@@ -146,6 +155,7 @@ def export(
             task=task,
             names=mapping,
             images=images,
+            video=video,
             strict=strict,
             data_file_size_mb=data_file_size_mb,
             chunks_size=chunks_size,
@@ -168,6 +178,7 @@ def export(
         ],
         "sidecar_fields": result.sidecar_fields,
         "data_files": result.data_files,
+        "video_files": result.video_files,
         "episode_files": result.episode_files,
         "bytes": result.bytes,
     }
@@ -178,7 +189,11 @@ def export(
         ("trajectories", str(result.trajectories)),
         ("episodes", str(result.episodes)),
         ("frames", str(result.frames)),
-        ("files", f"{result.data_files} data, {result.episode_files} episode metadata, {result.bytes} bytes"),
+        (
+            "files",
+            f"{result.data_files} data, {result.video_files} video, "
+            f"{result.episode_files} episode metadata, {result.bytes} bytes",
+        ),
     ]
     out.print(_key_value_table(f"export {result.source} to LeRobot {CODEBASE_VERSION} {result.out}", rows))
     table = Table(title="features", title_justify="left")
