@@ -47,7 +47,8 @@ REQUIRED_METADATA_KEYS = METADATA_KEYS[:4]
 RBTOOL_METADATA_KEYS = ("format_version",)
 # Entry keys the reference implementation writes, then the optional ones rbtool adds.
 ENTRY_KEYS = ("num_samples", "trajectory_id", "max_episode_length", "shape", "model_weights_id")
-OPTIONAL_ENTRY_KEYS = ("uuid", "file_bytes", "sha256", "source_sha256")
+OPTIONAL_ENTRY_KEYS = ("uuid", "file_bytes", "sha256", "source_sha256", "link")
+LINK_KEYS = ("inode", "size", "mtime_ns")  # a hard-linked file's identity when it was linked
 
 INT64_LIMIT = 1 << 63  # every count, id and size is an int in [0, 2**63)
 DIM_LIMIT = 1 << 31  # shape dims below this multiply without int64 overflow
@@ -184,6 +185,11 @@ PROBLEM_CODES: dict[str, tuple[str, str]] = {
         "a listed trajectory's file has another model_weights_id or format than the index",
     ),
     "file_size_mismatch": (ERROR, "a file's size differs from the file_bytes its entry records"),
+    "linked_file_changed": (
+        ERROR,
+        "a hard-linked file was written in place since it was linked (its inode's size or mtime "
+        "changed): every checkpoint that links it changed with it",
+    ),
     "file_size_hint": (
         WARNING,
         "a file's size differs from the file_bytes its entry records, but another writer rewrote the "
@@ -322,6 +328,7 @@ def _typed_decoder() -> Any:
             ("file_bytes", count | None, None),
             ("sha256", str | None, None),
             ("source_sha256", str | None, None),
+            ("link", dict[str, int] | None, None),
         ],
         namespace={"__getitem__": getitem, "get": get},
         gc=False,
@@ -462,7 +469,14 @@ def entry_problems(key: str, entry: Any) -> list[tuple[str, str]]:
     for key in ("sha256", "source_sha256"):
         if entry.get(key) is not None and type(entry[key]) is not str:
             found.append(("entry_invalid", f"{where} has a {key} that is not a string: {entry[key]!r}"))
+    if entry.get("link") is not None and not _is_link(entry["link"]):
+        found.append(("entry_invalid", f"{where} has an invalid link {entry['link']!r:.80}"))
     return found
+
+
+def _is_link(value: Any) -> bool:
+    """A recorded link identity: an object of integers (inode, size, mtime_ns)."""
+    return type(value) is dict and all(type(k) is str and type(v) is int for k, v in value.items())
 
 
 def normalize_entry(entry: dict[str, Any]) -> dict[str, Any]:
@@ -622,6 +636,8 @@ def _entry_mask(keys: list[str], values: list[Any]) -> tuple[np.ndarray, np.ndar
     Conservative: an entry the mask rejects is re-checked with entry_problems, which has the
     last word and the exact message.
     """
+    import numpy as np
+
     rows = values
     ids, ok = _key_column(keys)
     tids, tid_ok = _int_column(_column(rows, "trajectory_id"))
@@ -635,6 +651,9 @@ def _entry_mask(keys: list[str], values: list[Any]) -> tuple[np.ndarray, np.ndar
     ok &= _optional_count_mask(_column(rows, "file_bytes", None))
     ok &= _optional_str_mask(_column(rows, "sha256", None))
     ok &= _optional_str_mask(_column(rows, "source_sha256", None))
+    links = _column(rows, "link", None)
+    if any(v is not None for v in links):
+        ok &= np.fromiter((v is None or _is_link(v) for v in links), dtype=bool, count=len(links))
     return ids, nums, ok
 
 

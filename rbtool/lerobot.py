@@ -1825,9 +1825,10 @@ def import_lerobot(
                         progress(1)
                     continue
                 if entry is not None:
-                    # An exported trajectory: its entry comes back (sizes and hashes are the new file's).
+                    # An exported trajectory: its entry comes back (sizes, hashes and a link's
+                    # identity describe a file, and are the new file's).
                     tid = int(entry["trajectory_id"]) if result.kept_ids else index.trajectory_counter
-                    new = {k: v for k, v in entry.items() if k not in ("file_bytes", "sha256")}
+                    new = {k: v for k, v in entry.items() if k not in ("file_bytes", "sha256", "link")}
                     new["trajectory_id"] = tid
                     if not result.kept_ids or not new.get("uuid"):
                         new["uuid"] = uuid.uuid4().hex
@@ -1875,7 +1876,7 @@ def _resumed_ids(directory: Path, index: Index, sidecar: dict[str, Any]) -> set[
     if not done or done != ids[: len(done)] or index.seed != ckpt.get("seed"):
         return set()
     records = {int(r["trajectory_id"]): r for r in sidecar.get("trajectories", [])}
-    hints = ("uuid", "file_bytes", "sha256")
+    hints = ("uuid", "file_bytes", "sha256", "link")
     for tid in done:
         mine = {k: v for k, v in index.entries[tid].items() if k not in hints}
         theirs = {k: v for k, v in (records.get(tid, {}).get("entry") or {}).items() if k not in hints}

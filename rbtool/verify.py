@@ -265,14 +265,32 @@ class _FileChecker:
                         file=name,
                     )
 
+    def _check_link(self, tid: int, name: str, entry: Any, info: os.stat_result) -> None:
+        """A hard link whose inode was written in place since it was linked (both names changed)."""
+        link = entry.get("link")
+        if not link or self.hints_only or info.st_ino != link.get("inode"):
+            return  # not linked, recorded before another writer, or since replaced by another file
+        if info.st_size != link.get("size") or info.st_mtime_ns != link.get("mtime_ns"):
+            self.report.add(
+                "linked_file_changed",
+                f"{name}: written in place since it was linked (size {link.get('size')} -> {info.st_size}, "
+                "mtime changed); a write through any of its names changes every checkpoint that links it",
+                trajectory_id=tid,
+                file=name,
+            )
+
     def _check_size(self, tid: int, name: str, entry: Any) -> None:
         recorded = entry.get("file_bytes")
-        if recorded is None:
+        if recorded is None and not entry.get("link"):
             return
         try:
-            actual = (self.directory / name).stat().st_size
+            info = (self.directory / name).stat()
         except OSError:
             return
+        self._check_link(tid, name, entry, info)
+        if recorded is None:
+            return
+        actual = info.st_size
         if recorded != actual:
             code = "file_size_hint" if self.hints_only else "file_size_mismatch"
             why = (

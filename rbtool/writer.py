@@ -49,10 +49,17 @@ def place_trajectory(src: Source, dst: Path, entry: dict[str, Any], report: Writ
     fmt = dst.suffix[1:]
     if isinstance(src, Path) and src.suffix == dst.suffix:
         linked = link_or_copy(src, dst)
-        size = dst.stat().st_size
+        info = dst.stat()
+        size = info.st_size
         if entry.get("file_bytes") not in (None, size):
             entry.pop("sha256", None)  # the recorded hash was of another file
         entry["file_bytes"] = size
+        if linked:
+            # a hard link shares its bytes with the source: record the inode's identity, so
+            # that a write through either name (in place) is seen by a plain verify
+            entry["link"] = {"inode": info.st_ino, "size": size, "mtime_ns": info.st_mtime_ns}
+        else:
+            entry.pop("link", None)
         report.linked += linked
         report.copied += not linked
         report.bytes += size
@@ -62,6 +69,7 @@ def place_trajectory(src: Source, dst: Path, entry: dict[str, Any], report: Writ
     write_bytes_atomic(dst, data, sync_dir=False)
     entry["file_bytes"] = len(data)
     entry["sha256"] = trajfile.sha256_bytes(data)
+    entry.pop("link", None)  # a file of its own
     report.written += 1
     report.bytes += len(data)
 

@@ -36,7 +36,7 @@ from rbtool.lerobot import (  # noqa: E402
 )
 
 ALL_FIXTURES = [*RLINF_DIRS, "nested_obs_pt", "pkl_format_switch", "seedless_pt", "ranks"]
-HINT_KEYS = ("file_bytes", "sha256")  # describe the file written, not the data
+HINT_KEYS = ("file_bytes", "sha256", "link")  # describe the file written, not the data
 
 
 # ----------------------------------------------------------------------- helpers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -191,6 +192,19 @@ def scenario_cases() -> dict[str, Callable[[Path], None]]:
         write_index(c, index)
         (c / "metadata.json").write_bytes(meta)
 
+    def changed_in_place(c: Path) -> None:
+        # rbtool linked the file (and recorded its inode's identity); then it was rewritten in place
+        edit_meta(c, format_version=1)
+        path = file_of(c, 2)
+        st = path.stat()
+        link = {"inode": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        edit_index(c, lambda d: d["trajectory_index"]["2"].update(link=link, file_bytes=st.st_size))
+        with open(path, "r+b") as handle:  # same bytes, same size: only the identity tells
+            data = handle.read()
+            handle.seek(0)
+            handle.write(data)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+
     def wrong_shape_entry(c: Path) -> None:
         def fn(d: dict[str, Any]) -> None:
             d["trajectory_index"]["1"].update(shape=[5, 2, 7], num_samples=10)
@@ -236,6 +250,7 @@ def scenario_cases() -> dict[str, Callable[[Path], None]]:
             edit_meta(c, format_version=1),  # written by rbtool: its records are proof
             edit_index(c, lambda d: d["trajectory_index"]["2"].update(file_bytes=12)),
         ),
+        "linked_file_changed": changed_in_place,
         "file_size_hint": lambda c: edit_index(  # RLinf wrote last: the record is a hint
             c, lambda d: d["trajectory_index"]["2"].update(file_bytes=12)
         ),
@@ -415,3 +430,25 @@ def test_jobs_must_be_positive() -> None:
 
     with pytest.raises(UsageError, match="jobs must be an integer >= 1"):
         verify(FIXTURES / BASE, deep=True, jobs=0)
+
+
+def test_a_source_rewritten_in_place_shows_in_every_checkpoint_linking_it(tmp_path: Path) -> None:
+    """shard links files; RLinf-style `torch.save(path)` onto the source changes both names."""
+    import torch
+
+    from rbtool import TrajectoryReplayBuffer, shard
+
+    src = tmp_path / "src"
+    with TrajectoryReplayBuffer(sample_window_size=0) as buffer:
+        buffer.add_trajectories([make_traj(seed=i) for i in range(4)])
+        buffer.save_checkpoint(src)
+    shard(src, 2, tmp_path / "shards")
+    assert verify(tmp_path / "shards").ok
+    rank_1 = tmp_path / "shards" / "rank_1"
+    linked = next(rank_1.glob("trajectory_3_*.pt"))
+    assert linked.stat().st_nlink > 1 and "link" in read_index(rank_1).entries[3]
+    original = src / linked.name
+    torch.save(make_traj(seed=99), original)  # in place: same inode, so the shard's file changed too
+    report = verify_checkpoint(rank_1)
+    errors = {p.code for p in report.problems if p.severity == "error"}
+    assert not report.ok and "linked_file_changed" in errors

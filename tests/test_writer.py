@@ -88,14 +88,20 @@ def test_same_format_files_are_linked(tmp_path: Path) -> None:
     place_trajectory(src, dst, entry, report)
     assert os.stat(src).st_ino == os.stat(dst).st_ino
     assert report == WriteReport(linked=1, bytes=src.stat().st_size)
-    # the recorded hash is of this very file: kept
-    assert entry == {"sha256": trajfile.sha256_file(src), "file_bytes": src.stat().st_size}
+    # the recorded hash is of this very file: kept; the link records the inode's identity
+    st = dst.stat()
+    assert entry == {
+        "sha256": trajfile.sha256_file(src),
+        "file_bytes": st.st_size,
+        "link": {"inode": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns},
+    }
 
 
 def test_a_hash_recorded_for_another_size_is_dropped(tmp_path: Path) -> None:
     src = write_file(tmp_path / "src.pkl", make_traj(seed=2))
     entry: dict[str, Any] = {"sha256": "0" * 64, "file_bytes": 1}
     place_trajectory(src, tmp_path / "trajectory_0_x.pkl", entry, WriteReport())
+    entry.pop("link")
     assert entry == {"file_bytes": src.stat().st_size}
 
 
