@@ -150,6 +150,12 @@ JobsOpt = Annotated[
 ForceOpt = Annotated[
     bool, typer.Option("--force", help="Replace OUT if it is an existing checkpoint directory.")
 ]
+RanksForceOpt = Annotated[
+    bool, typer.Option("--force", help="Replace OUT if it is empty, a checkpoint or an earlier shard output.")
+]
+SourceArg = Annotated[
+    Path, typer.Argument(metavar="IN", help="A checkpoint, or a folder of rank_* checkpoints.")
+]
 WorldSizeOpt = Annotated[int, typer.Option("--world-size", "-n", min=1, help="Number of ranks.")]
 WindowOpt = Annotated[
     int, typer.Option("--window", "-w", min=0, help="Sampling window: the last N trajectories (0 = all).")

@@ -10,6 +10,7 @@ import typer
 from rbtool.cli._common import (
     JobsOpt,
     JsonOpt,
+    SourceArg,
     StrictOpt,
     TrajectoryFormat,
     files_line,
@@ -23,9 +24,7 @@ from rbtool.cli._common import (
 
 
 def convert(
-    source: Annotated[
-        Path, typer.Argument(metavar="IN", help="A checkpoint, or a folder of rank_* checkpoints.")
-    ],
+    source: SourceArg,
     target: Annotated[Path, typer.Option("--out", "-o", help="Where to write the converted copy.")],
     trajectory_format: Annotated[
         TrajectoryFormat, typer.Option("--format", help="The format to write every trajectory file in.")

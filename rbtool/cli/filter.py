@@ -10,6 +10,7 @@ import typer
 from rbtool.cli._common import (
     ForceOpt,
     JsonOpt,
+    SourceArg,
     StrictOpt,
     files_line,
     format_ids,
@@ -23,9 +24,7 @@ from rbtool.cli._common import (
 
 
 def filter_(
-    source: Annotated[
-        Path, typer.Argument(metavar="IN", help="A checkpoint, or a folder of rank_* checkpoints.")
-    ],
+    source: SourceArg,
     target: Annotated[Path, typer.Option("--out", "-o", help="Checkpoint directory to write.")],
     model_weights_id: Annotated[
         list[str] | None,

@@ -10,6 +10,8 @@ import typer
 
 from rbtool.cli._common import (
     JsonOpt,
+    RanksForceOpt,
+    SourceArg,
     StrictOpt,
     WorldSizeOpt,
     files_line,
@@ -30,9 +32,7 @@ class Balance(str, enum.Enum):
 
 
 def reshard(
-    source: Annotated[
-        Path, typer.Argument(metavar="IN", help="A checkpoint, or a folder of rank_* checkpoints.")
-    ],
+    source: SourceArg,
     world_size: WorldSizeOpt,
     target: Annotated[
         Path, typer.Option("--out", "-o", help="Directory to write rank_0 .. rank_{N-1} into.")
@@ -47,10 +47,7 @@ def reshard(
     ] = Balance.by_count,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
     strict: StrictOpt = True,
-    force: Annotated[
-        bool,
-        typer.Option("--force", help="Replace OUT if it is empty, a checkpoint or an earlier shard output."),
-    ] = False,
+    force: RanksForceOpt = False,
     json: JsonOpt = False,
 ) -> None:
     """Write OUT/rank_r for N ranks from IN's trajectories (the merge of its ranks), files linked."""

@@ -9,6 +9,7 @@ import typer
 
 from rbtool.cli._common import (
     JsonOpt,
+    RanksForceOpt,
     StrictOpt,
     WorldSizeOpt,
     files_line,
@@ -28,10 +29,7 @@ def shard(
         Path, typer.Option("--out", "-o", help="Directory to write rank_0 .. rank_{N-1} into.")
     ],
     strict: StrictOpt = True,
-    force: Annotated[
-        bool,
-        typer.Option("--force", help="Replace OUT if it is empty, a checkpoint or an earlier shard output."),
-    ] = False,
+    force: RanksForceOpt = False,
     json: JsonOpt = False,
 ) -> None:
     """Write OUT/rank_r for every rank: exactly what a distributed load of CKPT by rank r yields."""
