@@ -29,39 +29,53 @@ Progress = Callable[[int], None]  # called with the number of trajectories just 
 class WriteReport:
     """What writing a set of trajectory files did."""
 
-    linked: int = 0
+    reflinked: int = 0  # copy-on-write clones: files of their own that share no writes
+    linked: int = 0  # hard links: the same file as the source (the entry records its identity)
     copied: int = 0
-    written: int = 0
+    written: int = 0  # serialized (another format, or a trajectory held in memory)
     bytes: int = 0
 
     def add(self, other: WriteReport) -> None:
+        self.reflinked += other.reflinked
         self.linked += other.linked
         self.copied += other.copied
         self.written += other.written
         self.bytes += other.bytes
 
     def as_json(self) -> dict[str, int]:
-        return {"linked": self.linked, "copied": self.copied, "written": self.written, "bytes": self.bytes}
+        return {
+            "reflinked": self.reflinked,
+            "linked": self.linked,
+            "copied": self.copied,
+            "written": self.written,
+            "bytes": self.bytes,
+        }
 
 
-def place_trajectory(src: Source, dst: Path, entry: dict[str, Any], report: WriteReport) -> None:
-    """Put one trajectory at `dst` (link, copy or serialize) and record its size/hash in `entry`."""
+def place_trajectory(
+    src: Source, dst: Path, entry: dict[str, Any], report: WriteReport, *, link: bool = True
+) -> None:
+    """Put one trajectory at `dst` (reflink, hard link, copy or serialize); record its size/hash in `entry`.
+
+    With `link` False the file is never a hard link of its source: a reflink or a copy.
+    """
     fmt = dst.suffix[1:]
     if isinstance(src, Path) and src.suffix == dst.suffix:
-        linked = link_or_copy(src, dst)
+        how = link_or_copy(src, dst, link=link)
         info = dst.stat()
         size = info.st_size
         if entry.get("file_bytes") not in (None, size):
             entry.pop("sha256", None)  # the recorded hash was of another file
         entry["file_bytes"] = size
-        if linked:
+        if how == "link":
             # a hard link shares its bytes with the source: record the inode's identity, so
             # that a write through either name (in place) is seen by a plain verify
             entry["link"] = {"inode": info.st_ino, "size": size, "mtime_ns": info.st_mtime_ns}
+            report.linked += 1
         else:
-            entry.pop("link", None)
-        report.linked += linked
-        report.copied += not linked
+            entry.pop("link", None)  # a reflink or a copy is a file of its own
+            report.reflinked += how == "reflink"
+            report.copied += how == "copy"
         report.bytes += size
         return
     traj = trajfile.load(src) if isinstance(src, Path) else src
@@ -75,12 +89,21 @@ def place_trajectory(src: Source, dst: Path, entry: dict[str, Any], report: Writ
 
 
 def fill_dir(
-    directory: Path, index: Index, source_of: Callable[[int], Source], progress: Progress | None
+    directory: Path,
+    index: Index,
+    source_of: Callable[[int], Source],
+    progress: Progress | None,
+    *,
+    link: bool = True,
 ) -> WriteReport:
-    """Place every listed trajectory into `directory` and write its index and metadata."""
+    """Place every listed trajectory into `directory` and write its index and metadata.
+
+    With `link` False no file is a hard link of its source (see place_trajectory).
+    """
     report = WriteReport()
     for tid in index.id_list:
-        place_trajectory(source_of(tid), directory / index.file_name(tid), index.entries[tid], report)
+        dst = directory / index.file_name(tid)
+        place_trajectory(source_of(tid), dst, index.entries[tid], report, link=link)
         if progress is not None:
             progress(1)
     write_index(directory, index)
@@ -94,14 +117,16 @@ def write_checkpoint(
     *,
     overwrite: bool = False,
     progress: Progress | None = None,
+    link: bool = True,
 ) -> WriteReport:
     """Write a checkpoint listing `index` at `out`, published atomically.
 
     `source_of(id)` gives the trajectory's current file or its dict. Entries are updated
-    in place with each written file's size and hash, so pass a copy you may change.
+    in place with each written file's size and hash, so pass a copy you may change. With
+    `link` False no file is a hard link of its source.
     """
     with staged_dir(out, overwrite=overwrite) as staging:
-        return fill_dir(staging, index, source_of, progress)
+        return fill_dir(staging, index, source_of, progress, link=link)
 
 
 def rank_layout(
@@ -135,14 +160,15 @@ def write_ranks(
     *,
     overwrite: bool = False,
     progress: Progress | None = None,
+    link: bool = True,
 ) -> WriteReport:
-    """Write `out/rank_r` for each part, the whole tree published at once."""
+    """Write `out/rank_r` for each part, the whole tree published at once (`link` as for fill_dir)."""
     report = WriteReport()
     with staged_dir(out, overwrite=overwrite) as staging:
         for rank, part in enumerate(parts):
             rank_dir = staging / f"rank_{rank}"
             rank_dir.mkdir()
-            report.add(fill_dir(rank_dir, part, source_of, progress))
+            report.add(fill_dir(rank_dir, part, source_of, progress, link=link))
     return report
 
 
@@ -180,10 +206,12 @@ class BufferWriter:
         self._lock = DirLock(directory, wait=wait, on_wait=on_wait)
         self._lock.acquire()
 
-    def place(self, src: Source, name: str, entry: dict[str, Any], report: WriteReport) -> Path:
-        """Place one trajectory file (link, copy or serialize) and record its size/hash in `entry`."""
+    def place(
+        self, src: Source, name: str, entry: dict[str, Any], report: WriteReport, *, link: bool = True
+    ) -> Path:
+        """Place one trajectory file (see place_trajectory) and record its size/hash in `entry`."""
         path = self.directory / name
-        place_trajectory(src, path, entry, report)
+        place_trajectory(src, path, entry, report, link=link)
         return path
 
     def write_file(self, name: str, data: bytes) -> Path:

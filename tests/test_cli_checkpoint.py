@@ -41,7 +41,7 @@ def test_seed_example_in_memory_window_2(tmp_path: Path, five_files: list[Path],
     assert doc["total_samples"] == samples_of(five_files[3:])
     assert doc["trajectory_counter"] == 5
     assert doc["trajectory_format"] == fmt
-    assert set(doc["files"]) == {"linked", "copied", "written", "bytes"}
+    assert set(doc["files"]) == {"reflinked", "linked", "copied", "written", "bytes"}
     assert doc["files"]["written"] == (2 if fmt == "pkl" else 0)
 
     index = read_index(out)

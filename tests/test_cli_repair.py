@@ -60,7 +60,8 @@ def test_json_report_of_a_nosave_fixture(rlinf_copy: Any, tmp_path: Path, rel: s
     assert {k: ckpt[k] for k in view} == view
     assert [d["trajectory_id"] for d in ckpt["dropped"]] == [0, 1, 2]
     assert all(set(d) == {"trajectory_id", "file", "reason"} for d in ckpt["dropped"])
-    assert doc["files"] == {"linked": 2, "copied": 0, "written": 0, "bytes": doc["files"]["bytes"]}
+    files = {"reflinked": 0, "linked": 2, "copied": 0, "written": 0, "bytes": doc["files"]["bytes"]}
+    assert doc["files"] == files
     assert read_index(out).state() == view
     assert tree_digest(src) == before
     verified = runner.invoke(app, ["verify", str(out), "--deep"])
@@ -73,7 +74,7 @@ def test_human_output_names_what_was_dropped(rlinf_copy: Any, tmp_path: Path) ->
     assert result.exit_code == 0 and result.stderr == ""
     flat = " ".join(result.stdout.replace("│", " ").split())
     assert "kept 2 (3-4)" in flat and "trajectory counter 5" in flat
-    assert flat.count("file missing") == 3 and "files: 2 linked, 0 copied, 0 written" in flat
+    assert flat.count("file missing") == 3 and "files: 0 reflinked, 2 linked, 0 copied, 0 written" in flat
 
 
 def test_rank_folder_gives_one_output_per_rank(tmp_path: Path) -> None:
@@ -132,5 +133,7 @@ def test_usage_errors_exit_2(rlinf_copy: Any) -> None:
 def test_docs_cover_every_json_key() -> None:
     text = DOC.read_text()
     assert re.search(r"^## rbtool repair\s*$", text, flags=re.M)
-    for key in TOP_KEYS | CKPT_KEYS | {"trajectory_id", "file", "reason", "message", "linked", "bytes"}:
+    for key in (
+        TOP_KEYS | CKPT_KEYS | {"trajectory_id", "file", "reason", "message", "reflinked", "linked", "bytes"}
+    ):
         assert re.search(rf"`([a-z\[\]_]+\.)?{key}`", text), key

@@ -31,7 +31,10 @@ def test_shards_equal_distributed_loads(rlinf_copy: Any, tmp_path: Path, rel: st
     )
 
     assert doc["source"] == str(ckpt) and doc["out"] == str(out) and doc["world_size"] == world_size
-    assert set(doc["files"]) == {"linked", "copied", "written", "bytes"} and doc["files"]["written"] == 0
+    assert (
+        set(doc["files"]) == {"reflinked", "linked", "copied", "written", "bytes"}
+        and doc["files"]["written"] == 0
+    )
     assert [r["rank"] for r in doc["ranks"]] == list(range(world_size))
     assert sorted(p.name for p in out.iterdir()) == [f"rank_{r}" for r in range(world_size)]
     source = read_index(ckpt)

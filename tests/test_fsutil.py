@@ -91,18 +91,18 @@ def test_link_or_copy_links_on_the_same_file_system(tmp_path: Path) -> None:
     src.write_bytes(b"data")
     dst = tmp_path / "out" / "dst.pt"
     dst.parent.mkdir()
-    assert link_or_copy(src, dst) is True
+    assert link_or_copy(src, dst) == "link"
     assert os.path.samefile(src, dst) and dst.read_bytes() == b"data"
     assert names(dst.parent) == {"dst.pt"}
     # placing it again is a no-op that still reports a link
-    assert link_or_copy(src, dst) is True
+    assert link_or_copy(src, dst) == "link"
 
 
 def test_link_or_copy_replaces_another_file_at_the_destination(tmp_path: Path) -> None:
     src, dst = tmp_path / "src.pt", tmp_path / "dst.pt"
     src.write_bytes(b"new")
     dst.write_bytes(b"old")
-    assert link_or_copy(src, dst) is True
+    assert link_or_copy(src, dst) == "link"
     assert os.path.samefile(src, dst) and dst.read_bytes() == b"new"
 
 
@@ -124,7 +124,7 @@ def test_link_or_copy_copies_across_file_systems(tmp_path: Path, other_file_syst
     src = tmp_path / "src.pt"
     src.write_bytes(os.urandom(3 << 20))
     dst = other_file_system / "dst.pt"
-    assert link_or_copy(src, dst) is False
+    assert link_or_copy(src, dst) == "copy"
     assert not os.path.samefile(src, dst) and dst.read_bytes() == src.read_bytes()
     assert names(other_file_system) == {"dst.pt"}
 

@@ -134,8 +134,8 @@ def test_a_dict_is_serialized(tmp_path: Path, fmt: str) -> None:
 
 def test_write_report_adds_up_and_serializes() -> None:
     total = WriteReport(linked=1, bytes=10)
-    total.add(WriteReport(copied=2, written=3, bytes=5))
-    assert total.as_json() == {"linked": 1, "copied": 2, "written": 3, "bytes": 15}
+    total.add(WriteReport(reflinked=4, copied=2, written=3, bytes=5))
+    assert total.as_json() == {"reflinked": 4, "linked": 1, "copied": 2, "written": 3, "bytes": 15}
 
 
 # -------------------------------------------------------------------- fill_dir

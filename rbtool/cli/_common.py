@@ -147,6 +147,14 @@ JobsOpt = Annotated[
         show_default=False,
     ),
 ]
+CopyOpt = Annotated[
+    bool,
+    typer.Option(
+        "--copy",
+        help="Give OUT trajectory files of its own: reflinked (copy-on-write) where the file system "
+        "can, else copied; never hard-linked to the input's.",
+    ),
+]
 ForceOpt = Annotated[
     bool, typer.Option("--force", help="Replace OUT if it is an existing checkpoint directory.")
 ]
@@ -296,5 +304,8 @@ def format_ids(ids: list[int]) -> str:
 
 def files_line(files: dict[str, int]) -> str:
     """How trajectory files were placed, for a person."""
-    placed = f"{files['linked']} linked, {files['copied']} copied, {files['written']} written"
+    placed = (
+        f"{files['reflinked']} reflinked, {files['linked']} linked, "
+        f"{files['copied']} copied, {files['written']} written"
+    )
     return f"{placed}, {files['bytes']} bytes"
