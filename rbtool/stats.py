@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from operator import attrgetter, itemgetter, methodcaller
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, cast, overload
 
 import numpy as np
 
@@ -44,6 +44,14 @@ CONCENTRATION_SAMPLE_SHARE = 0.05
 TERMINATED, TRUNCATED, OTHER = 0, 1, 2
 
 Progress = Callable[[int], None]
+SIZES_STEP = 4096  # file sizes are reported to a progress callback this many at a time
+
+
+def start_phase(progress: Progress | None, total: int, description: str) -> None:
+    """Tell a progress callback that has a `start(total, description)` method that a counted phase begins."""
+    start = getattr(progress, "start", None)
+    if start is not None:
+        start(total, description)
 
 
 # ------------------------------------------------------------------ summaries
@@ -93,6 +101,29 @@ def value_counts(values: np.ndarray, key: str) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------ the index
+class LazyColumn(Sequence[str]):
+    """A column whose items are built on access: a view that reads a few rows (or streams them)
+    need not build a million strings first."""
+
+    def __init__(self, size: int, item: Callable[[int], str]) -> None:
+        self._size = size
+        self._item = item
+
+    def __len__(self) -> int:
+        return self._size
+
+    @overload
+    def __getitem__(self, pos: int) -> str: ...
+    @overload
+    def __getitem__(self, pos: slice) -> list[str]: ...
+    def __getitem__(self, pos: int | slice) -> str | list[str]:
+        if isinstance(pos, slice):
+            return list(map(self._item, range(*pos.indices(self._size))))
+        if not -self._size <= pos < self._size:
+            raise IndexError(pos)
+        return self._item(pos % self._size)
+
+
 @dataclass
 class IndexTable:
     """An index as columns in list order; everything after parsing is numpy work."""
@@ -231,7 +262,7 @@ def weights_groups(table: IndexTable, in_window: np.ndarray) -> list[dict[str, A
     ]
 
 
-def file_sizes(file_of: Callable[[int], Path], index: Index) -> np.ndarray:
+def file_sizes(file_of: Callable[[int], Path], index: Index, progress: Progress | None = None) -> np.ndarray:
     """Size of each listed trajectory file in list order; -1 where it is missing or not a file."""
 
     def size(path: Path) -> int:
@@ -246,7 +277,15 @@ def file_sizes(file_of: Callable[[int], Path], index: Index) -> np.ndarray:
             return -1
         return st.st_size if stat.S_ISREG(st.st_mode) else -1
 
-    return np.fromiter((size(file_of(i)) for i in index.id_list), dtype=np.int64, count=index.size)
+    if progress is None:
+        return np.fromiter((size(file_of(i)) for i in index.id_list), dtype=np.int64, count=index.size)
+    ids = index.id_list
+    parts = []
+    for start in range(0, len(ids), SIZES_STEP):
+        block = ids[start : start + SIZES_STEP]
+        parts.append(np.fromiter((size(file_of(i)) for i in block), dtype=np.int64, count=len(block)))
+        progress(len(block))
+    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
 
 def index_report(
@@ -321,7 +360,9 @@ def index_report(
             "model_weights_id": table.model_weights_id,
             "file": list(map(trajectory_file_name, table.ids.tolist(), table.model_weights_id, repeat(fmt)))
             if as_json
-            else None,
+            else LazyColumn(
+                n, lambda pos: trajectory_file_name(int(table.ids[pos]), table.model_weights_id[pos], fmt)
+            ),
             "file_bytes": column(np.where(known, file_bytes, -1)),
             "exists": None if exists is None else column(exists),
             "in_window": column(in_window),
@@ -727,11 +768,14 @@ def collect_stats(
     draws: DrawRequest | None = None,
     progress: Progress | None = None,
     as_json: bool = True,
+    read_data: bool = True,
 ) -> dict[str, Any]:
     """The whole stats document of a checkpoint or buffer directory.
 
-    `as_json=False` gives the per-trajectory columns as numpy arrays and leaves out file
-    names: a view that shows a few rows need not build a million-item list per column.
+    `as_json=False` gives the per-trajectory columns as numpy arrays and file names as a
+    LazyColumn: a view that shows a few rows need not build a million-item list per column.
+    `read_data=False` looks at file sizes but opens no trajectory file (`schema` and `data`
+    stay None), for a listing of the trajectories alone.
 
     Missing trajectory files are reported, not refused. With `index_only`, only the JSON
     files are read (no torch import unless draws are asked for), and top-k draws, which
@@ -757,7 +801,8 @@ def collect_stats(
     )
     if not index_only:
         assert index is not None
-        sizes = file_sizes(file_of, index)
+        start_phase(progress, index.size, "looking at trajectory files")
+        sizes = file_sizes(file_of, index, progress)
     doc: dict[str, Any] = {
         "path": str(directory),
         "rank_dirs": [str(d) for d in dirs] if view is not None else [],
@@ -765,15 +810,20 @@ def collect_stats(
         "index_only": index_only,
     }
     report, in_window = index_report(header, table, window, sizes, as_json)
-    if view is not None and as_json:  # a rank tree's files live in its rank directories
-        report["trajectories"]["file"] = [
-            str(view.file_of(i).relative_to(directory)) for i in view.index.id_list
-        ]
+    if view is not None:  # a rank tree's files live in its rank directories
+        ids, file_of_id = view.index.id_list, view.file_of
+        if as_json:
+            report["trajectories"]["file"] = [str(file_of_id(i).relative_to(directory)) for i in ids]
+        else:
+            report["trajectories"]["file"] = LazyColumn(
+                len(ids), lambda pos: str(file_of_id(ids[pos]).relative_to(directory))
+            )
     doc.update(report)
     doc["schema"] = doc["data"] = None
     scores: dict[int, np.ndarray] | None = None
-    if index is not None and sizes is not None:
+    if index is not None and sizes is not None and read_data:
         exists = sizes >= 0
+        start_phase(progress, int(exists.sum()), "reading trajectories")
         doc["schema"], doc["data"], scores = data_report(
             file_of, index, table, exists, in_window, bins, progress
         )
