@@ -42,6 +42,7 @@ from rbtool.format import (
     problem,
     trajectory_file_name,
 )
+from rbtool.passes import Timer, check_jobs, run_pass
 
 Progress = Callable[[int], None]
 
@@ -304,44 +305,68 @@ class _FileChecker:
             )
 
     # --------------------------------------------------------------- deep
-    def run_deep(self, progress: Progress | None, jobs: int) -> int:
-        """Load every file of a listed trajectory and check its tensors against the index.
-
-        Files are checked on `jobs` threads (reading, hashing and torch's checks release the
-        GIL), each file read once; problems are reported in list order whatever the timing.
-        Returns the bytes read.
-        """
-        from concurrent.futures import ThreadPoolExecutor
-
+    def deep_tasks(self) -> list[_DeepTask]:
+        """One task per file of a listed trajectory, in list order (ids, then names)."""
         checked = self.checked
         if checked.id_list is None:
-            return 0
-        tasks = [
-            (tid, name)
-            for tid in dict.fromkeys(checked.id_list)
-            for name in sorted(self.listing.by_id.get(tid, []))
-        ]
+            return []
+        tasks = []
+        for tid in dict.fromkeys(checked.id_list):
+            entry = _plain_entry(checked.entries.get(tid))
+            for name in sorted(self.listing.by_id.get(tid, [])):
+                tasks.append(_DeepTask(self.directory / name, tid, entry, self.hints_only))
+        return tasks
 
-        def check(task: tuple[int, str]) -> tuple[CheckpointReport, dict[str, str] | None, int]:
-            tid, name = task
-            found = CheckpointReport(self.directory)
-            schema, size = _deep_check_file(
-                self.directory / name, tid, checked.entries.get(tid), found, self.hints_only
-            )
-            return found, schema, size
-
+    def finish_deep(self, tasks: list[_DeepTask], results: list[_DeepResult]) -> int:
+        """Add the deep pass's problems in list order and compare schemas; returns the bytes read."""
         schemas: list[tuple[int, str, dict[str, str]]] = []
         total = 0
-        with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="rbtool-verify") as pool:
-            for (tid, name), (found, schema, size) in zip(tasks, pool.map(check, tasks), strict=True):
-                self.report.problems.extend(found.problems)
-                total += size
-                if schema is not None:
-                    schemas.append((tid, name, schema))
-                if progress is not None:
-                    progress(1)
+        for task, (problems, schema, size) in zip(tasks, results, strict=True):
+            self.report.problems.extend(problems)
+            total += size
+            if schema is not None:
+                schemas.append((task.tid, task.path.name, schema))
         _compare_schemas(schemas, self.report)
         return total
+
+
+@dataclass(frozen=True)
+class _DeepTask:
+    """One file of the deep pass (it pickles: it is sent to a worker process)."""
+
+    path: Path
+    tid: int
+    entry: dict[str, Any] | None
+    hints_only: bool
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+_DeepResult = tuple[list[Problem], "dict[str, str] | None", int]
+# What _deep_check_file reads of an index entry.
+_ENTRY_KEYS = ("shape", "model_weights_id", "max_episode_length", "sha256")
+
+
+def _plain_entry(entry: Any) -> dict[str, Any] | None:
+    """The keys of an accepted entry the deep check reads, as a plain dict (entries are structs)."""
+    if entry is None:
+        return None
+    return {key: entry.get(key) for key in _ENTRY_KEYS}
+
+
+def _file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _deep_task(task: _DeepTask) -> _DeepResult:
+    """Check one file (in a worker process): its problems, its schema or None, the bytes read."""
+    found = CheckpointReport(task.path.parent)
+    schema, size = _deep_check_file(task.path, task.tid, task.entry, found, task.hints_only)
+    return found.problems, schema, size
 
 
 # -------------------------------------------------------------------- deep checks
@@ -475,14 +500,6 @@ def _compare_schemas(schemas: list[tuple[int, str, dict[str, str]]], report: Che
 
 
 # ------------------------------------------------------------------------ entry points
-def default_jobs() -> int:
-    """Threads for a deep pass: the cores this process may use."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-
-
 def verify_checkpoint(
     directory: str | os.PathLike[str],
     *,
@@ -491,18 +508,41 @@ def verify_checkpoint(
     jobs: int | None = None,
 ) -> CheckpointReport:
     """Check one checkpoint or buffer directory and return every problem found."""
-    return _verify_one(Path(directory), deep, progress, jobs or default_jobs())[0]
+    path = Path(directory)
+    report, files = _check_one(path, deep)
+    if deep:
+        _run_deep([files], progress, check_jobs(jobs))
+    return report
 
 
-def _verify_one(path: Path, deep: bool, progress: Progress | None, jobs: int) -> tuple[CheckpointReport, int]:
+def _check_one(path: Path, deep: bool) -> tuple[CheckpointReport, _FileChecker]:
+    """The quick check of one directory (the JSON files and the listing)."""
     with gc_paused():
         checked = check_json(path)
         report = CheckpointReport(path, checked.raw_list_len if checked.id_list is not None else None)
         report.problems.extend(checked.problems)
         files = _FileChecker(checked, report, deep=deep)
         files.check()
-    read = files.run_deep(progress, jobs) if deep else 0
-    return report, read
+    return report, files
+
+
+def _run_deep(checkers: list[_FileChecker], progress: Progress | None, jobs: int) -> int:
+    """The deep pass over every checker's files at once, on `jobs` workers; returns the bytes read."""
+    per_checker = [c.deep_tasks() for c in checkers]
+    tasks = [t for ts in per_checker for t in ts]
+    results = run_pass(
+        _deep_task,
+        tasks,
+        jobs=jobs,
+        weights=[_file_size(t.path) for t in tasks],
+        progress=progress,
+        preload=("torch", "rbtool.verify"),
+    )
+    total, start = 0, 0
+    for checker, own in zip(checkers, per_checker, strict=True):
+        total += checker.finish_deep(own, results[start : start + len(own)])
+        start += len(own)
+    return total
 
 
 def verify(
@@ -514,21 +554,17 @@ def verify(
 ) -> VerifyReport:
     """Check a checkpoint, a buffer directory, or each checkpoint of a folder of rank_* directories.
 
-    The deep pass runs on `jobs` threads (default: the cores this process may use).
+    The deep pass runs on `jobs` worker processes (default: the cores this process may use),
+    over the files of every checkpoint at once.
     """
-    import time
-
-    from rbtool.errors import UsageError
-
-    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
-        raise UsageError(f"jobs must be an integer >= 1, got {jobs!r}")
-    threads = jobs or default_jobs()
+    workers = check_jobs(jobs)
     root = Path(path)
-    started = time.perf_counter()
-    results = [_verify_one(d, deep, progress, threads) for d in checkpoint_dirs(root)]
-    report = VerifyReport(root, deep, [r for r, _ in results], jobs=threads)
-    report.bytes_read = sum(n for _, n in results)
-    report.seconds = time.perf_counter() - started
+    timer = Timer()
+    checked = [_check_one(d, deep) for d in checkpoint_dirs(root)]
+    report = VerifyReport(root, deep, [r for r, _ in checked], jobs=workers)
+    if deep:
+        report.bytes_read = _run_deep([f for _, f in checked], progress, workers)
+    report.seconds = timer.elapsed()
     return report
 
 

@@ -1,0 +1,216 @@
+"""Deep passes on all cores: one function applied to many files, on worker processes.
+
+A deep pass (`verify --deep`, the data part of `stats`, `repair`'s checks, conversions)
+does the same work for every trajectory file, and most of that work holds the GIL
+(unpickling, torch's record reads and CRC checks, Python walks over the loaded values), so
+threads do not make it faster: worker processes do.
+
+`run_pass(func, tasks, jobs=N)` returns `[func(t) for t in tasks]`, with these guarantees:
+
+- results come back in task order, whatever the timing, so a report built from them is
+  the one a single process builds;
+- when tasks raise, the error raised is the one of the first task in list order, as in a
+  single process (later tasks are not waited for once it is known);
+- big files start first (tasks are handed out largest `weights` first), so a few big
+  files at the end of the list do not leave one worker running alone;
+- at most two tasks per worker are handed out at a time, so memory stays that of about
+  2 x N files whatever the number of tasks;
+- `progress(1)` is called in the calling process as each task completes;
+- Ctrl-C (or any error) stops the workers at once; a worker that dies (killed, out of
+  memory) is a one-line RbtoolError, never a hang;
+- `jobs=1`, or a single task, runs in the calling process: no worker is started.
+
+`func` must be a module-level function and tasks and results must pickle. Workers are
+forked when that is safe (Linux, no other Python thread running: a fork copies no thread,
+so a lock another thread held would stay held in the child); otherwise they come from a
+fork server (or are spawned where there is none), which imports `preload` once up front.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from rbtool.errors import RbtoolError, UsageError
+
+T = TypeVar("T")
+R = TypeVar("R")
+Progress = Callable[[int], None]
+
+IN_FLIGHT_PER_WORKER = 2  # tasks handed to the pool per worker at any time
+
+
+def default_jobs() -> int:
+    """Workers for a deep pass: the cores this process may use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not on every platform
+        return max(1, os.cpu_count() or 1)
+
+
+def check_jobs(jobs: object) -> int:
+    """`jobs` as a worker count (None: default_jobs()); anything but an integer >= 1 is a UsageError."""
+    if jobs is None:
+        return default_jobs()
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise UsageError(f"jobs must be an integer >= 1, got {jobs!r}")
+    return jobs
+
+
+@dataclass
+class Throughput:
+    """What a deep pass read and how fast, as its report gives it in JSON."""
+
+    jobs: int
+    bytes_read: int = 0
+    seconds: float = 0.0
+
+    @property
+    def bytes_per_second(self) -> int | None:
+        return round(self.bytes_read / self.seconds) if self.seconds > 0 else None
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "jobs": self.jobs,
+            "bytes_read": self.bytes_read,
+            "seconds": round(self.seconds, 6),
+            "bytes_per_second": self.bytes_per_second,
+        }
+
+
+class Timer:
+    """Seconds since it was made (a pass's wall time)."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+
+def _worker_init() -> None:
+    """Ctrl-C is the calling process's to handle (it stops the workers); one thread of torch each."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
+
+
+def _context(preload: Sequence[str]) -> Any:
+    """fork when nothing else runs in this process, else a fork server importing `preload`, else spawn."""
+    methods = multiprocessing.get_all_start_methods()
+    if "fork" in methods and sys.platform.startswith("linux") and threading.active_count() == 1:
+        return multiprocessing.get_context("fork")
+    if "forkserver" in methods:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["rbtool.passes", *preload])
+        return context
+    return multiprocessing.get_context("spawn")
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Cancel what has not started and end the workers now, without waiting for their tasks."""
+    pool.shutdown(wait=False, cancel_futures=True)
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(timeout=5)
+    pool.shutdown(wait=True)
+
+
+def run_pass(
+    func: Callable[[T], R],
+    tasks: Sequence[T],
+    *,
+    jobs: int,
+    weights: Sequence[int] | None = None,
+    progress: Progress | None = None,
+    preload: Sequence[str] = (),
+    describe: Callable[[T], str] = str,
+) -> list[R]:
+    """`[func(t) for t in tasks]` on `jobs` worker processes (see the module docstring).
+
+    `weights` (e.g. each task's file size) decide the order tasks start in, largest first;
+    `preload` names the modules `func` needs, imported before any worker starts so forked
+    workers inherit them; `describe(task)` names a task in the error a dead worker raises.
+    """
+    jobs = check_jobs(jobs)
+    if weights is not None and len(weights) != len(tasks):
+        raise UsageError(f"{len(weights)} weights for {len(tasks)} tasks")
+    workers = min(jobs, len(tasks))
+    if workers <= 1:
+        results = []
+        for task in tasks:
+            results.append(func(task))
+            if progress is not None:
+                progress(1)
+        return results
+    for name in preload:
+        importlib.import_module(name)
+    order = list(range(len(tasks)))
+    if weights is not None:
+        order.sort(key=lambda i: -weights[i])  # stable: equal weights keep list order
+    results_by_position: dict[int, R] = {}
+    first_error: tuple[int, BaseException] | None = None
+    finished = bytearray(len(tasks))  # 1 where a task has completed (with a result or an error)
+    lowest_unfinished = 0
+    pending: dict[Future[R], int] = {}
+    queue = iter(order)
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=_context(preload), initializer=_worker_init)
+
+    def submit_next() -> None:
+        for position in queue:
+            if first_error is not None and position > first_error[0]:
+                continue  # its result would not be used: an earlier task failed
+            pending[pool.submit(func, tasks[position])] = position
+            return
+
+    try:
+        for _ in range(workers * IN_FLIGHT_PER_WORKER):
+            submit_next()
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                position = pending.pop(future)
+                error = future.exception()
+                if isinstance(error, BrokenProcessPool):
+                    raise RbtoolError(
+                        f"{describe(tasks[position])}: a worker process of the pass died (killed, or out of "
+                        "memory?) while working on it or on another file"
+                    ) from None
+                if error is not None:
+                    if first_error is None or position < first_error[0]:
+                        first_error = (position, error)
+                else:
+                    results_by_position[position] = future.result()
+                finished[position] = 1
+                if progress is not None:
+                    progress(1)
+                submit_next()
+            while lowest_unfinished < len(tasks) and finished[lowest_unfinished]:
+                lowest_unfinished += 1
+            if first_error is not None and lowest_unfinished >= first_error[0]:
+                break  # every task before the failed one is done: its error is the pass's
+    except BaseException:
+        _stop(pool)
+        raise
+    if first_error is not None:
+        _stop(pool)
+        raise first_error[1]
+    pool.shutdown(wait=True)
+    return [results_by_position[i] for i in range(len(tasks))]
+
+
+__all__ = ["Throughput", "Timer", "check_jobs", "default_jobs", "run_pass"]
