@@ -91,25 +91,36 @@ class TrajectoryInfo:
         return self.shape[0] * self.shape[1]
 
 
-def iter_tensors(traj: dict[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
-    """(path, tensor) for every tensor in a trajectory dict, depth first in dict order."""
+def _tensor_type() -> type:
     import torch
 
+    return torch.Tensor
+
+
+def iter_tensors(
+    traj: dict[str, Any], prefix: tuple[str, ...] = (), kind: type | None = None
+) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """(path, tensor) for every tensor in a trajectory dict, depth first in dict order.
+
+    `kind`: what counts as a tensor (default torch.Tensor; rbtool.ptheader.TensorSpec for a
+    header read without the data).
+    """
+    kind = kind or _tensor_type()
     for key, value in traj.items():
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, kind):
             yield (*prefix, key), value
         elif isinstance(value, dict):
-            yield from iter_tensors(value, (*prefix, key))
+            yield from iter_tensors(value, (*prefix, key), kind)
 
 
-def describe(traj: dict[str, Any], where: str) -> TrajectoryInfo:
+def describe(traj: dict[str, Any], where: str, kind: type | None = None) -> TrajectoryInfo:
     """Check a trajectory dict's tensors agree on [T, B] and return its index information.
 
-    Raises InvalidTrajectoryError naming `where` and the offending field.
+    Raises InvalidTrajectoryError naming `where` and the offending field. `kind` as for
+    iter_tensors: describe works on a header's TensorSpecs as on tensors.
     """
-    import torch
-
-    ref_name = next((n for n in SHAPE_FIELDS if isinstance(traj.get(n), torch.Tensor)), None)
+    kind = kind or _tensor_type()
+    ref_name = next((n for n in SHAPE_FIELDS if isinstance(traj.get(n), kind)), None)
     if ref_name is None or traj[ref_name].dim() < 2:
         raise InvalidTrajectoryError(
             f"{where}: cannot determine the trajectory shape: it needs a 'prev_logprobs' or "
@@ -117,7 +128,7 @@ def describe(traj: dict[str, Any], where: str) -> TrajectoryInfo:
         )
     shape = tuple(int(d) for d in traj[ref_name].shape)
     t, b = shape[0], shape[1]
-    for path, tensor in iter_tensors(traj):
+    for path, tensor in iter_tensors(traj, kind=kind):
         if tensor.dim() < 2:
             continue
         name = ".".join(path)
@@ -158,9 +169,11 @@ def with_stored_defaults(traj: dict[str, Any], file_name: str) -> dict[str, Any]
     return {**traj, "model_weights_id": name_weights_id(file_name)}
 
 
-def describe_stored(traj: dict[str, Any], file_name: str, where: str) -> TrajectoryInfo:
-    """describe() a dict loaded from the file `file_name`.
+def describe_stored(
+    traj: dict[str, Any], file_name: str, where: str, kind: type | None = None
+) -> TrajectoryInfo:
+    """describe() a dict loaded from the file `file_name` (or its header, with `kind`).
 
     Files written without a model_weights_id (older writers) take the one in their name.
     """
-    return describe(with_stored_defaults(traj, file_name), where)
+    return describe(with_stored_defaults(traj, file_name), where, kind)

@@ -14,6 +14,7 @@ import contextlib
 import math
 import os
 import resource
+import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -32,9 +33,8 @@ from rbtool.layout import (
     done_extra_rows,
     done_rows,
     drop_bootstrap_rows,
-    iter_tensors,
 )
-from rbtool.trajfile import load_pt_template
+from rbtool.ptheader import SMALL_FILE_BYTES, TensorSpec, UnusualLayout, read_header
 
 if TYPE_CHECKING:
     import numpy as np
@@ -101,42 +101,30 @@ class FileRows:
 class FileTrajectory:
     """A `.pt` trajectory opened for sampling: small fields in memory, large rows left on disk.
 
-    The structure and each storage's place in the file come from torch's own loader
-    (`weights_only=True`, memory-mapped, no data read); the bytes are then read with pread.
+    The structure and each tensor's place in the file come from the file's header
+    (rbtool.ptheader: no tensor bytes read, no torch.load); a small file is read whole, in
+    one read; in a larger one, fields with large rows stay on disk and are read with pread.
     """
 
-    def __init__(self, path: Path, pin: PinnedFile | None = None) -> None:
-        import torch
-
+    def __init__(
+        self, path: Path, pin: PinnedFile | None = None, header: dict[str, Any] | None = None
+    ) -> None:
         # A pinned file is read through its open descriptor: the name may be gone or replaced.
         self._pin = pin
-        read_path = pin.read_path if pin is not None else path
-        template = load_pt_template(read_path, mmap=True)
-        if not isinstance(template, dict):
-            raise TrajectoryFileError(
-                f"{path}: holds a {type(template).__name__}, expected a trajectory dict"
-            )
-        self.info = describe(template, str(path))
-        reader = torch._C.PyTorchFileReader(str(read_path))
-        records = sorted(
-            reader.get_record_offset(name)  # type: ignore[attr-defined]
-            for name in reader.get_all_records()
-            if name.startswith("data/")
-        )
-        storages = sorted(
-            {
-                t.untyped_storage().data_ptr()
-                for _, t in iter_tensors(template)
-                if t.untyped_storage().nbytes()
-            }
-        )
-        bases = {address - offset for address, offset in zip(storages, records, strict=False)}
-        if len(storages) != len(records) or len(bases) > 1:
-            raise TrajectoryFileError(f"{path}: unexpected .pt layout (storages do not match records)")
-        self._base = bases.pop() if bases else 0
         self.path = path
         self._fd: int | None = None
-        self.data = _map_tensors(template, self._place)
+        read_path = pin.read_path if pin is not None else path
+        whole: bytes | None = None
+        if header is None:
+            whole = _read_small(read_path)
+            header = read_header(read_path, whole)
+        elif _file_size(read_path) <= SMALL_FILE_BYTES:
+            whole = _read_small(read_path)
+        self.header = header
+        self.info = describe(header, str(path), TensorSpec)
+        self._whole = memoryview(whole) if whole is not None else None
+        self.data = _map_specs(header, self._place)
+        self._whole = None
         self.close()
 
     def fd(self) -> int:
@@ -151,19 +139,23 @@ class FileTrajectory:
             _OPEN_FILES.move_to_end(id(self))
         return self._fd
 
-    def _place(self, t: Any) -> Any:
+    def _place(self, spec: TensorSpec) -> Any:
         import torch
 
-        storage = t.untyped_storage()
-        start = storage.data_ptr() - self._base
-        row_bytes = math.prod(t.shape[1:]) * t.element_size() if t.dim() >= 2 else 0
-        if t.is_contiguous() and row_bytes >= ROW_READ_MIN_BYTES:
-            return FileRows(self, start + t.storage_offset() * t.element_size(), tuple(t.shape), t.dtype)
-        data = bytearray(storage.nbytes())
-        if data and os.preadv(self.fd(), [data], start) != len(data):
+        dtype = getattr(torch, spec.dtype)
+        row_bytes = math.prod(spec.shape[1:]) * spec.itemsize if spec.dim() >= 2 else 0
+        if self._whole is None and spec.is_contiguous() and row_bytes >= ROW_READ_MIN_BYTES:
+            return FileRows(self, spec.data_start, spec.shape, dtype)
+        if self._whole is not None:
+            data = bytearray(self._whole[spec.start : spec.start + spec.nbytes])
+        else:
+            data = bytearray(spec.nbytes)
+            if data and os.preadv(self.fd(), [data], spec.start) != len(data):
+                raise TrajectoryFileError(f"{self.path}: truncated (a tensor's data is cut short)")
+        if len(data) != spec.nbytes:
             raise TrajectoryFileError(f"{self.path}: truncated (a tensor's data is cut short)")
         raw = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        return raw.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+        return raw.view(dtype).as_strided(spec.shape, spec.stride, spec.offset)
 
     def close(self) -> None:
         """Close the file (it is reopened on the next read)."""
@@ -177,13 +169,44 @@ class FileTrajectory:
             self.close()
 
 
-def _map_tensors(value: Any, fn: Any) -> Any:
-    import torch
+def _file_size(path: Path) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError as exc:
+        raise TrajectoryFileError(f"{path}: cannot read ({exc.strerror})") from None
 
-    if isinstance(value, torch.Tensor):
+
+def _read_small(path: Path) -> bytes | None:
+    """A regular file's bytes when it is small enough to read whole; None otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise TrajectoryFileError(f"{path}: file not found") from None
+    except OSError as exc:
+        raise TrajectoryFileError(f"{path}: cannot read ({exc.strerror})") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise TrajectoryFileError(f"{path}: not a regular file")
+        if info.st_size > SMALL_FILE_BYTES:
+            return None
+        data = os.pread(fd, info.st_size, 0)
+        if len(data) != info.st_size:
+            raise TrajectoryFileError(f"{path}: truncated while it was read")
+        return data
+    except OSError as exc:
+        raise TrajectoryFileError(f"{path}: cannot read ({exc.strerror})") from None
+    finally:
+        os.close(fd)
+
+
+def _map_specs(value: Any, fn: Any) -> Any:
+    if isinstance(value, TensorSpec):
         return fn(value)
     if isinstance(value, dict):
-        return {k: _map_tensors(v, fn) for k, v in value.items()}
+        return {k: _map_specs(v, fn) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map_specs(v, fn) for v in value]
     return value
 
 
@@ -355,8 +378,8 @@ def _open_trajectory(path: Path, pin: PinnedFile | None) -> tuple[dict[str, Any]
         try:
             opened = FileTrajectory(path, pin)
             return opened.data, opened.info
-        except (OSError, ValueError, RuntimeError):
-            pass  # unusual .pt layouts: torch's own loader decides (and names any problem)
+        except UnusualLayout:
+            pass  # layouts the header reader does not know: torch's own loader decides
     read_path = pin.read_path if pin is not None else path
     traj = trajfile.load(read_path, mmap=True, suffix=path.suffix)
     return traj, describe(traj, str(path))

@@ -9,6 +9,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from conftest import make_traj
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rbtool import layout, trajfile
+from rbtool import layout, storage, trajfile
 from rbtool.errors import InvalidTrajectoryError, TrajectoryFileError
 from rbtool.layout import DONE_LIKE, done_rows
 from rbtool.sampling import draw_uniform
@@ -58,6 +59,14 @@ def eager_flat(traj: dict[str, Any], t: int) -> dict[FieldPath, torch.Tensor]:
 def save_pt(path: Path, traj: dict[str, Any]) -> Path:
     path.write_bytes(trajfile.to_bytes(traj, "pt"))
     return path
+
+
+@pytest.fixture(autouse=True, scope="module")
+def files_read_by_rows() -> Iterator[None]:
+    """Files this small are normally read whole: here their wide rows stay on disk, as in large files."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(storage, "SMALL_FILE_BYTES", 0)
+        yield
 
 
 def wide_traj(t: int, b: int, extra: int, seed: int) -> dict[str, Any]:
@@ -187,6 +196,7 @@ FD_SCRIPT = textwrap.dedent(
     import numpy as np, torch
     from rbtool import storage, trajfile
     from rbtool.storage import FlatView, open_trajectory
+    storage.SMALL_FILE_BYTES = 0  # as in large files: wide rows stay on disk
 
     root = Path(sys.argv[1])
     bound = storage.MAX_OPEN_FDS
