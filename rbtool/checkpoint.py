@@ -1,8 +1,9 @@
 """Checkpoint directories: write, save from an auto-save directory, build, load, shard, merge.
 
 Every function here publishes its output whole (staging directory, then rename) and never
-modifies its inputs. Trajectory files are hard-linked when possible, copied otherwise, and
-rewritten only when the target format differs from the source's.
+modifies its inputs. Trajectory files are reflinked (copy-on-write) where the file system
+can, else hard-linked (the entry records the link's identity), else copied, and rewritten
+only when the target format differs from the source's. `link=False` makes no hard link.
 """
 
 from __future__ import annotations
@@ -48,13 +49,14 @@ def save_from_autosave_dir(
     *,
     overwrite: bool = False,
     progress: Progress | None = None,
+    link: bool = True,
 ) -> tuple[Index, WriteReport]:
     """What a buffer with auto_save on over `directory` (or a rank tree's merge) saves: its window."""
     view = open_view(directory, strict=True)
     index = view.index
     sub = copied_entries(index.subset(window_of(index.id_list, window)))
     sub.extra_metadata.pop("shard", None)
-    report = write_checkpoint(Path(out), sub, view.file_of, overwrite=overwrite, progress=progress)
+    report = write_checkpoint(Path(out), sub, view.file_of, overwrite=overwrite, progress=progress, link=link)
     return sub, report
 
 
@@ -67,6 +69,7 @@ def build_from_files(
     seed: int | None = 1234,
     overwrite: bool = False,
     progress: Progress | None = None,
+    link: bool = True,
 ) -> tuple[Index, WriteReport]:
     """What a buffer with auto_save off saves after adding the sources' trajectories in order.
 
@@ -91,7 +94,9 @@ def build_from_files(
         paths[tid] = item.path
     full.trajectory_counter = len(items)
     sub = full.subset(window_of(full.id_list, window))
-    report = write_checkpoint(Path(out), sub, paths.__getitem__, overwrite=overwrite, progress=progress)
+    report = write_checkpoint(
+        Path(out), sub, paths.__getitem__, overwrite=overwrite, progress=progress, link=link
+    )
     return sub, report
 
 
@@ -141,6 +146,7 @@ def restore(
     strict: bool = True,
     overwrite: bool = False,
     progress: Progress | None = None,
+    link: bool = True,
 ) -> tuple[Index, WriteReport]:
     """Restore a (full or per-rank) load of `ckpt` as a buffer directory, so ingest continues its ids."""
     view = open_load_view(ckpt, world_size=world_size, rank=rank, strict=strict)
@@ -149,7 +155,9 @@ def restore(
         index = index.rank_block(world_size, rank)
     out = copied_entries(index)
     out.extra_metadata.pop("shard", None)
-    report = write_checkpoint(Path(buffer_dir), out, view.file_of, overwrite=overwrite, progress=progress)
+    report = write_checkpoint(
+        Path(buffer_dir), out, view.file_of, overwrite=overwrite, progress=progress, link=link
+    )
     return out, report
 
 
@@ -162,6 +170,7 @@ def shard(
     strict: bool = True,
     overwrite: bool = False,
     progress: Progress | None = None,
+    link: bool = True,
 ) -> tuple[list[Index], WriteReport]:
     """Write `out/rank_r` for each rank: exactly what a distributed load by rank r yields."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -172,7 +181,7 @@ def shard(
     shards = rank_parts(index, blocks)
     for rank, part in enumerate(shards):
         part.extra_metadata = {"shard": rank_layout(rank, world_size, "count", index, len(view.dirs))}
-    report = write_ranks(Path(out), shards, view.file_of, overwrite=overwrite, progress=progress)
+    report = write_ranks(Path(out), shards, view.file_of, overwrite=overwrite, progress=progress, link=link)
     return shards, report
 
 
@@ -192,6 +201,7 @@ def merge(
     trajectory_format: str | None = None,
     overwrite: bool = False,
     progress: Progress | None = None,
+    link: bool = True,
 ) -> MergeResult:
     """Merge checkpoints into one (SPEC §4).
 
@@ -214,7 +224,7 @@ def merge(
     mapping = view.mapping()
     result = MergeResult(merged, renumber, mapping)
     with staged_dir(Path(out), overwrite=overwrite) as staging:
-        result.report = fill_dir(staging, merged, view.file_of, progress)
+        result.report = fill_dir(staging, merged, view.file_of, progress, link=link)
         if renumber:
             write_bytes_atomic(staging / MERGE_MAP_FILE, dumps({"renumbered": mapping}))
     return result

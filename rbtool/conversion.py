@@ -2,7 +2,9 @@
 
 Streaming: each file is read, re-serialised and written on its own, so only the
 trajectories in flight (one per worker) are in memory. Files already in the target format
-are linked. A rank tree keeps its layout: OUT/rank_<r> for each rank, ids and metadata kept.
+are placed as every writer places them (reflink, else hard link, else copy; no hard link
+with `link=False`). A rank tree keeps its layout: OUT/rank_<r> for each rank, ids and
+metadata kept.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def convert(
     strict: bool = True,
     overwrite: bool = False,
     progress: Progress | None = None,
+    link: bool = True,
 ) -> ConvertResult:
     """Write `out` holding `source`'s trajectories in `trajectory_format`, on `jobs` threads."""
     if trajectory_format not in FORMATS:
@@ -77,7 +80,7 @@ def convert(
 
         def one(task: tuple[Path, Path, dict[str, object]]) -> WriteReport:
             report = WriteReport()
-            place_trajectory(task[0], task[1], task[2], report)
+            place_trajectory(task[0], task[1], task[2], report, link=link)
             return report
 
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rbtool-convert") as pool:
@@ -87,7 +90,7 @@ def convert(
                     progress(1)
         for (directory, _), (target, converted) in zip(opened, targets, strict=True):
             if (directory / MERGE_MAP_FILE).is_file():
-                link_or_copy(directory / MERGE_MAP_FILE, target / MERGE_MAP_FILE)
+                link_or_copy(directory / MERGE_MAP_FILE, target / MERGE_MAP_FILE, link=link)
             write_index(target, converted)
     return result
 

@@ -136,11 +136,13 @@ def filter_checkpoint(
     dry_run: bool = False,
     overwrite: bool = False,
     progress: Progress | None = None,
+    link: bool = True,
 ) -> FilterResult:
     """Write a checkpoint of the trajectories of `source` that match `criteria` (nothing with `dry_run`).
 
     The output keeps the source's ids (a rank tree's merged ids, with their mapping in
-    `merge_map.json` when they were renumbered), seed, format and counter.
+    `merge_map.json` when they were renumbered), seed, format and counter. With `link` False
+    no file is a hard link of the source's (a reflink or a copy).
     """
     view = open_view(source, strict=strict)
     kept, versions = select(view, criteria, progress)
@@ -153,7 +155,7 @@ def filter_checkpoint(
         return result
     mapping = [m for m in view.mapping() if m["new_id"] in keep]
     with staged_dir(Path(out), overwrite=overwrite) as staging:
-        result.report = fill_dir(staging, index, view.file_of, progress)
+        result.report = fill_dir(staging, index, view.file_of, progress, link=link)
         if mapping:
             write_bytes_atomic(staging / MERGE_MAP_FILE, dumps({"renumbered": mapping}))
     return result

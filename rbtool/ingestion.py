@@ -1,8 +1,9 @@
 """Add trajectory files to a buffer directory (auto_save on), continuing its ids.
 
-Every source is opened and checked before anything is written. Files are then placed
-(hard-linked when already in the buffer's format) and the index is published after every
-batch, so an interruption leaves a valid directory holding every batch reported as added.
+Every source is opened and checked before anything is written. Files already in the
+buffer's format are then placed: a checkpoint's files reflinked or hard-linked, loose files
+copied (a reflink is a copy too) unless linking is asked for. The index is published after
+every batch, so an interruption leaves a valid directory holding every batch reported as added.
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ def ingest(
     on_published: Callable[[list[int]], None] | None = None,
     recursive: bool = False,
     allow_duplicates: bool = False,
+    link: bool | None = None,
 ) -> IngestResult:
     """Add the trajectories of `sources` (files, folders of files, checkpoints) to `buffer_dir`.
 
@@ -158,6 +160,12 @@ def ingest(
     interrupted ingest adds only what is missing; `allow_duplicates` adds it again. The
     buffer itself is never a source. Folders are walked in natural order (`t2` before
     `t10`), their subfolders too with `recursive`; whatever is passed over is in `skipped`.
+
+    How files are placed: by default a checkpoint's files (a buffer, checkpoint or rank
+    tree given as a source, or met in a walked folder) may be hard-linked, while loose files
+    are copied, since whoever wrote them may write them again in place. `link` True links
+    loose files too; `link` False links nothing. A reflink (copy-on-write clone) is used
+    wherever the file system can, since it is a file of its own.
     """
     directory = Path(buffer_dir)
     buffer_real = Path(os.path.realpath(directory))
@@ -215,7 +223,8 @@ def ingest(
                 kept = source_uuid if isinstance(source_uuid, str) and source_uuid not in uuids else None
                 entry = new_entry(tid, ready.info, kept or uuid.uuid4().hex)
                 index.entries[tid] = entry
-                writer.place(ready.path, index.file_name(tid), entry, result.report)
+                linked = item.entry is not None if link is None else link  # from a checkpoint?
+                writer.place(ready.path, index.file_name(tid), entry, result.report, link=linked)
                 if "sha256" not in entry and ready.path.suffix == f".{index.trajectory_format}":
                     entry["sha256"] = digest  # the file is the source's bytes
                 elif entry.get("sha256") != digest:

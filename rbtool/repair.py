@@ -277,10 +277,12 @@ def repair(
     *,
     overwrite: bool = False,
     progress: Progress | None = None,
+    link: bool = True,
 ) -> RepairResult:
     """Write a consistent copy of the checkpoint at `path` (or of each of its rank_* checkpoints) to `out`.
 
-    A folder of rank_* directories gives `out/rank_<r>` for each. The source is never modified.
+    A folder of rank_* directories gives `out/rank_<r>` for each. The source is never modified;
+    with `link` False no file is a hard link of its files (a reflink or a copy).
     """
     source, target = Path(path), Path(out)
     _refuse_overlap(source, target)
@@ -292,7 +294,7 @@ def repair(
         for plan in plans:
             directory = staging if single else staging / plan.source.name
             directory.mkdir(exist_ok=True)
-            result.report.add(fill_dir(directory, plan.index, plan.sources.__getitem__, None))
+            result.report.add(fill_dir(directory, plan.index, plan.sources.__getitem__, None, link=link))
     return result
 
 

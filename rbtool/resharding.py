@@ -88,11 +88,13 @@ def reshard(
     dry_run: bool = False,
     overwrite: bool = False,
     progress: Progress | None = None,
+    link: bool = True,
 ) -> ReshardResult:
     """Write `out/rank_0 .. rank_{N-1}` from a checkpoint or rank tree; with `dry_run`, only plan.
 
     When the source's ranks had colliding ids they are renumbered (SPEC §4) and each rank
-    directory records its part of the mapping in `merge_map.json`.
+    directory records its part of the mapping in `merge_map.json`. With `link` False no
+    file is a hard link of the source's (a reflink or a copy).
     """
     view, parts = plan(source, world_size, split=split, strict=strict)
     ranks = [RankPlan(r, p, sum(_size(view.file_of(i)) for i in p.id_list)) for r, p in enumerate(parts)]
@@ -104,7 +106,7 @@ def reshard(
         for rank, part in enumerate(parts):
             rank_dir = staging / f"rank_{rank}"
             rank_dir.mkdir()
-            result.report.add(fill_dir(rank_dir, part, view.file_of, progress))
+            result.report.add(fill_dir(rank_dir, part, view.file_of, progress, link=link))
             if mapping:
                 renumbered = [mapping[i] for i in part.id_list]
                 write_bytes_atomic(rank_dir / MERGE_MAP_FILE, dumps({"renumbered": renumbered}))

@@ -70,10 +70,13 @@ def test_ids_continue_from_the_trajectory_counter(tmp_path: Path) -> None:
     assert index.id_list == [4, 1, 3, 11, 12, 13] and index.trajectory_counter == 14
     assert [index.entries[i]["model_weights_id"] for i in (11, 12, 13)] == ["v0", "v1", "v2"]
     assert len({index.entries[i]["uuid"] for i in index.id_list}) == 6
-    # same format: hard links to the sources
+    # same format, loose files: files of the buffer's own (the same bytes), never hard links
     for tid, src in zip((11, 12, 13), sources, strict=True):
-        assert os.stat(buffer / index.file_name(tid)).st_ino == os.stat(src).st_ino
-    assert result.report.linked == 3 and result.report.written == 0
+        placed = buffer / index.file_name(tid)
+        assert os.stat(placed).st_ino != os.stat(src).st_ino and placed.read_bytes() == src.read_bytes()
+        assert "link" not in index.entries[tid]
+    assert result.report.linked == 0 and result.report.written == 0
+    assert result.report.copied + result.report.reflinked == 3
 
 
 def test_other_formats_are_rewritten_in_the_buffer_s_format(tmp_path: Path) -> None:

@@ -151,8 +151,8 @@ CopyOpt = Annotated[
     bool,
     typer.Option(
         "--copy",
-        help="Give OUT trajectory files of its own: reflinked (copy-on-write) where the file system "
-        "can, else copied; never hard-linked to the input's.",
+        help="Write trajectory files of the output's own: reflinked (copy-on-write) where the file "
+        "system can, else copied; never hard links to the input's files.",
     ),
 ]
 ForceOpt = Annotated[

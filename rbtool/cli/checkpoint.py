@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from rbtool.cli._common import (
+    CopyOpt,
     ForceOpt,
     FormatOpt,
     Group,
@@ -78,6 +79,7 @@ def save(
         int | None, typer.Option("--seed", help="Seed recorded by an in-memory save (default 1234).")
     ] = None,
     force: ForceOpt = False,
+    copy: CopyOpt = False,
     json: JsonOpt = False,
 ) -> None:
     """Write the checkpoint a buffer's save_checkpoint would write, from files on disk."""
@@ -109,7 +111,7 @@ def save(
             )
         with progress_bar("saving", None, enabled) as advance:
             index, report = checkpoint.save_from_autosave_dir(
-                sources[0], target, window, overwrite=force, progress=advance
+                sources[0], target, window, overwrite=force, progress=advance, link=not copy
             )
     else:
         with progress_bar("saving", None, enabled) as advance:
@@ -121,6 +123,7 @@ def save(
                 seed=1234 if seed is None else seed,
                 overwrite=force,
                 progress=advance,
+                link=not copy,
             )
 
     doc: dict[str, Any] = {
@@ -163,6 +166,7 @@ def load(
     force: Annotated[
         bool, typer.Option("--force", help="Replace the --buffer directory if it is a checkpoint or empty.")
     ] = False,
+    copy: CopyOpt = False,
     json: JsonOpt = False,
 ) -> None:
     """Show what a full or distributed load of CKPT yields; --buffer restores it as a buffer directory."""
@@ -170,6 +174,8 @@ def load(
 
     if buffer is not None:
         refuse_overlap(buffer, [ckpt], "--buffer")
+    elif copy:
+        raise typer.BadParameter("applies only with --buffer", param_hint="--copy")
 
     # The library checks --world-size and --rank (both or neither, rank in range) before it
     # reads anything; without --rank every rank's block is shown.
@@ -200,6 +206,7 @@ def load(
                 strict=strict,
                 overwrite=force,
                 progress=advance,
+                link=not copy,
             )
         doc["restored_to"] = str(buffer)
 

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from rbtool.cli._common import (
+    CopyOpt,
     JobsOpt,
     JsonOpt,
     SourceArg,
@@ -37,6 +38,7 @@ def convert(
             "--force", help="Replace OUT if it is empty, a checkpoint or an earlier rank tree output."
         ),
     ] = False,
+    copy: CopyOpt = False,
     json: JsonOpt = False,
 ) -> None:
     """Write OUT with every trajectory file of IN in FORMAT (a rank tree keeps its rank_* layout)."""
@@ -52,6 +54,7 @@ def convert(
             strict=strict,
             overwrite=force,
             progress=advance,
+            link=not copy,
         )
     checkpoints: list[dict[str, Any]] = [
         {"path": str(target if rel == "." else target / rel), **index.state()}

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from rbtool.cli._common import (
+    CopyOpt,
     ForceOpt,
     JsonOpt,
     SourceArg,
@@ -68,9 +69,10 @@ def filter_(
     ] = False,
     strict: StrictOpt = True,
     force: ForceOpt = False,
+    copy: CopyOpt = False,
     json: JsonOpt = False,
 ) -> None:
-    """Write OUT holding IN's trajectories that match every criterion given (files linked)."""
+    """Write OUT holding IN's trajectories that match every criterion given (files linked; see --copy)."""
     from rbtool import filtering
 
     refuse_overlap(target, [source], "--out")
@@ -86,7 +88,14 @@ def filter_(
     )
     with progress_bar("filtering", None, show_progress(json)) as advance:
         result = filtering.filter_checkpoint(
-            source, target, criteria, strict=strict, dry_run=dry_run, overwrite=force, progress=advance
+            source,
+            target,
+            criteria,
+            strict=strict,
+            dry_run=dry_run,
+            overwrite=force,
+            progress=advance,
+            link=not copy,
         )
     doc: dict[str, Any] = {
         "source": str(source),

@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from rbtool.cli._common import (
+    CopyOpt,
     FormatOpt,
     JsonOpt,
     err,
@@ -60,16 +61,31 @@ def ingest(
             help="Add again what the buffer already holds (same content or uuid); default: skip it.",
         ),
     ] = False,
+    link: Annotated[
+        bool,
+        typer.Option(
+            "--link",
+            help="Hard-link loose trajectory files too (default: copy them; a checkpoint's files are "
+            "linked). Whoever writes such a file in place then changes the buffer's too.",
+        ),
+    ] = False,
+    copy: CopyOpt = False,
     json: JsonOpt = False,
 ) -> None:
     """Add trajectories to a buffer directory; ids continue from its trajectory_counter.
 
     Every source is checked before anything is written. A trajectory the buffer already holds
     is skipped (so an interrupted ingest can simply be run again); folders are walked in
-    natural order (t2 before t10). After each published batch a line
+    natural order (t2 before t10). Loose files are copied (--link links them), the files of
+    buffer and checkpoint directories are hard-linked (--copy copies them); a reflink
+    (copy-on-write) is used wherever the file system can. After each published batch a line
     `added trajectory ids FIRST-LAST` goes to stderr.
     """
+    from rbtool.errors import UsageError
     from rbtool.ingestion import ingest as ingest_sources
+
+    if link and copy:
+        raise UsageError("--link and --copy exclude each other; give one of them")
 
     def on_wait(holder: str) -> None:
         err.print(f"waiting for {buffer} (locked by {holder})", markup=False)
@@ -89,6 +105,7 @@ def ingest(
             on_published=on_published,
             recursive=recursive,
             allow_duplicates=allow_duplicates,
+            link=True if link else False if copy else None,
         )
 
     index = result.index

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from rbtool.cli._common import (
+    CopyOpt,
     ForceOpt,
     FormatOpt,
     JsonOpt,
@@ -31,6 +32,7 @@ def merge(
     trajectory_format: FormatOpt = None,
     strict: StrictOpt = True,
     force: ForceOpt = False,
+    copy: CopyOpt = False,
     json: JsonOpt = False,
 ) -> None:
     """Merge checkpoints: unique ids are kept in input order, colliding ids renumbered from 0."""
@@ -48,6 +50,7 @@ def merge(
             trajectory_format=None if trajectory_format is None else trajectory_format.value,
             overwrite=force,
             progress=advance,
+            link=not copy,
         )
     index = result.index
     doc: dict[str, Any] = {

@@ -10,6 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from rbtool.cli._common import (
+    CopyOpt,
     ForceOpt,
     JsonOpt,
     files_line,
@@ -37,6 +38,7 @@ def repair(
         ),
     ],
     force: ForceOpt = False,
+    copy: CopyOpt = False,
     json: JsonOpt = False,
 ) -> None:
     """Write to OUT a consistent checkpoint of what PATH really holds; PATH is never modified.
@@ -48,7 +50,7 @@ def repair(
 
     # The library refuses an OUT equal to, inside or containing PATH (a usage error, exit 2).
     with progress_bar("checking trajectory files", None, show_progress(json)) as advance:
-        result = run_repair(path, target, overwrite=force, progress=advance)
+        result = run_repair(path, target, overwrite=force, progress=advance, link=not copy)
     if json:
         print_json(result.as_json())
         return

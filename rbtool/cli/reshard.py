@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from rbtool.cli._common import (
+    CopyOpt,
     JsonOpt,
     RanksForceOpt,
     SourceArg,
@@ -48,6 +49,7 @@ def reshard(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
     strict: StrictOpt = True,
     force: RanksForceOpt = False,
+    copy: CopyOpt = False,
     json: JsonOpt = False,
 ) -> None:
     """Write OUT/rank_r for N ranks from IN's trajectories (the merge of its ranks), files linked."""
@@ -64,6 +66,7 @@ def reshard(
             dry_run=dry_run,
             overwrite=force,
             progress=advance,
+            link=not copy,
         )
     ranks: list[dict[str, Any]] = [
         {"path": str(target / f"rank_{p.rank}"), **p.as_json()} for p in result.ranks

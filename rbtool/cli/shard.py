@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from rbtool.cli._common import (
+    CopyOpt,
     JsonOpt,
     RanksForceOpt,
     StrictOpt,
@@ -30,6 +31,7 @@ def shard(
     ],
     strict: StrictOpt = True,
     force: RanksForceOpt = False,
+    copy: CopyOpt = False,
     json: JsonOpt = False,
 ) -> None:
     """Write OUT/rank_r for every rank: exactly what a distributed load of CKPT by rank r yields."""
@@ -38,7 +40,7 @@ def shard(
     refuse_overlap(target, [ckpt], "--out")
     with progress_bar("sharding", None, show_progress(json)) as advance:
         shards, report = checkpoint.shard(
-            ckpt, world_size, target, strict=strict, overwrite=force, progress=advance
+            ckpt, world_size, target, strict=strict, overwrite=force, progress=advance, link=not copy
         )
     ranks: list[dict[str, Any]] = [
         {"rank": r, "path": str(target / f"rank_{r}"), **part.state()} for r, part in enumerate(shards)
