@@ -30,6 +30,7 @@ from rbtool.errors import (
 )
 from rbtool.format import IndexCheck, check_json, escapes, trajectory_file_name
 from rbtool.index import Index, read_index
+from rbtool.passes import Throughput, Timer, check_jobs, run_pass
 
 if TYPE_CHECKING:
     import torch
@@ -548,6 +549,11 @@ def read_trajectory(path: Path, t: int, b: int) -> TrajectoryData:
     return TrajectoryData(fields, rewards, episodes, versions, touched)
 
 
+def _read_task(task: tuple[Path, int, int]) -> TrajectoryData:
+    """read_trajectory on a worker process."""
+    return read_trajectory(*task)
+
+
 def schema_report(
     per_trajectory: list[tuple[int, list[FieldRow]]], window_ids: set[int]
 ) -> list[dict[str, Any]]:
@@ -599,9 +605,13 @@ def data_report(
     in_window: np.ndarray,
     bins: int,
     progress: Progress | None = None,
+    jobs: int = 1,
+    sizes: np.ndarray | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[int, np.ndarray]]:
     """Schema and data statistics over every trajectory whose file exists.
 
+    Files are read on `jobs` worker processes (rbtool.passes), the largest first when
+    `sizes` (from `file_sizes`) are given; the numbers are those of a single process.
     Returns (schema rows, data section, per-sample reward scores by id for the draw spread).
     """
     per_fields: list[tuple[int, list[FieldRow]]] = []
@@ -611,10 +621,23 @@ def data_report(
     versions: list[np.ndarray] = []
     bytes_read = 0
     pkl_bytes = 0
-    for pos in np.flatnonzero(exists).tolist():
-        tid = int(table.ids[pos])
-        path = file_of(tid)
-        got = read_trajectory(path, int(table.t[pos]), int(table.b[pos]))
+    positions = np.flatnonzero(exists).tolist()
+    ids = [int(table.ids[pos]) for pos in positions]
+    tasks = [
+        (file_of(tid), int(table.t[pos]), int(table.b[pos])) for tid, pos in zip(ids, positions, strict=True)
+    ]
+    timer = Timer()
+    results = run_pass(
+        _read_task,
+        tasks,
+        jobs=jobs,
+        weights=None if sizes is None else [int(sizes[pos]) for pos in positions],
+        progress=progress,
+        preload=("torch", "rbtool.stats"),
+        describe=lambda task: str(task[0]),
+    )
+    seconds = timer.elapsed()
+    for tid, (path, _, _), got in zip(ids, tasks, results, strict=True):
         per_fields.append((tid, got.fields))
         bytes_read += got.bytes_read
         if path.suffix == ".pkl":
@@ -626,8 +649,6 @@ def data_report(
             tallies.append(got.episodes)
         if got.versions is not None:
             versions.append(got.versions)
-        if progress is not None:
-            progress(1)
     all_rewards = np.concatenate(rewards) if rewards else np.empty(0)
     version_doc: dict[str, Any] | None = None
     if versions:
@@ -645,7 +666,7 @@ def data_report(
         }
     data = {
         "trajectories_read": len(per_fields),
-        "bytes_read": bytes_read,
+        **Throughput(jobs, bytes_read, seconds).as_json(),
         "pkl_bytes_read": pkl_bytes,
         "rewards": {"trajectories": len(rewards), **summarize(all_rewards, bins)} if rewards else None,
         "episodes": episodes_report(EpisodeTally.combine(tallies), len(tallies), bins) if tallies else None,
@@ -769,6 +790,7 @@ def collect_stats(
     progress: Progress | None = None,
     as_json: bool = True,
     read_data: bool = True,
+    jobs: int | None = None,
 ) -> dict[str, Any]:
     """The whole stats document of a checkpoint or buffer directory.
 
@@ -779,8 +801,10 @@ def collect_stats(
 
     Missing trajectory files are reported, not refused. With `index_only`, only the JSON
     files are read (no torch import unless draws are asked for), and top-k draws, which
-    need rewards, are refused.
+    need rewards, are refused. The data part reads files on `jobs` worker processes
+    (default: the cores this process may use).
     """
+    workers = check_jobs(jobs)
     if bins < 1:
         raise UsageError(f"bins must be >= 1, got {bins}")
     if draws is not None and index_only and draws.strategy == "topk":
@@ -825,7 +849,7 @@ def collect_stats(
         exists = sizes >= 0
         start_phase(progress, int(exists.sum()), "reading trajectories")
         doc["schema"], doc["data"], scores = data_report(
-            file_of, index, table, exists, in_window, bins, progress
+            file_of, index, table, exists, in_window, bins, progress, workers, sizes
         )
     doc["draws"] = None
     if draws is not None:

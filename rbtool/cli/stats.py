@@ -12,6 +12,7 @@ from rich.text import Text
 
 from rbtool.cli._common import (
     ExistingPath,
+    JobsOpt,
     JsonOpt,
     KOpt,
     SeedOpt,
@@ -135,6 +136,7 @@ def stats(
     k: KOpt = None,
     temperature: TemperatureOpt = 1.0,
     seed: SeedOpt = None,
+    jobs: JobsOpt = None,
     json: JsonOpt = False,
 ) -> None:
     """Show a checkpoint or buffer directory: index, trajectories, field schema, data statistics.
@@ -162,6 +164,7 @@ def stats(
             bins=bins,
             draws=draws,
             progress=advance,
+            jobs=jobs,
             as_json=json,  # the human view shows a few rows: numpy columns, no file names
         )
     if json:
@@ -269,6 +272,7 @@ def data_table(data: dict[str, Any]) -> Table:
     table.caption = (
         f"read {data['trajectories_read']} trajectories, {size(data['bytes_read'])} of rewards, "
         "done-like fields and versions"
+        + f" in {data['seconds']:.2f} s ({data['jobs']} job{'s' if data['jobs'] != 1 else ''})"
         + (f" ({size(data['pkl_bytes_read'])} of whole .pkl files)" if data["pkl_bytes_read"] else "")
     )
     return table
