@@ -29,6 +29,7 @@ from rbtool.format import (
 )
 from rbtool.fsutil import staged_dir
 from rbtool.index import Index
+from rbtool.passes import Throughput, Timer, check_jobs, run_pass
 from rbtool.writer import WriteReport, fill_dir, new_entry
 
 Progress = Callable[[int], None]
@@ -70,6 +71,7 @@ class RepairResult:
     out: Path
     checkpoints: list[RepairedCheckpoint]
     report: WriteReport = field(default_factory=WriteReport)
+    throughput: Throughput = field(default_factory=lambda: Throughput(1))  # the pass reading the files
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -77,7 +79,39 @@ class RepairResult:
             "out": str(self.out),
             "checkpoints": [c.as_json() for c in self.checkpoints],
             "files": self.report.as_json(),
+            **self.throughput.as_json(),
         }
+
+
+@dataclass(frozen=True)
+class _FileFacts:
+    """What reading one trajectory file found: why it cannot be used, or what it holds."""
+
+    error: str | None
+    info: layout.TrajectoryInfo | None
+    sha256: str | None
+    size: int
+
+
+def _read_file(path: Path) -> _FileFacts:
+    """Read a file once, load and hash those bytes (on a worker process of the pass)."""
+    try:
+        data = trajfile.read_file_bytes(path)
+        traj = trajfile.load_bytes(data, path)
+    except RbtoolError as exc:
+        return _FileFacts(" ".join(str(exc).split()), None, None, 0)
+    try:
+        info = layout.describe_stored(traj, path.name, path.name)
+    except InvalidTrajectoryError as exc:
+        return _FileFacts(" ".join(str(exc).split()), None, None, len(data))
+    return _FileFacts(None, info, trajfile.sha256_bytes(data), len(data))
+
+
+def _file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _trajectory_files(directory: Path) -> tuple[dict[int, list[Path]], list[tuple[Path, str]]]:
@@ -104,6 +138,8 @@ class _Planner:
         self.files, outside = _trajectory_files(source)
         self.result = RepairedCheckpoint(source, out, Index())
         self.checked: IndexCheck = check_json(source)
+        self.bytes_read = 0  # what the pass over the chosen files read, and how long it took
+        self.seconds = 0.0
         for path, target in outside:
             self.result.ignored.append(
                 {"file": path.name, "reason": f"a symlink to {target}, outside the checkpoint: not read"}
@@ -171,23 +207,22 @@ class _Planner:
             )
         return chosen
 
-    def check_file(self, tid: int, path: Path, entry: dict[str, Any] | None) -> dict[str, Any] | None:
-        """The entry to keep for a file, or None (recorded as dropped) when the file cannot be used."""
-        try:
-            traj = trajfile.load(path)
-        except RbtoolError as exc:
-            self.drop(tid, path.name, " ".join(str(exc).split()))
+    def check_file(
+        self, tid: int, path: Path, entry: dict[str, Any] | None, facts: _FileFacts
+    ) -> dict[str, Any] | None:
+        """The entry to keep for a file, or None (recorded as dropped) when the file cannot be used.
+
+        `facts` is what reading the file found (`_read_file`, run by the pass).
+        """
+        if facts.error is not None or facts.info is None:
+            self.drop(tid, path.name, facts.error or "unreadable")
             return None
+        info = facts.info
         name_weights_id = layout.name_weights_id(path.name)
-        try:
-            info = layout.describe_stored(traj, path.name, path.name)
-        except InvalidTrajectoryError as exc:
-            self.drop(tid, path.name, " ".join(str(exc).split()))
-            return None
         recorded = entry.get("sha256") if entry else None
         # After another writer rewrote the checkpoint, a recorded hash is only a hint: a file
         # that loads and matches its entry is kept (its hash is recomputed when written).
-        if isinstance(recorded, str) and trajfile.sha256_file(path) != recorded:
+        if isinstance(recorded, str) and facts.sha256 != recorded:
             if not self.checked.meta.foreign:
                 self.drop(tid, path.name, "content differs from the sha256 its entry records")
                 return None
@@ -216,7 +251,7 @@ class _Planner:
         if file_mel is not None and file_mel != entry["max_episode_length"]:
             self.fixed(tid, f"max_episode_length {entry['max_episode_length']!r} corrected to {file_mel}")
             kept["max_episode_length"] = file_mel
-        if kept.get("file_bytes") not in (None, path.stat().st_size):
+        if kept.get("file_bytes") not in (None, facts.size):
             kept.pop("file_bytes")
         return kept
 
@@ -224,7 +259,8 @@ class _Planner:
         self.result.dropped.append({"trajectory_id": tid, "file": file, "reason": reason})
 
     # ---------------------------------------------------------------- plan
-    def plan(self, progress: Progress | None) -> RepairedCheckpoint:
+    def plan(self, progress: Progress | None, jobs: int = 1) -> RepairedCheckpoint:
+        """Work out the repaired index; the chosen files are read on `jobs` worker processes."""
         fmt, seed, counter, extra = self.metadata()
         parsed = self.index()
         ids: list[int]
@@ -241,28 +277,44 @@ class _Planner:
             fmt = max(FORMATS, key=lambda f: (suffixes.count(f), f == "pt"))
             self.fixed(None, f"trajectory_format {fmt!r} taken from the files")
         index = Index(seed=seed, trajectory_format=fmt, extra_metadata=extra)
+        chosen = {tid: self.choose_file(tid, entries.get(tid), fmt) for tid in ids}
+        to_read = [path for path in chosen.values() if path is not None]
+        timer = Timer()
+        read = run_pass(
+            _read_file,
+            to_read,
+            jobs=jobs,
+            weights=[_file_size(p) for p in to_read],
+            progress=progress,
+            preload=("torch", "rbtool.repair"),
+        )
+        self.seconds = timer.elapsed()
+        facts = dict(zip(to_read, read, strict=True))
+        self.bytes_read = sum(f.size for f in read)
         for tid in ids:
             entry = entries.get(tid)
-            chosen = self.choose_file(tid, entry, fmt)
-            if chosen is None:
+            found = chosen[tid]
+            if found is None:
                 expected = trajectory_file_name(tid, entry["model_weights_id"], fmt) if entry else None
                 self.drop(tid, expected, "file missing")
+                if progress is not None:
+                    progress(1)
             else:
-                kept = self.check_file(tid, chosen, entry)
+                kept = self.check_file(tid, found, entry, facts[found])
                 if kept is not None:
                     index.entries[tid] = kept
                     index.id_list.append(tid)
-                    self.result.sources[tid] = chosen
-            if progress is not None:
-                progress(1)
+                    self.result.sources[tid] = found
         index.trajectory_counter = max(counter, max(ids, default=-1) + 1)
         self.result.index = index
         return self.result
 
 
-def plan_repair(source: str | os.PathLike[str], out: str | os.PathLike[str] = "") -> RepairedCheckpoint:
+def plan_repair(
+    source: str | os.PathLike[str], out: str | os.PathLike[str] = "", *, jobs: int | None = None
+) -> RepairedCheckpoint:
     """What repairing one checkpoint directory would write, without writing anything."""
-    return _Planner(Path(source), Path(out)).plan(None)
+    return _Planner(Path(source), Path(out)).plan(None, check_jobs(jobs))
 
 
 def _refuse_overlap(source: Path, out: Path) -> None:
@@ -278,18 +330,24 @@ def repair(
     overwrite: bool = False,
     progress: Progress | None = None,
     link: bool = True,
+    jobs: int | None = None,
 ) -> RepairResult:
     """Write a consistent copy of the checkpoint at `path` (or of each of its rank_* checkpoints) to `out`.
 
     A folder of rank_* directories gives `out/rank_<r>` for each. The source is never modified;
-    with `link` False no file is a hard link of its files (a reflink or a copy).
+    with `link` False no file is a hard link of its files (a reflink or a copy). Each file is
+    read once (loaded and hashed from the same bytes), on `jobs` worker processes (default:
+    the cores this process may use).
     """
+    workers = check_jobs(jobs)
     source, target = Path(path), Path(out)
     _refuse_overlap(source, target)
     dirs = checkpoint_dirs(source)
     single = dirs == [source]
-    plans = [_Planner(d, target if single else target / d.name).plan(progress) for d in dirs]
-    result = RepairResult(source, target, plans)
+    planners = [_Planner(d, target if single else target / d.name) for d in dirs]
+    plans = [planner.plan(progress, workers) for planner in planners]
+    throughput = Throughput(workers, sum(p.bytes_read for p in planners), sum(p.seconds for p in planners))
+    result = RepairResult(source, target, plans, throughput=throughput)
     with staged_dir(target, overwrite=overwrite) as staging:
         for plan in plans:
             directory = staging if single else staging / plan.source.name

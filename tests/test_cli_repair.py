@@ -17,7 +17,7 @@ from rbtool.index import read_index
 runner = CliRunner()
 DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 NOSAVE = ["nosave_window2_pt/ckpt", "nosave_window2_pkl/ckpt"]
-TOP_KEYS = {"source", "out", "checkpoints", "files"}
+TOP_KEYS = {"source", "out", "checkpoints", "files", "jobs", "bytes_read", "seconds", "bytes_per_second"}
 CKPT_KEYS = {
     "source",
     "out",
@@ -27,9 +27,15 @@ CKPT_KEYS = {
     "total_samples",
     "trajectory_counter",
     "trajectory_id_list",
+    "trajectory_id_list_left_out",
+    "trajectory_id_ranges",
+    "trajectory_id_ranges_left_out",
     "dropped",
+    "dropped_left_out",
     "ignored",
+    "ignored_left_out",
     "fixed",
+    "fixed_left_out",
 }
 
 

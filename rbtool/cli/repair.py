@@ -12,6 +12,7 @@ from rich.text import Text
 from rbtool.cli._common import (
     CopyOpt,
     ForceOpt,
+    JobsOpt,
     JsonOpt,
     files_line,
     format_ids,
@@ -39,6 +40,7 @@ def repair(
     ],
     force: ForceOpt = False,
     copy: CopyOpt = False,
+    jobs: JobsOpt = None,
     json: JsonOpt = False,
 ) -> None:
     """Write to OUT a consistent checkpoint of what PATH really holds; PATH is never modified.
@@ -50,7 +52,7 @@ def repair(
 
     # The library refuses an OUT equal to, inside or containing PATH (a usage error, exit 2).
     with progress_bar("checking trajectory files", None, show_progress(json)) as advance:
-        result = run_repair(path, target, overwrite=force, progress=advance, link=not copy)
+        result = run_repair(path, target, overwrite=force, progress=advance, link=not copy, jobs=jobs)
     if json:
         print_json(result.as_json())
         return
@@ -80,3 +82,9 @@ def repair(
             table.add_row(label, Text(item["message"]))
         out.print(table)
     out.print(f"files: {files_line(result.report.as_json())}", markup=False)
+    read = result.throughput
+    out.print(
+        f"read {read.bytes_read} bytes in {read.seconds:.2f} s "
+        f"({(read.bytes_per_second or 0) / 1e6:.1f} MB/s, {read.jobs} job{'s' if read.jobs != 1 else ''})",
+        markup=False,
+    )
