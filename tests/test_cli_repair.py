@@ -27,9 +27,15 @@ CKPT_KEYS = {
     "total_samples",
     "trajectory_counter",
     "trajectory_id_list",
+    "trajectory_id_list_left_out",
+    "trajectory_id_ranges",
+    "trajectory_id_ranges_left_out",
     "dropped",
+    "dropped_left_out",
     "ignored",
+    "ignored_left_out",
     "fixed",
+    "fixed_left_out",
 }
 
 

@@ -56,6 +56,7 @@ def test_json_document_keys_and_field_list() -> None:
         "window_trajectories",
         "window_samples",
         "missing_ids",
+        "missing_ids_left_out",
         "all_fields",
         "strategy",
         "k",

@@ -26,6 +26,7 @@ TOP_KEYS = [
     "window",
     "trajectories",
     "model_weights",
+    "model_weights_left_out",
     "schema",
     "data",
     "draws",
@@ -131,6 +132,9 @@ def test_index_only_needs_only_the_json(tmp_path: Path) -> None:
         "present": None,
         "missing": None,
         "missing_ids": None,
+        "missing_ids_left_out": None,
+        "missing_id_ranges": None,
+        "missing_id_ranges_left_out": None,
         "bytes": None,
         "bytes_known_for": 0,
     }

@@ -150,9 +150,23 @@ def test_human_view_shows_the_first_rows_and_counts_the_rest(tmp_path: Path) -> 
     result = run(tmp_path / "c")
     assert result.exit_code == 1
     assert result.stdout.count("file_missing") == MAX_ROWS + 1  # the rows, then the summary line
-    assert "... and 7 more (file_missing x7); --json lists every problem" in result.stdout
+    assert "... and 7 more (file_missing x7); --all lists every problem" in result.stdout
+    every = run(tmp_path / "c", "--all")
+    assert every.stdout.count("file_missing") == n and "more" not in every.stdout
     doc = json.loads(run(tmp_path / "c", "--json").stdout)
-    assert len(doc["checkpoints"][0]["problems"]) == n
+    assert len(doc["checkpoints"][0]["problems"]) == 20
+    assert doc["checkpoints"][0]["problems_left_out"] == n - 20
+    assert doc["checkpoints"][0]["by_code"] == [
+        {
+            "code": "file_missing",
+            "severity": "error",
+            "count": n,
+            "id_ranges": [[0, n - 1]],
+            "id_ranges_left_out": 0,
+        }
+    ]
+    doc = json.loads(run(tmp_path / "c", "--json", "--all").stdout)
+    assert len(doc["checkpoints"][0]["problems"]) == n and doc["checkpoints"][0]["problems_left_out"] == 0
 
 
 def test_verify_never_changes_its_input(rlinf_copy: Any) -> None:

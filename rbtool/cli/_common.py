@@ -10,8 +10,9 @@ import enum
 import os
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -129,6 +130,10 @@ class Group(TyperGroup):
 
 
 # ------------------------------------------------------------ options
+# Lists that grow with a checkpoint are cut to their first SUMMARY_ITEMS items unless --all.
+SUMMARY_ITEMS = 20
+
+
 class TrajectoryFormat(str, enum.Enum):
     """How trajectory files are serialised."""
 
@@ -136,7 +141,22 @@ class TrajectoryFormat(str, enum.Enum):
     pkl = "pkl"
 
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")]
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Print exactly one JSON document on stdout (compact; see --pretty).")
+]
+PrettyOpt = Annotated[bool, typer.Option("--pretty", help="With --json: indent the document for reading.")]
+JsonlOpt = Annotated[
+    bool,
+    typer.Option(
+        "--jsonl", help="Print JSON Lines on stdout: one compact object per trajectory or problem, streamed."
+    ),
+]
+AllOpt = Annotated[
+    bool,
+    typer.Option(
+        "--all", help=f"List everything (default: counts, id ranges and the first {SUMMARY_ITEMS} items)."
+    ),
+]
 JobsOpt = Annotated[
     int | None,
     typer.Option(
@@ -216,41 +236,210 @@ def refuse_k_without_topk(strategy: Strategy, k: int | None) -> None:
 
 
 # ------------------------------------------------------------ output
-def print_json(doc: Any) -> None:
-    """Write one JSON document to stdout (as bytes where possible: documents can be hundreds of MB)."""
-    data = orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE)
-    binary = getattr(sys.stdout, "buffer", None)
-    if binary is None:
-        sys.stdout.write(data.decode())
+_CHUNK_ITEMS = 65536  # a long list is serialised this many items at a time
+_WRITE_BYTES = 1 << 20  # output is written in blocks of about this size
+_NUMPY = orjson.OPT_SERIALIZE_NUMPY
+
+
+def refuse_output_mix(json: bool, jsonl: bool = False, pretty: bool = False) -> None:
+    """--json and --jsonl exclude each other; --pretty indents --json only (usage errors, exit 2)."""
+    if json and jsonl:
+        raise typer.BadParameter("give --json or --jsonl, not both", param_hint="--jsonl")
+    if pretty and not json:
+        raise typer.BadParameter("applies only with --json", param_hint="--pretty")
+
+
+def summary_limit(all_items: bool) -> int | None:
+    """How many items a summarised list keeps: None (all) with --all."""
+    return None if all_items else SUMMARY_ITEMS
+
+
+def head(items: Any, limit: int | None) -> Any:
+    """The first `limit` items of a list, numpy array or lazy column (all of them when None)."""
+    return items if limit is None or len(items) <= limit else items[:limit]
+
+
+def left_out(items: Any, limit: int | None) -> int:
+    """How many items `head(items, limit)` leaves out."""
+    return 0 if limit is None else max(0, len(items) - limit)
+
+
+def id_ranges(ids: Any) -> list[list[int]]:
+    """Runs of consecutive ids, in list order, as [first, last] pairs: [0, 1, 2, 5] -> [[0, 2], [5, 5]]."""
+    import numpy as np
+
+    values = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if values.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(values) != 1)
+    starts = np.concatenate(([0], breaks + 1))
+    ends = np.concatenate((breaks, [values.size - 1]))
+    return np.stack((values[starts], values[ends]), axis=1).tolist()  # type: ignore[no-any-return]
+
+
+def bound(doc: dict[str, Any], key: str, limit: int | None, *, ranges: str | None = None) -> None:
+    """Cut the list `doc[key]` to its first `limit` items and add `<key>_left_out` after it.
+
+    With `ranges`, the ids of the whole list are first added as `ranges` (runs of consecutive
+    ids, themselves cut to `limit` runs, with `<ranges>_left_out`). A null list stays null.
+    """
+    items = doc[key]
+    extra: dict[str, Any] = {}
+    if items is None:
+        extra[f"{key}_left_out"] = None
+        if ranges is not None:
+            extra[ranges] = extra[f"{ranges}_left_out"] = None
     else:
-        sys.stdout.flush()
-        binary.write(data)
+        extra[f"{key}_left_out"] = left_out(items, limit)
+        if ranges is not None:
+            runs = id_ranges(items)
+            extra[ranges] = head(runs, limit)
+            extra[f"{ranges}_left_out"] = left_out(runs, limit)
+        doc[key] = head(items, limit)
+    insert_after(doc, key, extra)
+
+
+def insert_after(doc: dict[str, Any], key: str, extra: dict[str, Any]) -> None:
+    """Put the keys of `extra` right after `key` in `doc` (in place): new keys beside what they describe."""
+    placed: dict[str, Any] = {}
+    for k, v in doc.items():
+        if k not in extra:
+            placed[k] = v
+        if k == key:
+            placed.update(extra)
+    doc.clear()
+    doc.update(placed)
+
+
+def _is_long(value: Any) -> bool:
+    return (
+        not isinstance(value, (str, bytes, dict)) and hasattr(value, "__len__") and len(value) > _CHUNK_ITEMS
+    )
+
+
+def _json_chunks(value: Any) -> Iterator[bytes]:
+    """Compact JSON of `value` in pieces: long lists (and numpy arrays) a block at a time."""
+    if isinstance(value, dict) and any(_is_long(v) or isinstance(v, dict) for v in value.values()):
+        yield b"{"
+        for i, (key, item) in enumerate(value.items()):
+            yield (b"," if i else b"") + orjson.dumps(key) + b":"
+            yield from _json_chunks(item)
+        yield b"}"
+    elif _is_long(value):
+        yield b"["
+        for start in range(0, len(value), _CHUNK_ITEMS):
+            block = value[start : start + _CHUNK_ITEMS]
+            if not isinstance(block, list) and not hasattr(block, "dtype"):
+                block = list(block)
+            yield (b"," if start else b"") + orjson.dumps(block, default=_plain, option=_NUMPY)[1:-1]
+        yield b"]"
+    elif isinstance(value, list) and any(_is_long(v) or isinstance(v, dict) for v in value):
+        yield b"["
+        for i, item in enumerate(value):
+            yield b"," if i else b""
+            yield from _json_chunks(item)
+        yield b"]"
+    else:
+        yield orjson.dumps(value, default=_plain, option=_NUMPY)
+
+
+def _write_blocks(pieces: Iterable[bytes]) -> None:
+    """Write byte pieces to stdout in blocks of about _WRITE_BYTES (as text where stdout has no buffer)."""
+    binary = getattr(sys.stdout, "buffer", None)
+    sys.stdout.flush()
+    pending = bytearray()
+    for piece in pieces:
+        pending += piece
+        if len(pending) >= _WRITE_BYTES:
+            binary.write(pending) if binary is not None else sys.stdout.write(pending.decode())
+            pending.clear()
+    binary.write(pending) if binary is not None else sys.stdout.write(pending.decode())
+    if binary is not None:
+        binary.flush()
     sys.stdout.flush()
 
 
+def print_json(doc: Any, pretty: bool = False) -> None:
+    """Write one JSON document to stdout: compact and streamed a block at a time, or indented with `pretty`.
+
+    Values may be numpy arrays or lazy columns (sequences that build items on access): a
+    complete listing is serialised block by block and never held whole as text.
+    """
+    if pretty:
+        data = orjson.dumps(doc, default=_plain, option=orjson.OPT_INDENT_2 | _NUMPY)
+        _write_blocks([data, b"\n"])
+    else:
+        _write_blocks(chain(_json_chunks(doc), [b"\n"]))
+
+
+def _plain(value: Any) -> Any:
+    """orjson's fallback: a lazy column (a sequence that builds items on access) as a list."""
+    if hasattr(value, "__len__") and hasattr(value, "__getitem__"):
+        return list(value)
+    raise TypeError(f"Type is not JSON serializable: {type(value).__name__}")
+
+
+def print_jsonl(rows: Iterable[Any]) -> None:
+    """Write one compact JSON object per line to stdout, row by row (nothing waits for the last row)."""
+    _write_blocks(
+        orjson.dumps(row, default=_plain, option=orjson.OPT_APPEND_NEWLINE | _NUMPY) for row in rows
+    )
+
+
 def show_progress(json_mode: bool) -> bool:
-    """Progress bars only for a person at a terminal, never with --json."""
+    """Progress bars only for a person at a terminal, never with --json or --jsonl."""
     return not json_mode and err.is_terminal
 
 
+class Advance:
+    """What `progress_bar` yields: `advance(n)` counts n more done; `advance.start(total, description)`
+    begins a counted phase (library functions call it before each loop they report)."""
+
+    def __init__(self, progress: Any = None, task: Any = None) -> None:
+        self._progress = progress
+        self._task = task
+
+    def __call__(self, n: int = 1) -> None:
+        if self._progress is not None and n:
+            self._progress.advance(self._task, n)
+
+    def start(self, total: int | None, description: str | None = None) -> None:
+        if self._progress is not None:
+            changes: dict[str, Any] = {"total": total, "completed": 0}
+            if description is not None:
+                changes["description"] = description
+            self._progress.reset(self._task, **changes)
+
+
 @contextmanager
-def progress_bar(description: str, total: int | None, enabled: bool) -> Iterator[Any]:
-    """A Rich progress bar on stderr; yields `advance(n)` (a no-op when disabled)."""
+def progress_bar(description: str, total: int | None, enabled: bool) -> Iterator[Advance]:
+    """A Rich progress bar on stderr with a count, the time taken and an ETA; yields an Advance.
+
+    Disabled, the Advance does nothing. Transient: the bar is gone once the work is done.
+    """
     if not enabled:
-        yield lambda n=1: None
+        yield Advance()
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     with Progress(
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
         console=err,
         transient=True,
     ) as progress:
-        task = progress.add_task(description, total=total)
-        yield lambda n=1: progress.advance(task, n)
+        yield Advance(progress, progress.add_task(description, total=total))
 
 
 # ------------------------------------------------------------ shared by commands
@@ -265,8 +454,8 @@ def refuse_overlap(target: Path, inputs: Sequence[Path], option: str) -> None:
             )
 
 
-def state_table(title: str, rows: list[tuple[str, dict[str, Any]]]) -> Table:
-    """A table of (label, state) rows: size, samples, counter and ids of each."""
+def state_table(title: str, rows: list[tuple[str, dict[str, Any]]], limit: int | None = None) -> Table:
+    """A table of (label, state) rows: size, samples, counter and ids of each (the first `limit` runs)."""
     from rich.table import Table
 
     table = Table(title=title, title_justify="left")
@@ -281,25 +470,22 @@ def state_table(title: str, rows: list[tuple[str, dict[str, Any]]]) -> Table:
             str(state["size"]),
             str(state["total_samples"]),
             str(state["trajectory_counter"]),
-            format_ids(state["trajectory_id_list"]),
+            format_ids(state["trajectory_id_list"], limit),
         )
     return table
 
 
-def format_ids(ids: list[int]) -> str:
-    """Ids for a person: runs of consecutive ids collapsed to `a-b`."""
-    if not ids:
+def format_ids(ids: Sequence[int], limit: int | None = None) -> str:
+    """Ids for a person: runs of consecutive ids as `a-b`; past `limit` runs, how many ids remain."""
+    if not len(ids):
         return "(none)"
-    runs: list[str] = []
-    start = prev = ids[0]
-    for i in [*ids[1:], None]:
-        if i is not None and i == prev + 1:
-            prev = i
-            continue
-        runs.append(str(start) if start == prev else f"{start}-{prev}")
-        if i is not None:
-            start = prev = i
-    return ", ".join(runs)
+    runs = id_ranges(ids)
+    shown = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in head(runs, limit))
+    hidden = left_out(runs, limit)
+    if hidden:
+        rest = sum(b - a + 1 for a, b in runs[len(runs) - hidden :])
+        shown += f", ... {rest} more ids in {hidden} runs"
+    return shown
 
 
 def files_line(files: dict[str, int]) -> str:

@@ -3,26 +3,35 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from rbtool.cli._common import (
+    SUMMARY_ITEMS,
+    AllOpt,
     CopyOpt,
     ForceOpt,
     FormatOpt,
     Group,
+    JsonlOpt,
     JsonOpt,
+    PrettyOpt,
     StrictOpt,
+    bound,
     files_line,
     format_ids,
     out,
     print_json,
+    print_jsonl,
     progress_bar,
+    refuse_output_mix,
     refuse_overlap,
     show_progress,
     state_table,
+    summary_limit,
 )
 
 if TYPE_CHECKING:
@@ -80,9 +89,12 @@ def save(
     ] = None,
     force: ForceOpt = False,
     copy: CopyOpt = False,
+    all_items: AllOpt = False,
     json: JsonOpt = False,
+    pretty: PrettyOpt = False,
 ) -> None:
     """Write the checkpoint a buffer's save_checkpoint would write, from files on disk."""
+    refuse_output_mix(json, pretty=pretty)
     from rbtool import checkpoint
     from rbtool.dirs import is_rank_tree, open_view
     from rbtool.format import is_checkpoint_dir
@@ -134,16 +146,47 @@ def save(
         "trajectory_format": index.trajectory_format,
         "files": report.as_json(),
     }
+    limit = summary_limit(all_items)
     if json:
-        print_json(doc)
+        print_json(bounded_state(doc, limit), pretty)
         return
-    out.print(state_table(f"saved {target} ({chosen.value}, window {window})", [("checkpoint", doc)]))
+    title = f"saved {target} ({chosen.value}, window {window})"
+    out.print(state_table(title, [("checkpoint", doc)], None if all_items else SUMMARY_ITEMS))
     out.print(f"format {doc['trajectory_format']}; files: {files_line(doc['files'])}")
 
 
 # ----------------------------------------------------------------------- load
 def _rank_states(index: Index, world_size: int) -> list[dict[str, Any]]:
     return [{"rank": r, **index.rank_block(world_size, r).state()} for r in range(world_size)]
+
+
+def bounded_state(state: dict[str, Any], limit: int | None) -> dict[str, Any]:
+    """A load state for --json: the id list cut to `limit` ids (None: all) and its runs of ids."""
+    state = dict(state)
+    bound(state, "trajectory_id_list", limit, ranges="trajectory_id_ranges")
+    return state
+
+
+def trajectory_rows(index: Index, world_size: int | None, rank: int | None) -> Iterator[dict[str, Any]]:
+    """One dict per trajectory a load yields (per rank's block in rank order without --rank)."""
+    blocks: list[tuple[int | None, Index]]
+    if world_size is not None and rank is None:
+        blocks = [(r, index.rank_block(world_size, r)) for r in range(world_size)]
+    else:
+        blocks = [(rank, index)]
+    for r, block in blocks:
+        entries = block.entries
+        for tid in block.id_list:
+            entry = entries[tid]
+            yield {
+                "rank": r,
+                "trajectory_id": tid,
+                "num_samples": entry["num_samples"],
+                "shape": entry["shape"],
+                "max_episode_length": entry["max_episode_length"],
+                "model_weights_id": entry["model_weights_id"],
+                "file": block.file_name(tid),
+            }
 
 
 @checkpoint_app.command()
@@ -167,9 +210,16 @@ def load(
         bool, typer.Option("--force", help="Replace the --buffer directory if it is a checkpoint or empty.")
     ] = False,
     copy: CopyOpt = False,
+    all_items: AllOpt = False,
     json: JsonOpt = False,
+    pretty: PrettyOpt = False,
+    jsonl: JsonlOpt = False,
 ) -> None:
-    """Show what a full or distributed load of CKPT yields; --buffer restores it as a buffer directory."""
+    """Show what a full or distributed load of CKPT yields; --buffer restores it as a buffer directory.
+
+    Id lists are summarised unless --all; --jsonl streams one object per trajectory loaded.
+    """
+    refuse_output_mix(json, jsonl, pretty)
     from rbtool import checkpoint
 
     if buffer is not None:
@@ -197,7 +247,7 @@ def load(
 
     doc["restored_to"] = None
     if buffer is not None:
-        with progress_bar("restoring", None, show_progress(json)) as advance:
+        with progress_bar("restoring", shown.size, show_progress(json or jsonl)) as advance:
             checkpoint.restore(
                 ckpt,
                 buffer,
@@ -210,16 +260,25 @@ def load(
             )
         doc["restored_to"] = str(buffer)
 
+    limit = summary_limit(all_items)
+    if jsonl:
+        print_jsonl(trajectory_rows(shown, world_size, rank))
+        return
     if json:
-        print_json(doc)
+        bound(doc, "dropped_missing_ids", limit)
+        if "ranks" in doc:
+            doc["ranks"] = [bounded_state(r, limit) for r in doc["ranks"]]
+        else:
+            doc = bounded_state(doc, limit)
+        print_json(doc, pretty)
         return
     how = "full load" if world_size is None else f"distributed load, world size {world_size}"
     if "ranks" in doc:
         rows = [(f"rank {r['rank']}", r) for r in doc["ranks"]]
     else:
         rows = [("full" if rank is None else f"rank {rank}", doc)]
-    out.print(state_table(f"{ckpt} ({how})", rows))
+    out.print(state_table(f"{ckpt} ({how})", rows, limit))
     if dropped:
-        out.print(f"dropped for missing files (non-strict): ids {format_ids(dropped)}")
+        out.print(f"dropped for missing files (non-strict): ids {format_ids(dropped, limit)}")
     if buffer is not None:
         out.print(f"restored into {buffer}; `rbtool ingest ... --buffer {buffer}` continues the ids")

@@ -8,14 +8,20 @@ from typing import Annotated, Any
 import typer
 
 from rbtool.cli._common import (
+    SUMMARY_ITEMS,
+    AllOpt,
     JsonOpt,
+    PrettyOpt,
     StrictOpt,
+    bound,
     err,
     format_ids,
     out,
     print_json,
     progress_bar,
+    refuse_output_mix,
     show_progress,
+    summary_limit,
 )
 
 
@@ -29,18 +35,25 @@ def diff(
         ),
     ] = False,
     strict: StrictOpt = True,
+    all_items: AllOpt = False,
     json: JsonOpt = False,
+    pretty: PrettyOpt = False,
 ) -> None:
     """Compare A and B: metadata, entries added/removed/changed, files, schema. Exit 0 equal, 1 not."""
+    refuse_output_mix(json, pretty=pretty)
     from rbtool import compare
 
     with progress_bar("comparing", None, show_progress(json)) as advance:
         result = compare.diff(a, b, deep=deep, strict=strict, progress=advance)
     doc = result.as_json()
     if json:
-        print_json(doc)
+        shown = dict(doc)
+        limit = summary_limit(all_items)
+        for key in ("added", "removed", "changed"):
+            bound(shown, key, limit)
+        print_json(shown, pretty)
     else:
-        render(doc)
+        render(doc, None if all_items else SUMMARY_ITEMS)
     if doc["files_unchecked"] and not deep:
         err.print(
             f"Warning: {doc['files_unchecked']} file(s) are in different formats and were not compared; "
@@ -52,8 +65,8 @@ def diff(
         raise typer.Exit(1)
 
 
-def render(doc: dict[str, Any]) -> None:
-    """The human view: a verdict, then a table of what differs."""
+def render(doc: dict[str, Any], limit: int | None = SUMMARY_ITEMS) -> None:
+    """The human view: a verdict, then a table of what differs (the first `limit` id runs and changes)."""
     from rich.table import Table
 
     how = "by content" if doc["deep"] else "by recorded hash or size"
@@ -67,12 +80,12 @@ def render(doc: dict[str, Any]) -> None:
     for m in doc["metadata"]:
         table.add_row(f"metadata {m['key']}", str(m["a"]), str(m["b"]))
     if doc["removed"]:
-        table.add_row(f"removed ({len(doc['removed'])})", format_ids(doc["removed"]), "")
+        table.add_row(f"removed ({len(doc['removed'])})", format_ids(doc["removed"], limit), "")
     if doc["added"]:
-        table.add_row(f"added ({len(doc['added'])})", "", format_ids(doc["added"]))
+        table.add_row(f"added ({len(doc['added'])})", "", format_ids(doc["added"], limit))
     if doc["order_changed"]:
         table.add_row("list order", "differs", "")
-    shown = doc["changed"][:20]
+    shown = doc["changed"] if limit is None else doc["changed"][:limit]
     for c in shown:
         what = ", ".join(c["fields"] + ([c["file"]] if c["file"] else []))
         table.add_row(f"changed {c['trajectory_id']}", what, c["detail"] or "")

@@ -12,22 +12,31 @@ from rich import box
 from rich.table import Table
 
 from rbtool.cli._common import (
+    AllOpt,
     ExistingPath,
     JsonOpt,
     KOpt,
+    PrettyOpt,
     SeedOpt,
     Strategy,
     StrategyOpt,
     StrictOpt,
     TemperatureOpt,
     WindowOpt,
+    bound,
     out,
     print_json,
+    progress_bar,
     refuse_k_without_topk,
+    refuse_output_mix,
+    show_progress,
+    summary_limit,
 )
 
 DEFAULT_SEED = 1234  # the buffer's default, used when the checkpoint records no seed
 SHOWN_DRAWS = 16  # draws listed one per row in the human view
+# What sample's progress bar names, in order.
+SAMPLE_PHASES = ("reading the index", "loading the window", "drawing", "saving the batch")
 SIDE_BY_SIDE_WIDTH = 110  # fields and draws tables side by side from this terminal width on
 
 
@@ -99,13 +108,16 @@ def sample(
     out_path: Annotated[
         Path | None, typer.Option("--out", help="Save the batch here with torch.save (written atomically).")
     ] = None,
+    all_items: AllOpt = False,
     json: JsonOpt = False,
+    pretty: PrettyOpt = False,
 ) -> None:
     """Load a checkpoint into a TrajectoryReplayBuffer and draw one batch from its window.
 
     Shows each field's shape and dtype and which trajectory and row every batch row came
     from; with --out, saves the batch (a dict of [num_chunks, ...] tensors).
     """
+    refuse_output_mix(json, pretty=pretty)
     refuse_k_without_topk(strategy, k)
     if out_path is not None:
         refuse_out_inside(out_path, path)
@@ -115,18 +127,27 @@ def sample(
 
     # what the buffer will load: a rank tree reads as the merge of its ranks (ids are the
     # merged ones); non-strict drops missing files before merging, as load_checkpoint does
-    view = open_view(path, strict=strict)
-    index = view.index
-    missing = view.dropped_ids()
-    buffer = TrajectoryReplayBuffer(seed=DEFAULT_SEED, sample_window_size=window, extra_fields=all_fields)
-    buffer.load_checkpoint(view, strict=strict)  # the index just read; reseeds when it has a seed
-    used_seed = buffer.seed if seed is None else seed
-    if seed is not None:
-        buffer.seed = seed
-        buffer.random_generator.manual_seed(seed)
-    window_ids = buffer.window_ids()
-    draw, batch = buffer.sample_with_draw(num_chunks, strategy.value, k, temperature)
-    written = save_batch(batch, out_path) if out_path is not None else None
+    # The phases are counted, not the files inside them: the buffer reports no progress of its own.
+    with progress_bar("reading the index", len(SAMPLE_PHASES), show_progress(json)) as advance:
+        view = open_view(path, strict=strict)
+        index = view.index
+        missing = view.dropped_ids()
+        advance.start(len(SAMPLE_PHASES), SAMPLE_PHASES[1])
+        advance(1)
+        buffer = TrajectoryReplayBuffer(seed=DEFAULT_SEED, sample_window_size=window, extra_fields=all_fields)
+        buffer.load_checkpoint(view, strict=strict)  # the index just read; reseeds when it has a seed
+        used_seed = buffer.seed if seed is None else seed
+        if seed is not None:
+            buffer.seed = seed
+            buffer.random_generator.manual_seed(seed)
+        window_ids = buffer.window_ids()
+        advance.start(len(SAMPLE_PHASES), SAMPLE_PHASES[2])
+        advance(2)
+        draw, batch = buffer.sample_with_draw(num_chunks, strategy.value, k, temperature)
+        if out_path is not None:
+            advance.start(len(SAMPLE_PHASES), SAMPLE_PHASES[3])
+            advance(3)
+        written = save_batch(batch, out_path) if out_path is not None else None
 
     tids = draw.trajectory_ids
     rows = draw.local_indices.tolist()
@@ -156,7 +177,8 @@ def sample(
         "out_bytes": written,
     }
     if json:
-        print_json(doc)
+        bound(doc, "missing_ids", summary_limit(all_items))
+        print_json(doc, pretty)
     else:
         render(doc)
 

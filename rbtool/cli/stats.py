@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Annotated, Any
 
 import typer
@@ -11,25 +12,37 @@ from rich.table import Table
 from rich.text import Text
 
 from rbtool.cli._common import (
+    AllOpt,
     ExistingPath,
     JobsOpt,
+    JsonlOpt,
     JsonOpt,
     KOpt,
+    PrettyOpt,
     SeedOpt,
     Strategy,
     StrategyOpt,
     TemperatureOpt,
     WindowOpt,
+    bound,
+    head,
+    id_ranges,
+    insert_after,
+    left_out,
     out,
     print_json,
+    print_jsonl,
     progress_bar,
     refuse_k_without_topk,
+    refuse_output_mix,
     show_progress,
+    summary_limit,
 )
 
 SPARK = "▁▂▃▄▅▆▇█"
 EIGHTHS = " ▏▎▍▌▋▊▉█"
 HEAD_ROWS = 5  # a long table shows its first and last HEAD_ROWS rows
+MISSING_SHOWN = 10  # missing ids named on the files line
 BAR_WIDTH = 20
 SPARK_WIDTH = 48  # sparklines over many trajectories are bucketed to this many characters
 PIPED_WIDTH = 140  # tables written to a file or pipe get this width rather than being cut at 80
@@ -86,9 +99,9 @@ def short(text: str, width: int = 13) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def shown_positions(n: int) -> list[int | None]:
-    """Row positions for a long table: the first and last HEAD_ROWS, None marking the gap."""
-    if n <= 2 * HEAD_ROWS + 2:
+def shown_positions(n: int, every: bool = False) -> list[int | None]:
+    """Row positions for a long table: the first and last HEAD_ROWS, None marking the gap (all with every)."""
+    if every or n <= 2 * HEAD_ROWS + 2:
         return list(range(n))
     return [*range(HEAD_ROWS), None, *range(n - HEAD_ROWS, n)]
 
@@ -137,26 +150,34 @@ def stats(
     temperature: TemperatureOpt = 1.0,
     seed: SeedOpt = None,
     jobs: JobsOpt = None,
+    all_items: AllOpt = False,
     json: JsonOpt = False,
+    pretty: PrettyOpt = False,
+    jsonl: JsonlOpt = False,
 ) -> None:
     """Show a checkpoint or buffer directory: index, trajectories, field schema, data statistics.
 
     Data statistics (rewards, episodes from done-like fields, policy versions) read only
     those fields. Missing trajectory files are listed, not refused. --sample-draws shows how
     N draws of a strategy spread over the window's trajectories against the expected shares.
+    Long lists are summarised unless --all; --jsonl streams one object per trajectory.
     """
+    refuse_output_mix(json, jsonl, pretty)
     if sample_draws is None:
         if strategy is not Strategy.uniform or k is not None or seed is not None:
             raise typer.BadParameter("--strategy, --k and --seed apply only with --sample-draws")
     else:
         refuse_k_without_topk(strategy, k)
+        if jsonl:
+            raise typer.BadParameter("--jsonl lists the trajectories only", param_hint="--sample-draws")
 
     from rbtool.stats import DrawRequest, collect_stats
 
     draws = None
     if sample_draws is not None:
         draws = DrawRequest(sample_draws, strategy.value, k, temperature, seed)
-    with progress_bar("reading trajectories", None, show_progress(json) and not index_only) as advance:
+    enabled = show_progress(json or jsonl) and not index_only
+    with progress_bar("reading the index", None, enabled) as advance:
         doc = collect_stats(
             path,
             window=window,
@@ -165,17 +186,76 @@ def stats(
             draws=draws,
             progress=advance,
             jobs=jobs,
-            as_json=json,  # the human view shows a few rows: numpy columns, no file names
+            as_json=False,  # numpy columns and lazy file names: cut or streamed below
+            read_data=not jsonl,  # JSON Lines list the trajectories, not the data statistics
         )
-    if json:
-        print_json(doc)
+    if jsonl:
+        print_jsonl(trajectory_rows(doc["trajectories"]))
+    elif json:
+        print_json(summarised(doc, summary_limit(all_items)), pretty)
     else:
-        render(doc, view_console())
+        render(doc, view_console(), every=all_items)
+
+
+ROW_BLOCK = 65536  # JSON Lines rows are built from the columns this many at a time
+
+
+def trajectory_rows(columns: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """One dict per listed trajectory (the keys of the `trajectories` columns), block by block."""
+    keys = list(columns)
+    n = len(columns["id"])
+    for start in range(0, n, ROW_BLOCK):
+        stop = min(n, start + ROW_BLOCK)
+        block = []
+        for key in keys:
+            col = columns[key]
+            part = [None] * (stop - start) if col is None else col[start:stop]
+            block.append(part.tolist() if hasattr(part, "tolist") else part)
+        yield from (dict(zip(keys, row, strict=True)) for row in zip(*block, strict=True))
+
+
+def summarised(doc: dict[str, Any], limit: int | None) -> dict[str, Any]:
+    """The --json document: every list that grows with the index cut to `limit` items (None: all).
+
+    A cut list says how many items it leaves out: `<key>_left_out` beside it, or `left_out`
+    in a table of aligned columns; id lists also get their runs of consecutive ids.
+    """
+    doc = dict(doc)
+    index = doc["index"] = dict(doc["index"])
+    runs = id_ranges(doc["trajectories"]["id"])
+    insert_after(
+        index, "id_max", {"id_ranges": head(runs, limit), "id_ranges_left_out": left_out(runs, limit)}
+    )
+    files = doc["files"] = dict(doc["files"])
+    bound(files, "missing_ids", limit, ranges="missing_id_ranges")
+    doc["trajectories"] = table_head(doc["trajectories"], limit)
+    bound(doc, "model_weights", limit)
+    data = doc["data"]
+    if data is not None and data["versions"] is not None:
+        data = doc["data"] = dict(data)
+        versions = data["versions"] = dict(data["versions"])
+        bound(versions, "values", limit)
+        bound(versions, "staleness", limit)
+    if doc["draws"] is not None:
+        draws = doc["draws"] = dict(doc["draws"])
+        draws["trajectories"] = table_head(draws["trajectories"], limit)
+    return doc
+
+
+def table_head(columns: dict[str, Any], limit: int | None) -> dict[str, Any]:
+    """Aligned columns cut to their first `limit` rows, with `left_out` the rows not listed."""
+    n = len(columns["id"])
+    cut = {key: None if col is None else head(col, limit) for key, col in columns.items()}
+    cut["left_out"] = left_out(range(n), limit)
+    return cut
 
 
 # ------------------------------------------------------------------ human view
-def render(doc: dict[str, Any], con: Console) -> None:
-    """Everything on one screen: header lines, then tables side by side where they fit."""
+def render(doc: dict[str, Any], con: Console, every: bool = False) -> None:
+    """Everything on one screen: header lines, then tables side by side where they fit.
+
+    Long tables show their first and last rows; `every` (--all) shows every row.
+    """
     idx, files, win = doc["index"], doc["files"], doc["window"]
     ids = "-" if idx["id_min"] is None else f"{idx['id_min']}..{idx['id_max']}"
     con.print(
@@ -186,8 +266,13 @@ def render(doc: dict[str, Any], con: Console) -> None:
     if files["checked"]:
         line = f"files: {files['present']} present, {size(files['bytes'])}"
         if files["missing"]:
-            shown = ", ".join(map(str, files["missing_ids"][:10])) + (" ..." if files["missing"] > 10 else "")
-            line += f"  [yellow]{files['missing']} missing (ids {shown}): left out of the window[/yellow]"
+            limit = None if every else MISSING_SHOWN
+            shown = ", ".join(map(str, head(files["missing_ids"], limit)))
+            hidden = left_out(files["missing_ids"], limit)
+            more = f" ... {hidden} more" if hidden else ""
+            line += (
+                f"  [yellow]{files['missing']} missing (ids {shown}{more}): left out of the window[/yellow]"
+            )
         con.print(line)
     else:
         con.print(f"files: not opened (--index-only); recorded sizes {size(files['bytes'])}")
@@ -200,7 +285,7 @@ def render(doc: dict[str, Any], con: Console) -> None:
     if idx["size"] == 0:
         return
 
-    con.print(trajectory_table(doc))
+    con.print(trajectory_table(doc, every))
     if doc["schema"]:
         con.print(schema_table(doc["schema"]))
     data = doc["data"]
@@ -208,19 +293,19 @@ def render(doc: dict[str, Any], con: Console) -> None:
         con.print(data_table(data))
         con.print(episode_line(data))
         version_line(data, con)
-    con.print(weights_table(doc["model_weights"]))
+    con.print(weights_table(doc["model_weights"], every))
     if doc["draws"] is not None:
-        draws_view(doc["draws"], con)
+        draws_view(doc["draws"], con, every)
 
 
-def trajectory_table(doc: dict[str, Any]) -> Table:
+def trajectory_table(doc: dict[str, Any], every: bool = False) -> Table:
     rows = doc["trajectories"]
     table = compact_table(
         "id", "TxB", "samples", "model_weights_id", "file", "p(draw)", "", right=("id", "samples")
     )
     probs = rows["draw_probability"]
     top = max(probs, default=0.0)
-    for pos in shown_positions(len(rows["id"])):
+    for pos in shown_positions(len(rows["id"]), every):
         if pos is None:
             table.add_row("…", "", f"{len(rows['id']) - 2 * HEAD_ROWS} more", "", "", "", "")
             continue
@@ -298,7 +383,7 @@ def version_line(data: dict[str, Any], con: Console) -> None:
     con.print(f"versions (samples): {spread}{more}  ·  newest {num(v['newest'])}")
 
 
-def weights_table(groups: list[dict[str, Any]]) -> Table:
+def weights_table(groups: list[dict[str, Any]], every: bool = False) -> Table:
     table = compact_table(
         "model_weights_id",
         "trajectories",
@@ -307,7 +392,7 @@ def weights_table(groups: list[dict[str, Any]]) -> Table:
         "ids",
         right=("trajectories", "samples", "in window"),
     )
-    for pos in shown_positions(len(groups)):
+    for pos in shown_positions(len(groups), every):
         if pos is None:
             table.add_row(f"… {len(groups) - 2 * HEAD_ROWS} more", "", "", "", "")
             continue
@@ -322,7 +407,7 @@ def weights_table(groups: list[dict[str, Any]]) -> Table:
     return table
 
 
-def draws_view(d: dict[str, Any], con: Console) -> None:
+def draws_view(d: dict[str, Any], con: Console, every: bool = False) -> None:
     how = d["strategy"] if d["strategy"] == "uniform" else f"topk k={d['k']} T={num(d['temperature'])}"
     c = d["concentration"]
     con.print(
@@ -333,7 +418,7 @@ def draws_view(d: dict[str, Any], con: Console) -> None:
     rows = d["trajectories"]
     table = compact_table("id", "draws", "observed", "expected", "observed | expected", right=("id", "draws"))
     top = max([*rows["observed"], *rows["expected"]], default=0.0)
-    for pos in shown_positions(len(rows["id"])):
+    for pos in shown_positions(len(rows["id"]), every):
         if pos is None:
             table.add_row("…", f"{len(rows['id']) - 2 * HEAD_ROWS} more", "", "", "")
             continue
