@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -117,3 +118,135 @@ def test_quick_json_reports_every_figure(tmp_path: Path) -> None:
     assert {g["name"] for g in doc["goals"]} == GOALS
     for goal in doc["goals"]:
         assert goal["met"] in (True, False, None) and isinstance(goal["target"], str)
+
+
+# ------------------------------------------------------------------ the scaling scripts
+BENCHMARKS = BENCH.parent
+
+
+def run_script(name: str, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run benchmarks/<name> with --json; exactly one JSON document on stdout."""
+    argv = [sys.executable, str(BENCHMARKS / name), "--json", *args]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr
+    doc: dict[str, Any] = json.loads(result.stdout)
+    return doc
+
+
+def check_goals(doc: dict[str, Any], names: set[str]) -> None:
+    assert {g["name"] for g in doc["goals"]} == names
+    for goal in doc["goals"]:
+        assert goal["met"] in (True, False) and isinstance(goal["target"], str), goal
+        assert positive(goal["value"]), goal
+
+
+def test_scale_reports_every_figure(tmp_path: Path) -> None:
+    doc = run_script(
+        "bench_scale.py",
+        *("--sizes", "6,12", "--first-size", "12", "--steps", "2", "--repeats", "1"),
+        *("--num-chunks", "8", "--workdir", str(tmp_path / "data")),
+    )
+    assert doc["config"]["sizes"] == [6, 12] and doc["config"]["page_cache"] == "warm"
+    for mode in ("auto_save_on", "auto_save_off"):
+        steps = doc["training_step"][mode]
+        for n in ("6", "12"):
+            s = steps["sizes"][n]
+            assert "error" not in s, s
+            assert s["batches_equal"] is True  # the eager path drew and gathered the same rows
+            assert s["steps"] == 2
+            for key in ("rbtool_step_s", "eager_step_s", "ratio", "load_s", "first_sample_s"):
+                assert positive(s[key]), key
+        assert positive(steps["growth"])
+        for writer in ("rbtool", "other"):
+            first = doc["first_sample"][f"{writer}_{mode}"]
+            assert "error" not in first, first
+            assert first["runs"] == 1 and first["trajectories"] == 12
+            for key in ("first_sample_s", "load_s", "load_and_sample_s"):
+                assert positive(first[key]), key
+    names = {
+        f"{kind}_{mode}"
+        for mode in ("auto_save_on", "auto_save_off")
+        for kind in (
+            "step_growth",
+            "step_vs_eager_6",
+            "step_vs_eager_12",
+            "first_sample_rbtool",
+            "first_sample_other",
+        )
+    }
+    check_goals(doc, names)
+    # the data was built into hidden .partial directories and renamed; scratch space is gone
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == [
+        "rbtool_12x4x2_img16",
+        "rlinf_12x4x2_img16",
+        "rlinf_6x4x2_img16",
+    ]
+    index = json.loads((tmp_path / "data" / "rlinf_6x4x2_img16" / "trajectory_index.json").read_text())
+    assert set(index["trajectory_index"]["0"]) == {  # the reference's entry keys only
+        "num_samples",
+        "trajectory_id",
+        "max_episode_length",
+        "shape",
+        "model_weights_id",
+    }
+
+
+TINY_CKPT = ("--trajectories", "4", "--t", "4", "--b", "2", "--image", "8", "--repeats", "1")
+
+
+def test_torchrl_reports_every_figure_or_says_why_not(tmp_path: Path) -> None:
+    doc = run_script("bench_torchrl.py", "--quick", *TINY_CKPT, "--calls", "3", "--workdir", str(tmp_path))
+    assert positive(doc["memcpy"]["bytes_per_s"]) and positive(doc["checkpoint_bytes"])
+    if doc["skipped"] is not None:  # torchrl not installed: said so, nothing measured
+        assert "torchrl" in doc["skipped"] and doc["ratio"] is None
+        return
+    assert doc["same_fields"] is True and doc["rows"] == 4 * 4 * 2
+    for key in ("rbtool_s", "torchrl_s", "ratio", "rbtool_memcpy_fraction", "torchrl_memcpy_fraction"):
+        assert positive(doc[key]), key
+    assert doc["met"] in (True, False)
+    assert not any(p.name.startswith("torchrl_") for p in tmp_path.iterdir())  # its storage is removed
+
+
+def test_torchrl_absent_is_a_clear_skip(tmp_path: Path) -> None:
+    fake = tmp_path / "fake"
+    (fake / "torchrl").mkdir(parents=True)
+    (fake / "torchrl" / "__init__.py").write_text("raise ImportError('No module named torchrl')\n")
+    env = {**os.environ, "PYTHONPATH": str(fake)}
+    argv = [sys.executable, str(BENCHMARKS / "bench_torchrl.py"), "--quick", *TINY_CKPT]
+    result = subprocess.run(
+        [*argv, "--workdir", str(tmp_path / "data")], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert result.returncode == 0, result.stderr
+    assert "TorchRL comparison skipped: torchrl is not available" in result.stdout
+    assert "pip install -e '.[bench]'" in result.stdout
+
+
+def test_ingest_reports_every_figure(tmp_path: Path) -> None:
+    doc = run_script("bench_ingest.py", "--files", "5", "--repeats", "1", "--workdir", str(tmp_path))
+    assert doc["files"] == 5 and isinstance(doc["link_option"], bool)
+    for name in ("rbtool", "cp_r"):
+        assert doc[name]["ok"] is True, doc[name]
+        assert positive(doc[name]["wall_s"]) and doc[name]["added"] == 5
+    if doc["old_tree_problem"] is None:  # a worktree of 0.1 exists: measured beside this tree
+        assert doc["rbtool_0_1"]["ok"] is True, doc["rbtool_0_1"]
+        assert positive(doc["ratio"]) and doc["met"] in (True, False)
+    else:
+        assert doc["rbtool_0_1"] is None and doc["ratio"] is None and doc["met"] is None
+    assert not (tmp_path / "ingest_out").exists()
+
+
+def test_outputs_reports_every_figure(tmp_path: Path) -> None:
+    doc = run_script("bench_outputs.py", "--index-size", "2000", "--repeats", "1", "--workdir", str(tmp_path))
+    assert doc["index_size"] == 2000
+    for name, figure in doc["figures"].items():
+        if figure["status"] == "not available":
+            assert figure["reason"], name
+            continue
+        assert figure["status"] == "ok", figure
+        assert positive(figure["wall_s"]) and positive(figure["output_bytes"]), name
+        assert figure["output_whole"] is True, name
+        assert figure["exit_code"] == (0 if name.startswith("stats") else 1), figure
+    names = {"stats_s", "stats_json_s", "stats_json_bytes", "verify_s", "verify_json_s", "verify_json_bytes"}
+    names |= {f"{c}_{k}_streams" for c in ("stats", "verify") for k in ("jsonl", "json_all")}
+    assert {g["name"] for g in doc["goals"]} == names
+    assert not (tmp_path / ".outputs-scratch").exists()
