@@ -16,8 +16,20 @@ def test_json_document(tmp_path: Path) -> None:
     before = tree_digest(RANKS)
     out = tmp_path / "out"
     doc = run_json("convert", RANKS, "--out", out, "--format", "pkl", "--jobs", "3")
-    assert set(doc) == {"source", "out", "trajectory_format", "jobs", "checkpoints", "files"}
+    assert set(doc) == {
+        "source",
+        "out",
+        "trajectory_format",
+        "jobs",
+        "bytes_read",
+        "seconds",
+        "bytes_per_second",
+        "checkpoints",
+        "files",
+    }
     assert doc["trajectory_format"] == "pkl" and doc["jobs"] == 3 and doc["files"]["written"] == 7
+    sources = sum(p.stat().st_size for p in RANKS.glob("rank_*/trajectory_*_*.pt"))
+    assert doc["bytes_read"] == sources and doc["bytes_per_second"] > 0
     assert [c["path"] for c in doc["checkpoints"]] == [str(out / "rank_0"), str(out / "rank_1")]
     for c in doc["checkpoints"]:
         index = read_index(c["path"])

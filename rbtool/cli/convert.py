@@ -65,6 +65,9 @@ def convert(
         "out": str(target),
         "trajectory_format": result.trajectory_format,
         "jobs": result.jobs,
+        "bytes_read": result.throughput.bytes_read,
+        "seconds": round(result.throughput.seconds, 6),
+        "bytes_per_second": result.throughput.bytes_per_second,
         "checkpoints": checkpoints,
         "files": result.report.as_json(),
     }
@@ -78,3 +81,7 @@ def convert(
         )
     )
     out.print(f"files: {files_line(doc['files'])}")
+    rate = (doc["bytes_per_second"] or 0) / 1e6
+    out.print(
+        f"read {doc['bytes_read']} bytes to rewrite in {doc['seconds']:.2f} s ({rate:.1f} MB/s)", markup=False
+    )
