@@ -263,28 +263,58 @@ def weights_groups(table: IndexTable, in_window: np.ndarray) -> list[dict[str, A
     ]
 
 
-def file_sizes(file_of: Callable[[int], Path], index: Index, progress: Progress | None = None) -> np.ndarray:
-    """Size of each listed trajectory file in list order; -1 where it is missing or not a file."""
+def file_sizes(
+    file_of: Callable[[int], Path],
+    index: Index,
+    progress: Progress | None = None,
+    directory: Path | None = None,
+) -> np.ndarray:
+    """Size of each listed trajectory file in list order; -1 where it is missing or not a file.
+
+    With `directory` (every file of the index lives there), the directory is listed once
+    and only the files it holds are looked at: a million-entry index whose files are
+    elsewhere costs one listing, not a million failed lookups.
+    """
+
+    def checked(path: Path, st: os.stat_result) -> int:
+        if stat.S_ISLNK(st.st_mode):
+            target = escapes(path.parent, path.name)
+            if target is not None:  # never read, never counted as the checkpoint's
+                raise CheckpointError(f"{path}: a symlink to {target}, outside the checkpoint; refused")
+            st = os.stat(path)
+        return st.st_size if stat.S_ISREG(st.st_mode) else -1
 
     def size(path: Path) -> int:
         try:
-            st = os.lstat(path)
-            if stat.S_ISLNK(st.st_mode):
-                target = escapes(path.parent, path.name)
-                if target is not None:  # never read, never counted as the checkpoint's
-                    raise CheckpointError(f"{path}: a symlink to {target}, outside the checkpoint; refused")
-                st = os.stat(path)
+            return checked(path, os.lstat(path))
         except OSError:
             return -1
-        return st.st_size if stat.S_ISREG(st.st_mode) else -1
 
-    if progress is None:
-        return np.fromiter((size(file_of(i)) for i in index.id_list), dtype=np.int64, count=index.size)
+    sizer: Callable[[int], int] = lambda tid: size(file_of(tid))  # noqa: E731
+    if directory is not None:
+        try:
+            with os.scandir(directory) as it:
+                listing = {entry.name: entry for entry in it}
+        except OSError:
+            listing = {}
+
+        def listed_size(tid: int) -> int:
+            entry = listing.get(index.file_name(tid))
+            if entry is None:
+                return -1
+            try:
+                return checked(Path(entry.path), entry.stat(follow_symlinks=False))
+            except OSError:
+                return -1
+
+        sizer = listed_size
     ids = index.id_list
+    if progress is None:
+        return np.fromiter(map(sizer, ids), dtype=np.int64, count=len(ids))
     parts = []
     for start in range(0, len(ids), SIZES_STEP):
         block = ids[start : start + SIZES_STEP]
-        parts.append(np.fromiter((size(file_of(i)) for i in block), dtype=np.int64, count=len(block)))
+        parts.append(np.fromiter(map(sizer, block), dtype=np.int64, count=len(block)))
         progress(len(block))
     return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
@@ -826,7 +856,7 @@ def collect_stats(
     if not index_only:
         assert index is not None
         start_phase(progress, index.size, "looking at trajectory files")
-        sizes = file_sizes(file_of, index, progress)
+        sizes = file_sizes(file_of, index, progress, directory if view is None else None)
     doc: dict[str, Any] = {
         "path": str(directory),
         "rank_dirs": [str(d) for d in dirs] if view is not None else [],
