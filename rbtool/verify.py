@@ -46,6 +46,14 @@ from rbtool.passes import Timer, check_jobs, run_pass
 
 Progress = Callable[[int], None]
 
+
+def _start_phase(progress: Progress | None, total: int, description: str) -> None:
+    """Tell a progress callback that has a `start(total, description)` method that a counted phase begins."""
+    start = getattr(progress, "start", None)
+    if start is not None:
+        start(total, description)
+
+
 _IGNORED_FILES = {METADATA_FILE, INDEX_FILE, LEGACY_INDEX_FILE, MERGE_MAP_FILE}
 
 
@@ -530,6 +538,7 @@ def _run_deep(checkers: list[_FileChecker], progress: Progress | None, jobs: int
     """The deep pass over every checker's files at once, on `jobs` workers; returns the bytes read."""
     per_checker = [c.deep_tasks() for c in checkers]
     tasks = [t for ts in per_checker for t in ts]
+    _start_phase(progress, len(tasks), "loading trajectory files")
     results = run_pass(
         _deep_task,
         tasks,
@@ -555,12 +564,21 @@ def verify(
     """Check a checkpoint, a buffer directory, or each checkpoint of a folder of rank_* directories.
 
     The deep pass runs on `jobs` worker processes (default: the cores this process may use),
-    over the files of every checkpoint at once.
+    over the files of every checkpoint at once. `progress(1)` is called per file of the deep
+    pass; a callback with a `start(total, description)` method also hears of each phase
+    (checkpoints checked, then files loaded) and counts the checkpoints too.
     """
     workers = check_jobs(jobs)
     root = Path(path)
     timer = Timer()
-    checked = [_check_one(d, deep) for d in checkpoint_dirs(root)]
+    dirs = checkpoint_dirs(root)
+    _start_phase(progress, len(dirs), "checking index files and listings")
+    checked = []
+    phases = progress if hasattr(progress, "start") else None  # a plain callback counts files only
+    for d in dirs:
+        checked.append(_check_one(d, deep))
+        if phases is not None:
+            phases(1)
     report = VerifyReport(root, deep, [r for r, _ in checked], jobs=workers)
     if deep:
         report.bytes_read = _run_deep([f for _, f in checked], progress, workers)

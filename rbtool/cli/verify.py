@@ -151,8 +151,8 @@ def verify(
     from rbtool.errors import CheckpointError
     from rbtool.verify import verify as run_verify
 
-    enabled = deep and show_progress(json or jsonl)
-    with progress_bar("loading trajectory files", None, enabled) as advance:
+    enabled = show_progress(json or jsonl)
+    with progress_bar("checking index files and listings", None, enabled) as advance:
         result = run_verify(path, deep=deep, progress=advance if enabled else None, jobs=jobs)
     if jsonl:
         print_jsonl(problem_rows(result.checkpoints))
