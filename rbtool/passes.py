@@ -119,15 +119,21 @@ def _context(preload: Sequence[str]) -> Any:
 
 
 def _stop(pool: ProcessPoolExecutor) -> None:
-    """Cancel what has not started and end the workers now, without waiting for their tasks."""
-    pool.shutdown(wait=False, cancel_futures=True)
+    """Cancel what has not started and end the workers now, without waiting for their tasks.
+
+    (The executor has no public way to end its workers before Python 3.14's terminate_workers:
+    its process table and manager thread are read before shutdown() lets go of them.)
+    """
+    manager = getattr(pool, "_executor_manager_thread", None)
     processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
     for process in processes:
         if process.is_alive():
             process.terminate()
     for process in processes:
         process.join(timeout=5)
-    pool.shutdown(wait=True)
+    if manager is not None:
+        manager.join(timeout=5)  # it closes the queues (and their feeder threads) once the workers are gone
 
 
 def run_pass(
@@ -186,10 +192,8 @@ def run_pass(
                 position = pending.pop(future)
                 error = future.exception()
                 if isinstance(error, BrokenProcessPool):
-                    raise RbtoolError(
-                        f"{describe(tasks[position])}: a worker process of the pass died (killed, or out of "
-                        "memory?) while working on it or on another file"
-                    ) from None
+                    pending[future] = position
+                    raise error
                 if error is not None:
                     if first_error is None or position < first_error[0]:
                         first_error = (position, error)
@@ -203,6 +207,13 @@ def run_pass(
                 lowest_unfinished += 1
             if first_error is not None and lowest_unfinished >= first_error[0]:
                 break  # every task before the failed one is done: its error is the pass's
+    except BrokenProcessPool:
+        _stop(pool)
+        lost = min(pending.values(), default=0)  # one of the tasks in flight killed its worker
+        raise RbtoolError(
+            f"{describe(tasks[lost])}: a worker process of the pass died (killed, or out of memory?) "
+            "while working on it or on another file in flight"
+        ) from None
     except BaseException:
         _stop(pool)
         raise
