@@ -34,6 +34,7 @@ from rbtool.writer import (
     new_entry,
     rank_layout,
     rank_parts,
+    start_phase,
     write_checkpoint,
     write_ranks,
 )
@@ -84,8 +85,12 @@ def build_from_files(
     full = Index(seed=seed, trajectory_format=trajectory_format)
     paths: dict[int, Path] = {}
     kept = set(window_of(list(range(len(items))), window))
+    start_phase(progress, len(items), "reading trajectory files")
+    phases = progress if hasattr(progress, "start") else None  # a plain callback counts files placed
     for tid, item in enumerate(items):
         checked = check_item(item)
+        if phases is not None:
+            phases(1)
         full.entries[tid] = new_entry(tid, checked.info, uuid.uuid4().hex)
         if checked.sha256 and item.path.suffix == f".{trajectory_format}" and tid in kept:
             full.entries[tid]["sha256"] = checked.sha256
@@ -223,6 +228,7 @@ def merge(
         merged.trajectory_counter = max(merged.trajectory_counter, *map(shard_counter, view.indexes))
     mapping = view.mapping()
     result = MergeResult(merged, renumber, mapping)
+    start_phase(progress, merged.size, "placing trajectory files")
     with staged_dir(Path(out), overwrite=overwrite) as staging:
         result.report = fill_dir(staging, merged, view.file_of, progress, link=link)
         if renumber:

@@ -25,6 +25,13 @@ Source = Path | dict[str, Any]
 Progress = Callable[[int], None]  # called with the number of trajectories just done
 
 
+def start_phase(progress: Progress | None, total: int, description: str) -> None:
+    """Tell a progress callback that has a `start(total, description)` method that a counted phase begins."""
+    start = getattr(progress, "start", None)
+    if start is not None:
+        start(total, description)
+
+
 @dataclass
 class WriteReport:
     """What writing a set of trajectory files did."""
@@ -125,6 +132,7 @@ def write_checkpoint(
     in place with each written file's size and hash, so pass a copy you may change. With
     `link` False no file is a hard link of its source.
     """
+    start_phase(progress, index.size, "placing trajectory files")
     with staged_dir(out, overwrite=overwrite) as staging:
         return fill_dir(staging, index, source_of, progress, link=link)
 
@@ -164,6 +172,7 @@ def write_ranks(
 ) -> WriteReport:
     """Write `out/rank_r` for each part, the whole tree published at once (`link` as for fill_dir)."""
     report = WriteReport()
+    start_phase(progress, sum(part.size for part in parts), "placing trajectory files")
     with staged_dir(out, overwrite=overwrite) as staging:
         for rank, part in enumerate(parts):
             rank_dir = staging / f"rank_{rank}"
