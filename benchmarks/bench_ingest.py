@@ -45,6 +45,11 @@ OLD_COMMIT = "d8acc16"
 GOAL = 5.0  # 0.1's median ingest time / this tree's, at least
 
 
+def fmt_x(value: float | None) -> str:
+    """A ratio; two decimals below 1, where one would round a slow-down to 0.0x."""
+    return "n/a" if value is None else (f"{value:.2f}x" if value < 1 else f"{value:,.1f}x")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -278,14 +283,14 @@ def render(doc: dict[str, Any]) -> None:
     table.add_row(
         f"rbtool ingest{' --link' if doc['link_option'] else ''}{placement}",
         cell(doc["rbtool"]),
-        bench.fmt_x(doc["ratio"]),
+        fmt_x(doc["ratio"]),
         f">= {GOAL:g}x",
         bench.fmt_met(doc["met"]),
     )
     table.add_row("rbtool 0.1 ingest", cell(doc["rbtool_0_1"], doc["old_tree_problem"]), "", "", "")
     cp = doc["cp_r"]
     scale = bench.ratio(doc["rbtool"]["wall_s"], cp["wall_s"]) if cp else None
-    table.add_row("cp -r (for scale)", cell(cp), f"rbtool takes {bench.fmt_x(scale)}", "", "")
+    table.add_row("cp -r (for scale)", cell(cp), f"rbtool takes {fmt_x(scale)}", "", "")
     console.print(table)
 
 

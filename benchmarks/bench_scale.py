@@ -68,6 +68,11 @@ class Config:
     json: bool
 
 
+def fmt_x(value: float | None) -> str:
+    """A ratio; two decimals below 1, where one would round a slow-down to 0.0x."""
+    return "n/a" if value is None else (f"{value:.2f}x" if value < 1 else f"{value:,.1f}x")
+
+
 def parse_args(argv: list[str] | None = None) -> Config:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -519,7 +524,7 @@ def render(doc: dict[str, Any], cfg: Config) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    fmt_s, fmt_x, fmt_met = bench.fmt_s, bench.fmt_x, bench.fmt_met
+    fmt_s, fmt_met = bench.fmt_s, bench.fmt_met
     met = {g["name"]: g for g in doc["goals"]}
     table = Table(title="window 0 at scale (medians; ratio = eager / rbtool)")
     for column in ("figure", "rbtool", "baseline", "ratio", "goal", "met"):
@@ -592,8 +597,8 @@ def render(doc: dict[str, Any], cfg: Config) -> None:
             )
     console = Console(width=max(150, shutil.get_terminal_size((150, 40)).columns))
     console.print(
-        f"trajectories T={cfg.t}, B={cfg.b}, {cfg.image}x{cfg.image}x3 images; window 0; "
-        f"page cache warm (every file read before the timed runs); fresh process per run; "
+        f"trajectories T={cfg.t}, B={cfg.b}, {cfg.image}x{cfg.image}x3 images; window 0\n"
+        f"page cache warm (every file read before the timed runs); a fresh process per run; "
         f"first sample: median of up to {cfg.repeats} processes"
         + ("\nquick mode: the goals are set for 2,000 / 20,000 trajectories" if cfg.quick else ""),
         highlight=False,

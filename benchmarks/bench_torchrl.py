@@ -38,6 +38,11 @@ GOAL = 1.5  # TorchRL's median sample() time / rbtool's, at least
 INSTALL_HINT = "pip install -e '.[bench]' (torchrl and tensordict)"
 
 
+def fmt_x(value: float | None) -> str:
+    """A ratio; two decimals below 1, where one would round a slow-down to 0.0x."""
+    return "n/a" if value is None else (f"{value:.2f}x" if value < 1 else f"{value:,.1f}x")
+
+
 def torchrl_versions() -> dict[str, str] | str:
     """The installed torchrl and tensordict versions, or why they cannot be used."""
     try:
@@ -196,7 +201,7 @@ def render(doc: dict[str, Any]) -> None:
         f"sample({doc['num_chunks']}), window 0",
         fmt_s(doc["rbtool_s"]),
         fmt_s(doc["torchrl_s"]),
-        bench.fmt_x(doc["ratio"]),
+        fmt_x(doc["ratio"]),
         f">= {GOAL:g}x",
         bench.fmt_met(doc["met"]) + ("" if doc["same_fields"] else " FIELDS DIFFER"),
     )
