@@ -20,7 +20,7 @@ from rbtool.format import FORMATS, MERGE_MAP_FILE
 from rbtool.fsutil import link_or_copy, staged_dir
 from rbtool.index import Index, write_index
 from rbtool.passes import Throughput, Timer, check_jobs, default_jobs, run_pass
-from rbtool.writer import Progress, WriteReport, copied_entries, place_trajectory
+from rbtool.writer import Progress, WriteReport, copied_entries, place_trajectory, start_phase
 
 
 @dataclass
@@ -103,6 +103,7 @@ def convert(
             result.checkpoints.append((rel, converted))
 
         timer = Timer()
+        start_phase(progress, len(tasks), "rewriting trajectory files")
         placed = run_pass(
             _place,
             tasks,

@@ -19,7 +19,7 @@ from rbtool.errors import CheckpointError, UsageError
 from rbtool.format import MERGE_MAP_FILE
 from rbtool.fsutil import staged_dir, write_bytes_atomic
 from rbtool.index import Index, dumps
-from rbtool.writer import Progress, WriteReport, copied_entries, fill_dir
+from rbtool.writer import Progress, WriteReport, copied_entries, fill_dir, start_phase
 
 
 @dataclass
@@ -107,7 +107,9 @@ def select(
     if criteria.needs_versions():
         versions = {}
         # staleness is relative to the newest version anywhere in the checkpoint
-        for tid in index.id_list if criteria.max_staleness is not None else kept:
+        read = index.id_list if criteria.max_staleness is not None else kept
+        start_phase(progress, len(read), "reading versions")
+        for tid in read:
             versions[tid] = trajectory_versions(view.file_of(tid), tid)
             if progress is not None:
                 progress(1)
@@ -154,6 +156,7 @@ def filter_checkpoint(
     if dry_run:
         return result
     mapping = [m for m in view.mapping() if m["new_id"] in keep]
+    start_phase(progress, index.size, "placing trajectory files")
     with staged_dir(Path(out), overwrite=overwrite) as staging:
         result.report = fill_dir(staging, index, view.file_of, progress, link=link)
         if mapping:

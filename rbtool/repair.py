@@ -30,7 +30,7 @@ from rbtool.format import (
 from rbtool.fsutil import staged_dir
 from rbtool.index import Index
 from rbtool.passes import Throughput, Timer, check_jobs, run_pass
-from rbtool.writer import WriteReport, fill_dir, new_entry
+from rbtool.writer import WriteReport, fill_dir, new_entry, start_phase
 
 Progress = Callable[[int], None]
 DEFAULT_SEED = 1234
@@ -279,6 +279,7 @@ class _Planner:
         index = Index(seed=seed, trajectory_format=fmt, extra_metadata=extra)
         chosen = {tid: self.choose_file(tid, entries.get(tid), fmt) for tid in ids}
         to_read = [path for path in chosen.values() if path is not None]
+        start_phase(progress, len(ids), "checking trajectory files")  # each read file, then each missing one
         timer = Timer()
         read = run_pass(
             _read_file,

@@ -17,7 +17,7 @@ from rbtool.errors import UsageError
 from rbtool.format import MERGE_MAP_FILE
 from rbtool.fsutil import staged_dir, write_bytes_atomic
 from rbtool.index import Index, balanced_blocks, dumps, rank_bounds
-from rbtool.writer import Progress, WriteReport, fill_dir, rank_layout, rank_parts
+from rbtool.writer import Progress, WriteReport, fill_dir, rank_layout, rank_parts, start_phase
 
 SPLITS = ("count", "samples")
 
@@ -102,6 +102,7 @@ def reshard(
     if dry_run:
         return result
     mapping = {m["new_id"]: m for m in view.mapping()}
+    start_phase(progress, sum(part.size for part in parts), "placing trajectory files")
     with staged_dir(Path(out), overwrite=overwrite) as staging:
         for rank, part in enumerate(parts):
             rank_dir = staging / f"rank_{rank}"

@@ -19,8 +19,12 @@ TOP_KEYS = {
     "total_samples",
     "trajectory_counter",
     "trajectory_id_list",
+    "trajectory_id_list_left_out",
+    "trajectory_id_ranges",
+    "trajectory_id_ranges_left_out",
     "source_size",
     "dropped_ids",
+    "dropped_ids_left_out",
     "renumbered",
     "files",
 }

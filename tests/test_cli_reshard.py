@@ -10,7 +10,18 @@ from conftest import FIXTURES, assert_one_error, run, run_json, staging_left, tr
 from rbtool import read_index
 
 RANKS = FIXTURES / "ranks"
-RANK_KEYS = {"rank", "path", "size", "total_samples", "trajectory_counter", "trajectory_id_list", "bytes"}
+RANK_KEYS = {
+    "rank",
+    "path",
+    "size",
+    "total_samples",
+    "trajectory_counter",
+    "trajectory_id_list",
+    "trajectory_id_list_left_out",
+    "trajectory_id_ranges",
+    "trajectory_id_ranges_left_out",
+    "bytes",
+}
 
 
 def test_json_document(tmp_path: Path) -> None:

@@ -311,6 +311,13 @@ def insert_after(doc: dict[str, Any], key: str, extra: dict[str, Any]) -> None:
     doc.update(placed)
 
 
+def bound_state(state: dict[str, Any], limit: int | None) -> dict[str, Any]:
+    """A copy of a checkpoint state for --json: `trajectory_id_list` cut to `limit` ids, with its runs."""
+    state = dict(state)
+    bound(state, "trajectory_id_list", limit, ranges="trajectory_id_ranges")
+    return state
+
+
 def _is_long(value: Any) -> bool:
     return (
         not isinstance(value, (str, bytes, dict)) and hasattr(value, "__len__") and len(value) > _CHUNK_ITEMS

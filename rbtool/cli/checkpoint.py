@@ -21,6 +21,7 @@ from rbtool.cli._common import (
     PrettyOpt,
     StrictOpt,
     bound,
+    bound_state,
     files_line,
     format_ids,
     out,
@@ -148,7 +149,7 @@ def save(
     }
     limit = summary_limit(all_items)
     if json:
-        print_json(bounded_state(doc, limit), pretty)
+        print_json(bound_state(doc, limit), pretty)
         return
     title = f"saved {target} ({chosen.value}, window {window})"
     out.print(state_table(title, [("checkpoint", doc)], None if all_items else SUMMARY_ITEMS))
@@ -158,13 +159,6 @@ def save(
 # ----------------------------------------------------------------------- load
 def _rank_states(index: Index, world_size: int) -> list[dict[str, Any]]:
     return [{"rank": r, **index.rank_block(world_size, r).state()} for r in range(world_size)]
-
-
-def bounded_state(state: dict[str, Any], limit: int | None) -> dict[str, Any]:
-    """A load state for --json: the id list cut to `limit` ids (None: all) and its runs of ids."""
-    state = dict(state)
-    bound(state, "trajectory_id_list", limit, ranges="trajectory_id_ranges")
-    return state
 
 
 def trajectory_rows(index: Index, world_size: int | None, rank: int | None) -> Iterator[dict[str, Any]]:
@@ -267,9 +261,9 @@ def load(
     if json:
         bound(doc, "dropped_missing_ids", limit)
         if "ranks" in doc:
-            doc["ranks"] = [bounded_state(r, limit) for r in doc["ranks"]]
+            doc["ranks"] = [bound_state(r, limit) for r in doc["ranks"]]
         else:
-            doc = bounded_state(doc, limit)
+            doc = bound_state(doc, limit)
         print_json(doc, pretty)
         return
     how = "full load" if world_size is None else f"distributed load, world size {world_size}"

@@ -8,19 +8,25 @@ from typing import Annotated, Any
 import typer
 
 from rbtool.cli._common import (
+    SUMMARY_ITEMS,
+    AllOpt,
     CopyOpt,
     JobsOpt,
     JsonOpt,
+    PrettyOpt,
     SourceArg,
     StrictOpt,
     TrajectoryFormat,
+    bound_state,
     files_line,
     out,
     print_json,
     progress_bar,
+    refuse_output_mix,
     refuse_overlap,
     show_progress,
     state_table,
+    summary_limit,
 )
 
 
@@ -39,9 +45,12 @@ def convert(
         ),
     ] = False,
     copy: CopyOpt = False,
+    all_items: AllOpt = False,
     json: JsonOpt = False,
+    pretty: PrettyOpt = False,
 ) -> None:
     """Write OUT with every trajectory file of IN in FORMAT (a rank tree keeps its rank_* layout)."""
+    refuse_output_mix(json, pretty=pretty)
     from rbtool import conversion
 
     refuse_overlap(target, [source], "--out")
@@ -72,12 +81,15 @@ def convert(
         "files": result.report.as_json(),
     }
     if json:
-        print_json(doc)
+        print_json(
+            {**doc, "checkpoints": [bound_state(c, summary_limit(all_items)) for c in checkpoints]}, pretty
+        )
         return
     out.print(
         state_table(
             f"{source} converted to {doc['trajectory_format']} into {target} ({doc['jobs']} jobs)",
             [(Path(c["path"]).name, c) for c in checkpoints],
+            None if all_items else SUMMARY_ITEMS,
         )
     )
     out.print(f"files: {files_line(doc['files'])}")

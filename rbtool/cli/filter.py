@@ -8,19 +8,26 @@ from typing import Annotated, Any
 import typer
 
 from rbtool.cli._common import (
+    SUMMARY_ITEMS,
+    AllOpt,
     CopyOpt,
     ForceOpt,
     JsonOpt,
+    PrettyOpt,
     SourceArg,
     StrictOpt,
+    bound,
+    bound_state,
     files_line,
     format_ids,
     out,
     print_json,
     progress_bar,
+    refuse_output_mix,
     refuse_overlap,
     show_progress,
     state_table,
+    summary_limit,
 )
 
 
@@ -70,9 +77,12 @@ def filter_(
     strict: StrictOpt = True,
     force: ForceOpt = False,
     copy: CopyOpt = False,
+    all_items: AllOpt = False,
     json: JsonOpt = False,
+    pretty: PrettyOpt = False,
 ) -> None:
     """Write OUT holding IN's trajectories that match every criterion given (files linked; see --copy)."""
+    refuse_output_mix(json, pretty=pretty)
     from rbtool import filtering
 
     refuse_overlap(target, [source], "--out")
@@ -109,11 +119,16 @@ def filter_(
         "files": None if dry_run else result.report.as_json(),
     }
     if json:
-        print_json(doc)
+        shown = bound_state(doc, summary_limit(all_items))
+        bound(shown, "dropped_ids", summary_limit(all_items))
+        print_json(shown, pretty)
         return
     action = "would keep" if dry_run else f"kept in {target}"
-    out.print(state_table(f"{source}: {action}", [("kept", doc)]))
-    out.print(f"dropped {len(result.dropped)} of {doc['source_size']}: ids {format_ids(result.dropped)}")
+    limit = None if all_items else SUMMARY_ITEMS
+    out.print(state_table(f"{source}: {action}", [("kept", doc)], limit))
+    out.print(
+        f"dropped {len(result.dropped)} of {doc['source_size']}: ids {format_ids(result.dropped, limit)}"
+    )
     if dry_run:
         out.print("dry run: nothing written")
     else:

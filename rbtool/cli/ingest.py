@@ -12,11 +12,13 @@ from rbtool.cli._common import (
     CopyOpt,
     FormatOpt,
     JsonOpt,
+    PrettyOpt,
     err,
     files_line,
     out,
     print_json,
     progress_bar,
+    refuse_output_mix,
     show_progress,
 )
 
@@ -71,6 +73,7 @@ def ingest(
     ] = False,
     copy: CopyOpt = False,
     json: JsonOpt = False,
+    pretty: PrettyOpt = False,
 ) -> None:
     """Add trajectories to a buffer directory; ids continue from its trajectory_counter.
 
@@ -81,6 +84,7 @@ def ingest(
     (copy-on-write) is used wherever the file system can. After each published batch a line
     `added trajectory ids FIRST-LAST` goes to stderr.
     """
+    refuse_output_mix(json, pretty=pretty)
     from rbtool.errors import UsageError
     from rbtool.ingestion import ingest as ingest_sources
 
@@ -123,7 +127,7 @@ def ingest(
         "skipped": [s.as_json() for s in result.skipped],
     }
     if json:
-        print_json(doc)
+        print_json(doc, pretty)
         return
     table = Table(title=f"ingest into {result.buffer}", show_header=False, title_justify="left")
     table.add_column("key", style="bold")

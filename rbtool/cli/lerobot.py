@@ -14,6 +14,7 @@ from rbtool.cli._common import (
     FormatOpt,
     Group,
     JsonOpt,
+    PrettyOpt,
     StrictOpt,
     err,
     files_line,
@@ -21,6 +22,7 @@ from rbtool.cli._common import (
     out,
     print_json,
     progress_bar,
+    refuse_output_mix,
     refuse_overlap,
     show_progress,
 )
@@ -126,11 +128,13 @@ def export(
     strict: StrictOpt = True,
     force: ForceOpt = False,
     json: JsonOpt = False,
+    pretty: PrettyOpt = False,
 ) -> None:
     """Write a checkpoint as a LeRobot v3.0 dataset that `rbtool import lerobot` turns back into it.
 
     One episode per (trajectory, env column) segment, split where the done flags end an episode.
     """
+    refuse_output_mix(json, pretty=pretty)
     from rbtool.dirs import open_view
     from rbtool.errors import RbtoolError, UsageError
     from rbtool.lerobot import CODEBASE_VERSION, export_lerobot, parse_field_map
@@ -183,7 +187,7 @@ def export(
         "bytes": result.bytes,
     }
     if json:
-        print_json(doc)
+        print_json(doc, pretty)
         return
     rows = [
         ("trajectories", str(result.trajectories)),
@@ -246,6 +250,7 @@ def import_lerobot(
     ] = None,
     trajectory_format: FormatOpt = None,
     json: JsonOpt = False,
+    pretty: PrettyOpt = False,
 ) -> None:
     """Add a LeRobot dataset's episodes to a buffer directory; ids continue from its trajectory_counter.
 
@@ -253,6 +258,7 @@ def import_lerobot(
     with its own ids). After each published batch a line `added trajectory ids FIRST-LAST` goes
     to stderr.
     """
+    refuse_output_mix(json, pretty=pretty)
     from rbtool.errors import RbtoolError
     from rbtool.lerobot import count_units, parse_field_map
     from rbtool.lerobot import import_lerobot as run_import
@@ -313,7 +319,7 @@ def import_lerobot(
         "files": result.report.as_json(),
     }
     if json:
-        print_json(doc)
+        print_json(doc, pretty)
         return
     ids = result.added_ids
     rows = [

@@ -8,18 +8,24 @@ from typing import Annotated, Any
 import typer
 
 from rbtool.cli._common import (
+    SUMMARY_ITEMS,
+    AllOpt,
     CopyOpt,
     ForceOpt,
     FormatOpt,
     JsonOpt,
+    PrettyOpt,
     StrictOpt,
+    bound_state,
     files_line,
     out,
     print_json,
     progress_bar,
+    refuse_output_mix,
     refuse_overlap,
     show_progress,
     state_table,
+    summary_limit,
 )
 
 
@@ -33,9 +39,12 @@ def merge(
     strict: StrictOpt = True,
     force: ForceOpt = False,
     copy: CopyOpt = False,
+    all_items: AllOpt = False,
     json: JsonOpt = False,
+    pretty: PrettyOpt = False,
 ) -> None:
     """Merge checkpoints: unique ids are kept in input order, colliding ids renumbered from 0."""
+    refuse_output_mix(json, pretty=pretty)
     from rbtool import checkpoint
     from rbtool.dirs import checkpoint_dirs
 
@@ -63,9 +72,15 @@ def merge(
         "files": result.report.as_json(),
     }
     if json:
-        print_json(doc)
+        print_json(bound_state(doc, summary_limit(all_items)), pretty)
         return
-    out.print(state_table(f"merged {len(inputs)} checkpoint(s) into {target}", [("merged", doc)]))
+    out.print(
+        state_table(
+            f"merged {len(inputs)} checkpoint(s) into {target}",
+            [("merged", doc)],
+            None if all_items else SUMMARY_ITEMS,
+        )
+    )
     if result.renumbered:
         out.print(f"ids collided and were renumbered; mapping in {doc['mapping_file']}")
     out.print(f"format {doc['trajectory_format']}; files: {files_line(doc['files'])}")

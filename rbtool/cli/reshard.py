@@ -9,19 +9,25 @@ from typing import Annotated, Any
 import typer
 
 from rbtool.cli._common import (
+    SUMMARY_ITEMS,
+    AllOpt,
     CopyOpt,
     JsonOpt,
+    PrettyOpt,
     RanksForceOpt,
     SourceArg,
     StrictOpt,
     WorldSizeOpt,
+    bound_state,
     files_line,
     format_ids,
     out,
     print_json,
     progress_bar,
+    refuse_output_mix,
     refuse_overlap,
     show_progress,
+    summary_limit,
 )
 
 
@@ -50,9 +56,12 @@ def reshard(
     strict: StrictOpt = True,
     force: RanksForceOpt = False,
     copy: CopyOpt = False,
+    all_items: AllOpt = False,
     json: JsonOpt = False,
+    pretty: PrettyOpt = False,
 ) -> None:
     """Write OUT/rank_r for N ranks from IN's trajectories (the merge of its ranks), files linked."""
+    refuse_output_mix(json, pretty=pretty)
     from rbtool import resharding
 
     refuse_overlap(target, [source], "--out")
@@ -84,7 +93,7 @@ def reshard(
         "files": None if dry_run else result.report.as_json(),
     }
     if json:
-        print_json(doc)
+        print_json({**doc, "ranks": [bound_state(r, summary_limit(all_items)) for r in ranks]}, pretty)
         return
     from rich.table import Table
 
@@ -104,7 +113,7 @@ def reshard(
             str(r["total_samples"]),
             f"{r['bytes']:,}",
             str(r["trajectory_counter"]),
-            format_ids(r["trajectory_id_list"]),
+            format_ids(r["trajectory_id_list"], None if all_items else SUMMARY_ITEMS),
         )
     out.print(table)
     if view.renumbered:

@@ -8,18 +8,24 @@ from typing import Annotated, Any
 import typer
 
 from rbtool.cli._common import (
+    SUMMARY_ITEMS,
+    AllOpt,
     CopyOpt,
     JsonOpt,
+    PrettyOpt,
     RanksForceOpt,
     StrictOpt,
     WorldSizeOpt,
+    bound_state,
     files_line,
     out,
     print_json,
     progress_bar,
+    refuse_output_mix,
     refuse_overlap,
     show_progress,
     state_table,
+    summary_limit,
 )
 
 
@@ -32,9 +38,12 @@ def shard(
     strict: StrictOpt = True,
     force: RanksForceOpt = False,
     copy: CopyOpt = False,
+    all_items: AllOpt = False,
     json: JsonOpt = False,
+    pretty: PrettyOpt = False,
 ) -> None:
     """Write OUT/rank_r for every rank: exactly what a distributed load of CKPT by rank r yields."""
+    refuse_output_mix(json, pretty=pretty)
     from rbtool import checkpoint
 
     refuse_overlap(target, [ckpt], "--out")
@@ -53,11 +62,13 @@ def shard(
         "files": report.as_json(),
     }
     if json:
-        print_json(doc)
+        print_json({**doc, "ranks": [bound_state(r, summary_limit(all_items)) for r in ranks]}, pretty)
         return
     out.print(
         state_table(
-            f"{ckpt} sharded over {world_size} ranks into {target}", [(f"rank_{r['rank']}", r) for r in ranks]
+            f"{ckpt} sharded over {world_size} ranks into {target}",
+            [(f"rank_{r['rank']}", r) for r in ranks],
+            None if all_items else SUMMARY_ITEMS,
         )
     )
     out.print(f"files: {files_line(doc['files'])}")
