@@ -18,6 +18,7 @@ import functools
 import hashlib
 import io
 import os
+import pickle
 import stat
 import warnings
 from pathlib import Path
@@ -211,9 +212,11 @@ def _open_regular(path: Path) -> None:
         raise TrajectoryFileError(f"{path}: not a regular file")
 
 
-def _check_zip_records(path: Path, data: bytes | None = None) -> None:
+def _check_zip_records(path: Path, data: bytes | None = None, *, mapped: bool = False) -> None:
     """A `.pt` zip's records must be stored uncompressed and fit in the file (no zip bombs),
-    and its pickle must hold no BUILD instruction. `data`: the file's bytes, when read already."""
+    and its pickle must hold no BUILD instruction. `data`: the file's bytes, when read already.
+    `mapped`: the load will be memory-mapped, so every storage's declared size is checked
+    against its record here (a mapped load does not)."""
     import zipfile
 
     source: Any = path if data is None else io.BytesIO(data)
@@ -237,8 +240,97 @@ def _check_zip_records(path: Path, data: bytes | None = None) -> None:
         return  # not a zip (a legacy .pt) or unreadable: torch's loader names the problem
     from rbtool.safepickle import refuse_opcodes
 
-    for data_pkl in pickled:
+    sizes = {r.filename: r.file_size for r in records}
+    for record, data_pkl in zip(pickles, pickled, strict=True):
         refuse_opcodes(data_pkl, str(path))  # a BUILD would bypass the size checks
+        if not mapped:
+            continue
+        # torch checks a storage's size against its record only when it reads the record;
+        # a memory-mapped load slices the file, so a storage may claim the bytes after it
+        prefix = record.filename[: -len("data.pkl")]
+        for key, nbytes in _declared_storages(data_pkl):
+            held = sizes.get(f"{prefix}data/{key}")
+            if held is not None and held != nbytes:
+                raise TrajectoryFileError(
+                    f"{path}: storage {key!r:.40} declares {nbytes} bytes but its zip record holds {held}"
+                )
+
+
+class _StandIn:
+    """What every global of a scanned data.pkl becomes: takes any arguments and items, runs nothing."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _StandIn:
+        return super().__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, item: Any) -> None:
+        pass
+
+    def extend(self, items: Any) -> None:
+        pass
+
+    def add(self, item: Any) -> None:
+        pass
+
+
+@functools.lru_cache(maxsize=256)
+def _stand_in_type(qualified: str) -> type:
+    return type(qualified, (_StandIn,), {"qualified": qualified})
+
+
+class _StorageScan(pickle.Unpickler):
+    """Reads a .pt's data.pkl only for its storages' persistent ids; no global is ever resolved."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        self.pids: list[Any] = []
+
+    def find_class(self, module: str, name: str) -> Any:
+        return _stand_in_type(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        self.pids.append(pid)
+        return _StandIn()
+
+
+def _declared_storages(data_pkl: bytes) -> list[tuple[str, int]]:
+    """(record key, bytes) of every storage a data.pkl declares: ('storage', type, key, location, numel).
+
+    What the scan cannot read is left to torch's loader, which refuses it with its own words.
+    """
+    scan = _StorageScan(data_pkl)
+    try:
+        scan.load()
+    except Exception:
+        return []
+    declared = []
+    for pid in scan.pids:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            continue
+        kind, key, numel = getattr(pid[1], "qualified", ""), pid[2], pid[4]
+        if type(key) is not str or type(numel) is not int or not kind.startswith("torch."):
+            continue
+        itemsize = _storage_itemsize(kind[len("torch.") :])
+        if itemsize is not None:
+            declared.append((key, numel * itemsize))
+    return declared
+
+
+@functools.cache
+def _storage_itemsize(name: str) -> int | None:
+    """Bytes per element of a pickled storage type (legacy names such as FloatStorage), or None."""
+    torch = require_torch()
+    if name == "UntypedStorage":
+        return 1
+    try:  # the map torch's weights-only loader uses
+        return int(torch._utils._element_size(torch.storage._get_dtype_from_pickle_storage_type(name)))
+    except (KeyError, RuntimeError):
+        return None
 
 
 def _torch_load(path: Path, source: Any, mmap: bool) -> Any:
@@ -303,7 +395,7 @@ def load_pt_template(path: Path, mmap: bool) -> Any:
     """
     require_torch()
     _open_regular(path)
-    _check_zip_records(path)
+    _check_zip_records(path, mapped=mmap)
     obj = _torch_load(path, path, mmap=mmap)
     check_loaded(obj, str(path))
     return obj
