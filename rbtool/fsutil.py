@@ -190,7 +190,9 @@ def _link_or_copy(src: Path, dst: Path, *, link: bool = True) -> Placement:
         how = "copy"
         if link:
             try:
-                os.link(src, tmp)
+                # link(2) links a symlink itself, not its target: a listed file that is a
+                # relative link within its checkpoint would dangle in the new directory
+                os.link(os.path.realpath(src), tmp)
                 how = "link"
             except OSError as exc:
                 if exc.errno == errno.ENOENT:
