@@ -143,3 +143,18 @@ def test_docs_cover_every_json_key() -> None:
         TOP_KEYS | CKPT_KEYS | {"trajectory_id", "file", "reason", "message", "reflinked", "linked", "bytes"}
     ):
         assert re.search(rf"`([a-z\[\]_]+\.)?{key}`", text), key
+
+
+def test_jobs_give_the_same_repair_and_report_the_pass(rlinf_copy: Any, tmp_path: Path) -> None:
+    src = rlinf_copy(NOSAVE[0])
+    docs = []
+    for jobs in ("1", "2"):
+        result = run(src, "--out", tmp_path / f"fixed{jobs}", "--jobs", jobs, "--json")
+        assert result.exit_code == 0, result.stderr
+        doc = json.loads(result.stdout)
+        sizes = sum(p.stat().st_size for p in src.glob("trajectory_*_*"))
+        assert doc["jobs"] == int(jobs) and doc["bytes_read"] == sizes and doc["bytes_per_second"] > 0
+        docs.append(doc["checkpoints"][0]["dropped"])
+    assert docs[0] == docs[1]
+    human = run(src, "--out", tmp_path / "fixed3", "--jobs", "2")
+    assert human.exit_code == 0 and "MB/s, 2 jobs)" in human.stdout

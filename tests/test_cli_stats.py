@@ -280,3 +280,24 @@ def test_an_empty_buffer_directory(tmp_path: Path) -> None:
     assert human.exit_code == 0 and "0 trajectories, 0 samples" in human.stdout
     drawn = runner.invoke(app, ["stats", str(tmp_path), "--sample-draws", "5"])
     assert drawn.exit_code == 1 and "no samples" in drawn.stderr
+
+
+def test_jobs_read_the_files_on_worker_processes_with_the_same_numbers(tmp_path: Path) -> None:
+    rel = str(FIXTURES / "ranks")
+    one, two = (stats_json(rel, "--jobs", j) for j in ("1", "2"))
+    assert (one["data"]["jobs"], two["data"]["jobs"]) == (1, 2)
+    for doc in (one, two):
+        assert doc["data"]["bytes_per_second"] > 0 and doc["data"]["seconds"] > 0
+        for key in ("jobs", "seconds", "bytes_per_second"):
+            doc["data"].pop(key)
+    assert one == two
+    assert runner.invoke(app, ["stats", rel, "--jobs", "0"]).exit_code == 2
+    # a file that cannot be read is one line naming it, whichever worker read it
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "autosave_pt" / "autosave", ckpt)
+    (bad,) = ckpt.glob("trajectory_3_*.pt")
+    bad.chmod(0o644)
+    bad.write_bytes(b"not a trajectory")
+    result = runner.invoke(app, ["stats", str(ckpt), "--jobs", "2"])
+    assert_one_error(result)
+    assert bad.name in result.stderr
