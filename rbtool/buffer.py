@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 import uuid
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,27 +20,18 @@ from rbtool.dirs import CheckpointView, open_view, warn_layout
 from rbtool.errors import BufferClosedError, CheckpointError, EmptyBufferError, UsageError
 from rbtool.format import FORMATS, trajectory_file_name
 from rbtool.index import Index, init_buffer_dir, read_index, window_of
-from rbtool.sampling import Draw, check_draw, draw_uniform
-from rbtool.storage import FieldPath, FlatView, Schema, TrajectoryStore, gather, shared_schema, window_cache
+from rbtool.sampling import Draw, SampleCounts, check_draw, check_num_chunks, draw_range
+from rbtool.storage import FlatView, RawTrajectory, RowCache, Signature, TrajectoryStore, WindowSchema, gather
 from rbtool.writer import AutoSaveWriter, WriteReport, place_trajectory, write_checkpoint
 
 if TYPE_CHECKING:
     from rbtool.topk import Candidates, RewardIndex
 
+# The largest share of the auto-save writer's time spent rewriting the index (see _publish).
+PUBLISH_SHARE = 0.2
 # Trajectories kept open for sampling (small fields in memory, large rows left in their
 # files), least recently used dropped first; file descriptors are bounded separately.
 DEFAULT_MAX_OPEN_FILES = 1024
-
-
-@dataclass
-class WindowPlan:
-    """What sampling needs of the current window, computed once per window."""
-
-    window: list[int]
-    sizes: list[int]
-    schema: Schema
-    cached: dict[FieldPath, Any]
-    left_out: list[str]
 
 
 class TrajectoryReplayBuffer:
@@ -88,12 +79,22 @@ class TrajectoryReplayBuffer:
             max_open=self.max_open_files, extra_fields=self.extra_fields, lock=self._lock
         )
         self._writer: AutoSaveWriter | None = None
+        # auto-save publishing: the last id count queued, when and how long the last took
+        self._publish_upto = 0
+        self._last_publish = 0.0
+        self._publish_cost = 0.0
+        self._publish_now = threading.Event()
         self._closed = False
         self._unloaded_size = 0
         self._warned_left_out = False
-        # Bumped whenever the id list or what is held changes; keys the cached window plan.
-        self._index_version = 0
-        self._window_cache: tuple[tuple[int, int], WindowPlan] | None = None
+        # Window bookkeeping, updated from what is added and what leaves the window (never
+        # recomputed over the window on each add): cumulative sample counts along the id
+        # list, the window's signatures (its shared fields), the added trajectories' rows.
+        # A new generation (load, clear) starts them again.
+        self._generation = object()
+        self._counts = SampleCounts()
+        self._window_schema = WindowSchema()
+        self._rows = RowCache()
         # Reward scores for top-k sampling; created by the first top-k call, then fed per add.
         self._rewards: RewardIndex | None = None
 
@@ -136,18 +137,25 @@ class TrajectoryReplayBuffer:
         With auto_save off only held trajectories can be sampled: after the window shrank
         and grew again, the window is the last `sample_window_size` of those still held.
         """
+        lo, hi = self._window_range()
+        return self._index.id_list[lo:hi]
+
+    def _window_range(self) -> tuple[int, int]:
+        """The window as positions `[lo, hi)` of the id list.
+
+        With auto_save off, what is held is a run at the end of the list (adds append,
+        eviction drops the front), so the window is the end of that run.
+        """
         ids = self._index.id_list
+        n = len(ids)
+        want = min(self.sample_window_size or n, n)
         if self.auto_save:
-            return window_of(ids, self.sample_window_size)
-        want = self.sample_window_size or len(ids)
-        held = len(self._store)
-        taken: list[int] = []
-        for tid in reversed(ids):
-            if len(taken) >= want or len(taken) >= held:
-                break
-            if self._store.holds(tid):
-                taken.append(tid)
-        return taken[::-1]
+            return n - want, n
+        held = len(self._store.memory) + len(self._store.files)
+        lo = n - min(want, held)
+        if lo == n or (self._store.holds(ids[lo]) and self._store.holds(ids[-1])):
+            return lo, n
+        raise CheckpointError("the buffer's held trajectories are not the end of its id list")
 
     def get_stats(self) -> dict[str, int]:
         """RLinf's statistics: `num_trajectories`, `total_samples`, `cache_size`, all numbers."""
@@ -201,6 +209,8 @@ class TrajectoryReplayBuffer:
         prepared = [trajfile.normalize(t, f"trajectory #{n}") for n, t in enumerate(trajectories)]
         ids: list[int] = []
         with self._lock:
+            position = len(self._index.id_list)
+            self._counts.extend(info.num_samples for _, info in prepared)
             for traj, info in prepared:
                 tid = self._index.trajectory_counter
                 self._index.trajectory_counter += 1
@@ -215,7 +225,13 @@ class TrajectoryReplayBuffer:
                 self._index.id_list.append(tid)
                 self._store.put(tid, traj)
                 ids.append(tid)
-            self._index_version += 1
+                t, b = info.shape[:2]
+                self._rows.append(
+                    position,
+                    self._counts.start(position),
+                    FlatView(traj, t, b, extra_fields=self.extra_fields),
+                )
+                position += 1
             if self._rewards is not None:
                 from rbtool.topk import trajectory_scores
 
@@ -224,17 +240,24 @@ class TrajectoryReplayBuffer:
             if self._writer is not None:
                 for tid in ids:
                     self._writer.submit(lambda tid=tid: self._write_one(tid))  # type: ignore[misc]
-                snapshot = self._index.subset(self._index.id_list)
-                self._writer.submit(lambda: self._publish(snapshot))
+                upto, counter = len(self._index.id_list), self._index.trajectory_counter
+                self._publish_upto = upto
+                self._writer.submit(lambda: self._publish(upto, counter))
             else:
                 self._evict_outside_window()
         return ids
 
     def _evict_outside_window(self) -> None:
-        """auto_save off: hold only the sampling window's trajectories."""
-        keep = set(window_of(self._index.id_list, self.sample_window_size))
-        for tid in [t for t in (self._store.memory.keys() | self._store.files.keys()) if t not in keep]:
-            self._store.drop(tid)
+        """auto_save off: hold only the sampling window's trajectories.
+
+        What is held is a run at the end of the id list: only its front can leave.
+        """
+        ids = self._index.id_list
+        n = len(ids)
+        held = len(self._store.memory) + len(self._store.files)
+        keep_from = n - min(self.sample_window_size or n, n)
+        for position in range(n - held, keep_from):
+            self._store.drop(ids[position])
 
     def _write_one(self, tid: int) -> None:
         """Writer thread: write one trajectory file and record its size and hash."""
@@ -250,52 +273,70 @@ class TrajectoryReplayBuffer:
             entry["sha256"] = trajfile.sha256_bytes(data)
             self._store.written(tid, path)
 
-    def _publish(self, snapshot: Index) -> None:
-        """Writer thread: publish an index whose files were all written before this job ran."""
+    def _publish(self, upto: int, counter: int) -> None:
+        """Writer thread: publish the index of the first `upto` ids, whose files are all written.
+
+        Rewriting the index costs O(size), so publishes are spaced: a publish waits until
+        at most PUBLISH_SHARE of the writer's time has gone to publishing, and is skipped
+        when a later one (listing more) is queued behind it. flush() ends the wait.
+        """
         assert self._writer is not None
+        if upto < self._publish_upto:
+            return
+        wait = self._last_publish + self._publish_cost / PUBLISH_SHARE - time.monotonic()
+        if wait > 0 and not self._publish_now.wait(wait) and upto < self._publish_upto:
+            return
+        start = time.monotonic()
         with self._lock:
-            snapshot.entries = {
-                i: dict(self._index.entries.get(i, snapshot.entries[i])) for i in snapshot.id_list
-            }
+            # entries of ids up to `upto` no longer change (their files are written): shared
+            snapshot = Index(
+                entries=self._index.entries,
+                id_list=self._index.id_list[:upto],
+                trajectory_counter=counter,
+                seed=self._index.seed,
+                trajectory_format=self._index.trajectory_format,
+                extra_metadata=dict(self._index.extra_metadata),
+            )
         self._writer.publish(snapshot)
+        self._last_publish = time.monotonic()
+        self._publish_cost = self._last_publish - start
 
     def flush(self) -> None:
         """Wait until every background write is complete; re-raise the first that failed."""
         if self._writer is not None:
-            self._writer.flush()
+            self._publish_now.set()
+            try:
+                self._writer.flush()
+            finally:
+                self._publish_now.clear()
 
     # -------------------------------------------------------------- sampling
+    def _raw(self, tid: int) -> RawTrajectory | None:
+        shape = self._index.entries[tid]["shape"]
+        return self._store.raw(tid, shape[0], shape[1])
+
     def _view(self, tid: int) -> FlatView:
         shape = self._index.entries[tid]["shape"]
         return self._store.view(tid, shape[0], shape[1])
 
-    def _window_plan(self) -> WindowPlan:
-        """The window's ids, sample counts, shared schema and in-memory field cache.
+    def _signature_at(self, position: int) -> Signature:
+        tid = self._index.id_list[position]
+        shape = self._index.entries[tid]["shape"]
+        return self._store.signature(tid, shape[0], shape[1])
 
-        Cached until the id list, what is held, or the window size changes. Opening the
-        window's trajectories here means a bad file fails before anything is drawn.
-        """
-        window = self.window_ids()
-        key = (self._index_version, self.sample_window_size)
-        if self._window_cache is not None and self._window_cache[0] == key:
-            return self._window_cache[1]
-        entries = self._index.entries
-        schemas = []
-        left_out: dict[str, None] = {}
-        for tid in window:
-            shape = entries[tid]["shape"]
-            schemas.append(self._store.schema(tid, shape[0], shape[1]))
-            left_out.update(dict.fromkeys(".".join(p) for p in self._store.left_out.get(tid, [])))
-        schema = shared_schema(schemas)
-        plan = WindowPlan(
-            window,
-            [entries[i]["num_samples"] for i in window],
-            schema,
-            window_cache(window, schema, self._view),
-            list(left_out),
-        )
-        self._window_cache = (key, plan)
-        return plan
+    def _left_window(self, position: int) -> None:
+        self._store.forget(self._index.id_list[position])
+
+    def _track_window(self, lo: int, hi: int) -> None:
+        """Bring the window's signatures up to date (new ones read from headers, a few at once)."""
+        if self._window_schema.generation is not self._generation or lo < self._window_schema.lo:
+            start = lo
+        else:
+            start = max(lo, self._window_schema.hi)
+        unknown = [tid for tid in self._index.id_list[start:hi] if tid not in self._store.signatures]
+        if len(unknown) > 64:
+            self._store.read_headers(unknown)
+        self._window_schema.track(self._generation, lo, hi, self._signature_at, self._left_window)
 
     def sample(
         self, num_chunks: int, strategy: str = "uniform", k: int | None = None, temperature: float = 1.0
@@ -323,25 +364,39 @@ class TrajectoryReplayBuffer:
 
         self._check_open()
         check_strategy(strategy, k, temperature)
+        check_num_chunks(num_chunks)
         if not self._index.id_list:
             raise EmptyBufferError("cannot sample from an empty buffer")
-        plan = self._window_plan()
-        window, sizes = plan.window, plan.sizes
-        check_draw(sizes, num_chunks)
-        if strategy == "topk":
-            assert k is not None
-            candidates = self._topk_candidates(window, k)
-            draw = draw_topk(window, sizes, candidates, num_chunks, temperature, self.random_generator)
-        else:
-            draw = draw_uniform(window, sizes, num_chunks, self.random_generator)
-        if plan.left_out and not self._warned_left_out:
-            self._warned_left_out = True
-            warnings.warn(
-                f"sampled batches leave out {', '.join(plan.left_out)} (the reference sampler ignores "
-                "them); construct the buffer with extra_fields=True to sample them",
-                stacklevel=3,
-            )
-        return draw, gather(draw, plan.schema, self._view, plan.cached)
+        lo, hi = self._window_range()
+        self._track_window(lo, hi)
+        schema, left_out = self._window_schema.shared()
+        ids = self._index.id_list
+        # a call that fails draws nothing (SPEC §3 step 3): the stream is put back
+        state = self.random_generator.get_state()
+        try:
+            if strategy == "topk":
+                assert k is not None
+                window = ids[lo:hi]
+                sizes = [self._index.entries[i]["num_samples"] for i in window]
+                check_draw(sizes, num_chunks)
+                candidates = self._topk_candidates(window, k)
+                draw = draw_topk(window, sizes, candidates, num_chunks, temperature, self.random_generator)
+            else:
+                draw = draw_range(ids, self._counts, lo, hi, num_chunks, self.random_generator)
+            if left_out and not self._warned_left_out:
+                self._warned_left_out = True
+                warnings.warn(
+                    f"sampled batches leave out {', '.join(left_out)} (the reference sampler ignores "
+                    "them); construct the buffer with extra_fields=True to sample them",
+                    stacklevel=3,
+                )
+            base = self._counts.start(lo)
+            self._rows.trim(lo, base)
+            batch = gather(draw, schema, self._view, self._rows.covering(lo, hi, base), self._raw)
+        except BaseException:
+            self.random_generator.set_state(state)
+            raise
+        return draw, batch
 
     def _topk_candidates(self, window: list[int], k: int) -> Candidates:
         """The window's top-k samples by reward; scores of loaded trajectories are read lazily."""
@@ -363,7 +418,15 @@ class TrajectoryReplayBuffer:
         """
         self.flush()
         self._store.clear_views()
-        self._window_cache = None
+
+    def _new_generation(self) -> None:
+        """The id list was replaced: window bookkeeping starts again from it."""
+        entries = self._index.entries
+        self._generation = object()
+        self._counts = SampleCounts(entries[i]["num_samples"] for i in self._index.id_list)
+        self._window_schema = WindowSchema()
+        end = len(self._index.id_list)
+        self._rows.reset(end, self._counts.start(end))
 
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_path: str | Path) -> None:
@@ -435,8 +498,7 @@ class TrajectoryReplayBuffer:
                 self._store.set_files({i: view.file_of(i) for i in held}, pin=True)
             self._index = new
             self._unloaded_size = 0
-            self._index_version += 1
-            self._window_cache = None
+            self._new_generation()
             self._rewards = None
 
     def _adopt_files(self, new: Index, files: dict[int, Path]) -> dict[int, Path]:
@@ -466,8 +528,7 @@ class TrajectoryReplayBuffer:
             self._index = Index(seed=self.seed, trajectory_format=self.trajectory_format)
             self._store.clear()
             self._unloaded_size = 0
-            self._index_version += 1
-            self._window_cache = None
+            self._new_generation()
             self._rewards = None
             if self._writer is not None and self.auto_save_path is not None:
                 self._writer.publish(self._index)
@@ -485,6 +546,7 @@ class TrajectoryReplayBuffer:
         finally:
             self._closed = True
             if self._writer is not None:
+                self._publish_now.set()
                 self._writer.close(wait=wait)
             self._store.clear()
 

@@ -344,6 +344,16 @@ def _parse(path: Path, read: Any, size: int) -> dict[str, Any]:
     if byteorder in archive.records and archive.read(byteorder, 16) != b"little":
         raise UnusualLayout("big-endian data")
     data = archive.read(f"{archive.prefix}data.pkl", MAX_PICKLE_BYTES)
+    # Files of one writer often share their structure byte for byte (same pickle, records at
+    # the same places): then the result is the same, and is reused.
+    storages = f"{archive.prefix}data/"
+    places = tuple(
+        (n[len(storages) :], *archive.data_start(n)) for n in archive.records if n.startswith(storages)
+    )
+    key = (data, places)
+    known = _KNOWN.get(key)
+    if known is not None:
+        return known
     try:
         raw = _HeaderUnpickler(data).load()
     except RbtoolError:
@@ -356,12 +366,21 @@ def _parse(path: Path, read: Any, size: int) -> dict[str, Any]:
     structure = _build(path, archive, raw)
     if not isinstance(structure, dict):
         raise TrajectoryFileError(f"{path}: holds a {type(structure).__name__}, expected a trajectory dict")
+    if len(_KNOWN) >= _KNOWN_MAX:
+        del _KNOWN[next(iter(_KNOWN))]
+    _KNOWN[key] = structure
     return structure
+
+
+# Headers already built, by (data.pkl bytes, storage record places): shared, never changed.
+_KNOWN: dict[tuple[bytes, tuple[tuple[str, int, int], ...]], dict[str, Any]] = {}
+_KNOWN_MAX = 4096
 
 
 def read_header(path: Path, data: bytes | None = None) -> dict[str, Any]:
     """A `.pt` trajectory's dict with a TensorSpec for each tensor, reading no tensor bytes.
 
+    The dict may be shared with other files of the same structure: never change it.
     `data`: the file's bytes, when they were read already (nothing more is read then).
     Raises UnusualLayout for layouts this reader leaves to torch's loader.
     """

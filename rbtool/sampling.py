@@ -8,13 +8,14 @@ A sampler only computes draws; reading the drawn rows is the storage's job
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 from rbtool.errors import EmptyBufferError, UsageError
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 class Draw:
     """The result of drawing sample positions in a window."""
 
-    window_ids: list[int]
+    window_ids: Sequence[int]
     global_indices: torch.Tensor
     positions: torch.Tensor  # index into window_ids, per draw
     local_indices: torch.Tensor
@@ -32,14 +33,106 @@ class Draw:
         return [self.window_ids[int(k)] for k in self.positions]
 
 
-def check_draw(num_samples: Sequence[int], num_chunks: int) -> int:
-    """Validate a request before anything is drawn; returns the window's total samples."""
+def check_num_chunks(num_chunks: int) -> None:
     if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
         raise UsageError(f"num_chunks must be an integer >= 1, got {num_chunks!r}")
-    total = int(sum(num_samples))
+
+
+def check_total(total: int) -> int:
     if total == 0:
         raise EmptyBufferError("cannot sample from an empty buffer (the window holds no samples)")
     return total
+
+
+def check_draw(num_samples: Sequence[int], num_chunks: int) -> int:
+    """Validate a request before anything is drawn; returns the window's total samples."""
+    check_num_chunks(num_chunks)
+    return check_total(int(sum(num_samples)))
+
+
+class IdRange(Sequence[int]):
+    """Ids `lo..hi-1` (positions) of an id list, seen without copying it."""
+
+    def __init__(self, ids: Sequence[int], lo: int, hi: int) -> None:
+        self.ids, self.lo, self.hi = ids, lo, hi
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+    @overload
+    def __getitem__(self, k: int) -> int: ...
+    @overload
+    def __getitem__(self, k: slice) -> list[int]: ...
+    def __getitem__(self, k: int | slice) -> int | list[int]:
+        if isinstance(k, slice):
+            return list(self.ids[self.lo : self.hi])[k]
+        if not -len(self) <= k < len(self):
+            raise IndexError(k)
+        return self.ids[self.lo + k % len(self)]
+
+
+class SampleCounts:
+    """Cumulative sample counts along an id list, extended as ids are added.
+
+    A window is a range of positions `[lo, hi)`: its total and the mapping of a drawn sample
+    id to (position, row) cost O(1) and O(log n) whatever the window's size (SPEC §3 steps
+    2 and 4 without summing the window).
+    """
+
+    def __init__(self, counts: Iterable[int] = ()) -> None:
+        import numpy as np
+
+        self._cum = np.zeros(1024, dtype=np.int64)
+        self._n = 0
+        self.extend(counts)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def extend(self, counts: Iterable[int]) -> None:
+        import numpy as np
+
+        add = np.fromiter(counts, dtype=np.int64)
+        need = self._n + add.size + 1
+        if need > self._cum.size:
+            grown = np.zeros(max(need, 2 * self._cum.size), dtype=np.int64)
+            grown[: self._n + 1] = self._cum[: self._n + 1]
+            self._cum = grown
+        if add.size:
+            np.cumsum(add, out=self._cum[self._n + 1 : need])
+            self._cum[self._n + 1 : need] += self._cum[self._n]
+        self._n += add.size
+
+    def total(self, lo: int, hi: int) -> int:
+        return int(self._cum[hi] - self._cum[lo])
+
+    def start(self, position: int) -> int:
+        """The first cumulative sample of a position (its rows begin there)."""
+        return int(self._cum[position])
+
+    def locate(self, lo: int, hi: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Window-relative sample ids -> (window positions, local rows): bucketize(right=True)."""
+        base = self._cum[lo]
+        absolute = ids + base
+        positions = self._cum[lo + 1 : hi + 1].searchsorted(absolute, side="right")
+        return positions, absolute - self._cum[lo + positions]
+
+
+def draw_range(
+    ids: Sequence[int], counts: SampleCounts, lo: int, hi: int, num_chunks: int, generator: torch.Generator
+) -> Draw:
+    """draw_uniform over the window `ids[lo:hi]`, whose counts are kept in `counts`.
+
+    The same random numbers and the same mapping as draw_uniform (so the same batches), at a
+    cost that follows `num_chunks`, not the window.
+    """
+    import torch
+
+    check_num_chunks(num_chunks)
+    total = check_total(counts.total(lo, hi))
+    drawn = torch.randint(0, total, (min(num_chunks, total),), generator=generator)
+    positions, local = counts.locate(lo, hi, drawn.numpy())
+    return Draw(IdRange(ids, lo, hi), drawn, torch.from_numpy(positions), torch.from_numpy(local))
 
 
 def draw_uniform(

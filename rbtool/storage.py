@@ -16,7 +16,7 @@ import os
 import resource
 import stat
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +34,7 @@ from rbtool.layout import (
     done_rows,
     drop_bootstrap_rows,
 )
-from rbtool.ptheader import SMALL_FILE_BYTES, TensorSpec, UnusualLayout, read_header
+from rbtool.ptheader import SMALL_FILE_BYTES, TensorSpec, UnusualLayout, iter_specs, read_header
 
 if TYPE_CHECKING:
     import numpy as np
@@ -290,7 +290,7 @@ def _ordered_items(traj: dict[str, Any], top: bool) -> list[tuple[str, Any]]:
 def _is_rows(value: Any) -> bool:
     import torch
 
-    return isinstance(value, (torch.Tensor, FileRows)) and value.dim() >= 2
+    return isinstance(value, (torch.Tensor, FileRows, TensorSpec)) and value.dim() >= 2
 
 
 def sampled_items(
@@ -360,6 +360,62 @@ class FlatView:
             rows.take(idx, out, dest)
 
 
+class RawTrajectory:
+    """A small `.pt` trajectory held as its file's bytes: drawn rows are copied out by offset.
+
+    No tensor is built: `fields` maps each sampled field to (where its first row starts in
+    `data`, E bootstrap rows); gather() copies `row bytes` from `start + stored row * row
+    bytes`, which is valid for the C-contiguous fields it admits.
+    """
+
+    __slots__ = ("b", "data", "fields", "t")
+
+    def __init__(self, data: bytes, t: int, b: int, fields: dict[FieldPath, tuple[int, int]]) -> None:
+        import numpy as np
+
+        self.t, self.b = t, b
+        self.data = np.frombuffer(data, dtype=np.uint8)
+        self.fields = fields
+
+
+def raw_fields(
+    header: dict[str, Any], where: str, t: int, b: int, extra_fields: bool
+) -> dict[FieldPath, tuple[int, int]]:
+    """RawTrajectory.fields of a header whose trajectory the index says is [T, B] = [t, b].
+
+    Raises UnusualLayout for a sampled field that is not C-contiguous (left to a view).
+    """
+    info = describe(header, where, TensorSpec)
+    if info.shape[:2] != (t, b):
+        raise TrajectoryFileError(
+            f"{where}: tensors are [T, B] = {list(info.shape[:2])} but the index says {[t, b]}"
+        )
+    fields: dict[FieldPath, tuple[int, int]] = {}
+    items, _ = sampled_items(header, extra_fields)
+    for path, spec in items:
+        if not spec.is_contiguous():
+            raise UnusualLayout(f"field {'.'.join(path)!r} is not contiguous")
+        extra = 0
+        if len(path) == 1 and path[0] in DONE_LIKE:
+            try:
+                extra = done_extra_rows(spec.shape[0], t, spec.shape[1], b)
+            except ValueError as exc:
+                raise TrajectoryFileError(
+                    f"{where}: field {'.'.join(path)!r} has shape {list(spec.shape)}; {exc}"
+                ) from None
+        fields[path] = (spec.data_start, extra)
+    return fields
+
+
+def header_extent(header: dict[str, Any]) -> int:
+    """How many bytes a file must hold for every tensor its header declares."""
+    return max((spec.start + spec.nbytes for _, spec in iter_specs(header)), default=0)
+
+
+# Small files held as bytes for sampling, least recently used dropped first beyond this.
+RAW_CACHE_MAX_BYTES = 256 << 20
+
+
 def open_trajectory(path: Path, pin: PinnedFile | None = None) -> tuple[dict[str, Any], TrajectoryInfo]:
     """A trajectory file's fields (large `.pt` rows left on disk where possible) and its info.
 
@@ -400,8 +456,20 @@ class TrajectoryStore:
         self.files: dict[int, Path] = {}
         self.pins: dict[int, PinnedFile] = {}
         self.views: OrderedDict[int, FlatView] = OrderedDict()
-        self.schemas: dict[int, Schema] = {}
-        self.left_out: dict[int, list[FieldPath]] = {}
+        # what sampling knows of each trajectory without its data: its signature, and the
+        # header of its file (so that reopening a view reads no structure again)
+        self.signatures: dict[int, Signature] = {}
+        self.headers: dict[int, dict[str, Any]] = {}
+        self._interned: dict[Signature, Signature] = {}
+        self._signature_keys: dict[tuple[Any, ...], Signature] = {}
+        self._by_header: dict[int, tuple[dict[str, Any], Signature]] = {}
+        self._raw_layouts: dict[
+            tuple[int, int, int], tuple[dict[str, Any], dict[FieldPath, tuple[int, int]]]
+        ] = {}
+        # small files held as bytes (RawTrajectory), and the ids known not to be held so
+        self.raws: OrderedDict[int, RawTrajectory] = OrderedDict()
+        self.raw_bytes = 0
+        self.not_raw: set[int] = set()
 
     def holds(self, tid: int) -> bool:
         return tid in self.memory or tid in self.files
@@ -412,12 +480,6 @@ class TrajectoryStore:
     def put(self, tid: int, traj: dict[str, Any]) -> None:
         with self.lock:
             self.memory[tid] = traj
-
-    def written(self, tid: int, path: Path) -> None:
-        """A held trajectory's file is complete: read it from there and free the memory."""
-        with self.lock:
-            self.files[tid] = path
-            self.memory.pop(tid, None)
 
     def set_files(self, files: dict[int, Path], *, pin: bool) -> None:
         """Replace everything held by these files (pinned open when `pin`)."""
@@ -435,8 +497,9 @@ class TrajectoryStore:
             self.memory.pop(tid, None)
             self.files.pop(tid, None)
             self.views.pop(tid, None)
-            self.schemas.pop(tid, None)
-            self.left_out.pop(tid, None)
+            self.signatures.pop(tid, None)
+            self.headers.pop(tid, None)
+            self._drop_raw(tid)
             pinned = self.pins.pop(tid, None)
             if pinned is not None:
                 pinned.close()
@@ -453,8 +516,11 @@ class TrajectoryStore:
             self.memory.clear()
             self.files.clear()
             self.views.clear()
-            self.schemas.clear()
-            self.left_out.clear()
+            self.signatures.clear()
+            self.headers.clear()
+            self.raws.clear()
+            self.raw_bytes = 0
+            self.not_raw.clear()
             for pinned in self.pins.values():
                 pinned.close()
             self.pins.clear()
@@ -483,7 +549,7 @@ class TrajectoryStore:
         if traj is None:
             if path is None:
                 raise RbtoolError(f"trajectory {tid} is neither in memory nor on disk")
-            traj, info = open_trajectory(path, pinned)
+            traj, info = self._open(tid, path, pinned)
             if info.shape[:2] != (t, b):
                 raise TrajectoryFileError(
                     f"{path}: tensors are [T, B] = {list(info.shape[:2])} but the index says {[t, b]}"
@@ -497,13 +563,257 @@ class TrajectoryStore:
             self.views.popitem(last=False)
         return view
 
+    def _open(self, tid: int, path: Path, pinned: PinnedFile | None) -> tuple[dict[str, Any], TrajectoryInfo]:
+        header = self.headers.get(tid)
+        if header is None or path.suffix != ".pt":
+            return open_trajectory(path, pinned)
+        try:
+            opened = FileTrajectory(path, pinned, header)
+        except TrajectoryFileError as exc:
+            if pinned is None:
+                raise
+            raise type(exc)(str(exc).replace(str(pinned.read_path), str(path))) from None
+        return opened.data, opened.info
+
+    def header(self, tid: int) -> dict[str, Any] | None:
+        """The header of a held `.pt` file (read once, then kept); None when it has none to read."""
+        header = self.headers.get(tid)
+        if header is not None:
+            return header
+        with self.lock:
+            path = self.files.get(tid)
+            pinned = self.pins.get(tid)
+        if path is None or path.suffix != ".pt" or tid in self.memory:
+            return None
+        read_path = pinned.read_path if pinned is not None else path
+        try:
+            header = read_header(read_path)
+        except UnusualLayout:
+            return None
+        except TrajectoryFileError as exc:
+            raise type(exc)(str(exc).replace(str(read_path), str(path))) from None
+        self.headers[tid] = header
+        return header
+
+    def _drop_raw(self, tid: int) -> None:
+        raw = self.raws.pop(tid, None)
+        if raw is not None:
+            self.raw_bytes -= raw.data.size
+        self.not_raw.discard(tid)
+
+    def written(self, tid: int, path: Path) -> None:
+        """A held trajectory's file is complete: read it from there and free the memory."""
+        with self.lock:
+            self.files[tid] = path
+            self.memory.pop(tid, None)
+            self.not_raw.discard(tid)
+
+    def raw(self, tid: int, t: int, b: int) -> RawTrajectory | None:
+        """The trajectory as its small file's bytes, or None (in memory, large, unusual, .pkl)."""
+        raw = self.raws.get(tid)
+        if raw is not None:
+            self.raws.move_to_end(tid)
+            return raw
+        if tid in self.not_raw:
+            return None
+        with self.lock:
+            path = self.files.get(tid)
+            pinned = self.pins.get(tid)
+            in_memory = tid in self.memory
+        if path is None or in_memory or path.suffix != ".pt":
+            self.not_raw.add(tid)
+            return None
+        read_path = pinned.read_path if pinned is not None else path
+        try:
+            data = _read_small(read_path)
+            if data is None:
+                self.not_raw.add(tid)
+                return None
+            header = self.headers.get(tid) or read_header(read_path, data)
+            # headers are shared by files of one structure: so is what is derived from them
+            known = self._raw_layouts.get((id(header), t, b))
+            if known is None or known[0] is not header:
+                if len(self._raw_layouts) >= 4096:
+                    self._raw_layouts.clear()
+                fields = raw_fields(header, str(path), t, b, self.extra_fields)
+                known = (header, fields, header_extent(header))
+                self._raw_layouts[(id(header), t, b)] = known
+            if len(data) < known[2]:
+                raise TrajectoryFileError(f"{path}: truncated (a tensor's data is cut short)")
+            raw = RawTrajectory(data, t, b, known[1])
+        except UnusualLayout:
+            self.not_raw.add(tid)
+            return None
+        except RbtoolError as exc:
+            message = str(exc).replace(str(read_path), str(path))
+            if not message.startswith(str(path)):
+                message = f"{path}: {message}"
+            raise TrajectoryFileError(message) from None
+        self.headers.setdefault(tid, header)
+        self.raws[tid] = raw
+        self.raw_bytes += raw.data.size
+        while self.raw_bytes > RAW_CACHE_MAX_BYTES and len(self.raws) > 1:
+            _, dropped = self.raws.popitem(last=False)
+            self.raw_bytes -= dropped.data.size
+        return raw
+
+    def read_headers(self, tids: Sequence[int]) -> None:
+        """Read the headers of many held files at once (threads overlap the file system's waits).
+
+        Files without a readable header are left for signature() to open, and to report.
+        """
+        from concurrent.futures import ThreadPoolExecutor
+
+        def read(part: Sequence[int]) -> None:
+            for tid in part:
+                with contextlib.suppress(RbtoolError):
+                    self.header(tid)
+
+        workers = min(8, 2 * (os.cpu_count() or 1))
+        step = -(-len(tids) // workers)
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            list(pool.map(read, [tids[i : i + step] for i in range(0, len(tids), step)]))
+
+    def intern(self, signature: Signature) -> Signature:
+        return self._interned.setdefault(signature, signature)
+
+    def signature(self, tid: int, t: int, b: int, recorded: Signature | None = None) -> Signature:
+        """What a batch takes from trajectory `tid` (fields, dtypes, row shapes; fields left out).
+
+        From the first of: what is known already, `recorded` (the index's schema), the
+        trajectory in memory, its file's header, the trajectory opened.
+        """
+        known = self.signatures.get(tid)
+        if known is not None:
+            return known
+        if recorded is None:
+            with self.lock:
+                traj = self.memory.get(tid)
+            if traj is not None:
+                recorded = signature_of(traj, self.extra_fields)
+            else:
+                header = self.header(tid)
+                if header is not None:
+                    recorded = self._header_signature(header)
+                else:
+                    view = self.view(tid, t, b)
+                    recorded = view_signature(view)
+        signature = self.signatures[tid] = self.intern(recorded)
+        return signature
+
+    def _header_signature(self, header: dict[str, Any]) -> Signature:
+        """signature_of(header), computed once per distinct structure (headers are shared)."""
+        known = self._by_header.get(id(header))
+        if known is not None and known[0] is header:
+            return known[1]
+        key = tuple((p, v.dtype, len(v.shape), v.shape[2:]) for p, v in iter_specs(header))
+        signature = self._signature_keys.get(key)
+        if signature is None:
+            signature = self._signature_keys[key] = signature_of(header, self.extra_fields)
+        if len(self._by_header) >= 4096:
+            self._by_header.clear()
+        self._by_header[id(header)] = (header, signature)
+        return signature
+
+    def forget(self, tid: int) -> None:
+        """Drop what is known of a trajectory that left the window (its data stays held)."""
+        self.signatures.pop(tid, None)
+        self.headers.pop(tid, None)
+
     def schema(self, tid: int, t: int, b: int) -> Schema:
-        schema = self.schemas.get(tid)
-        if schema is None:
-            view = self.view(tid, t, b)
-            schema = self.schemas[tid] = view.schema()
-            self.left_out[tid] = view.left_out
-        return schema
+        return dict(self.signature(tid, t, b)[0])
+
+
+# What a batch takes from one trajectory: ((path, (dtype, row shape)), ...) in batch order, and
+# the paths of the >= 2-dim fields it leaves out. Equal signatures are shared (interned).
+Signature = tuple[tuple[tuple[FieldPath, tuple[Any, tuple[int, ...]]], ...], tuple[FieldPath, ...]]
+
+
+def _torch_dtype(dtype: Any) -> Any:
+    if isinstance(dtype, str):
+        import torch
+
+        return getattr(torch, dtype)
+    return dtype
+
+
+def signature_of(traj: dict[str, Any], extra_fields: bool) -> Signature:
+    """The signature of a trajectory dict, of tensors or of a header's TensorSpecs."""
+    items, left_out = sampled_items(traj, extra_fields)
+    fields = tuple((p, (_torch_dtype(v.dtype), tuple(int(d) for d in v.shape[2:]))) for p, v in items)
+    return fields, tuple(left_out)
+
+
+def view_signature(view: FlatView) -> Signature:
+    fields = tuple(
+        (p, (f.rows.dtype, tuple(int(d) for d in f.rows.shape[1:]))) for p, f in view.fields.items()
+    )
+    return fields, tuple(view.left_out)
+
+
+class WindowSchema:
+    """The fields a window's trajectories share (SPEC §3 step 6), kept as the window moves.
+
+    Counts each distinct signature over the window's positions `[lo, hi)`; when the window
+    only moves forward (ids added at the end, old ones leaving at the front) only what
+    entered and what left is looked at. The shared schema is worked out over the distinct
+    signatures, in the first trajectory's field order.
+    """
+
+    def __init__(self) -> None:
+        self.counts: dict[Signature, int] = {}
+        self.members: deque[Signature] = deque()  # the signature at each window position
+        self.generation: object = None
+        self.lo = self.hi = 0
+        self._shared: tuple[tuple[Any, ...], Schema, list[str]] | None = None
+
+    @property
+    def first(self) -> Signature | None:
+        return self.members[0] if self.members else None
+
+    def track(
+        self,
+        generation: object,
+        lo: int,
+        hi: int,
+        signature_at: Callable[[int], Signature],
+        left: Callable[[int], None] | None = None,
+    ) -> None:
+        """Bring the counts to positions `[lo, hi)`; `left(position)` for each that left."""
+        if generation is not self.generation or lo < self.lo or hi < self.hi or lo > self.hi:
+            if left is not None and generation is self.generation:
+                for position in range(self.lo, min(self.hi, lo)):
+                    left(position)
+            self.counts, self.members = {}, deque()
+            self.lo = self.hi = lo
+        counts, members = self.counts, self.members
+        for position in range(self.hi, hi):
+            sig = signature_at(position)
+            counts[sig] = counts.get(sig, 0) + 1
+            members.append(sig)
+        for position in range(self.lo, lo):
+            sig = members.popleft()
+            counts[sig] -= 1
+            if not counts[sig]:
+                del counts[sig]
+            if left is not None:
+                left(position)
+        self.generation, self.lo, self.hi = generation, lo, hi
+
+    def shared(self) -> tuple[Schema, list[str]]:
+        """The shared schema and the fields left out anywhere in the window (dotted names)."""
+        key = (self.first, *self.counts)
+        if self._shared is not None and self._shared[0] == key:
+            return self._shared[1], self._shared[2]
+        distinct = [dict(sig[0]) for sig in self.counts]
+        schema: Schema = {}
+        if self.first is not None:
+            schema = {p: spec for p, spec in self.first[0] if all(d.get(p) == spec for d in distinct)}
+        left_out: dict[str, None] = {}
+        for sig in self.counts:
+            left_out.update(dict.fromkeys(".".join(p) for p in sig[1]))
+        self._shared = (key, schema, list(left_out))
+        return schema, list(left_out)
 
 
 def shared_schema(schemas: Sequence[Schema]) -> Schema:
@@ -557,67 +867,281 @@ def window_cache(
     return {p: torch.cat([flat_rows(v, p) for v in views]) for p in held}
 
 
+@dataclass
+class CachedRows:
+    """Rows of a run of the window's trajectories, already concatenated in memory.
+
+    Draws at window positions `[first, stop)` read row `global index + shift` of `columns`.
+    """
+
+    columns: dict[FieldPath, torch.Tensor]
+    first: int
+    stop: int
+    shift: int
+
+
+class RowCache:
+    """The sampled rows of trajectories added to a buffer, concatenated as they are added.
+
+    Covers a run of id-list positions `[lo, hi)`; row 0 is cumulative sample `base`. Adding
+    appends (amortised O(rows)); when the window has moved past more rows than it still
+    covers, the dead rows are dropped. A field that a newly added trajectory lacks (or holds
+    with another dtype or row shape) stops being cached. Bounded by `max_bytes`: past it,
+    trajectories are not cached and are read from their views.
+    """
+
+    def __init__(self, max_bytes: int = WINDOW_CACHE_MAX_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.reset(0, 0)
+
+    def reset(self, position: int, base: int) -> None:
+        self.columns: dict[FieldPath, torch.Tensor] = {}
+        self.specs: dict[FieldPath, tuple[Any, tuple[int, ...]]] = {}
+        self.lo = self.hi = position
+        self.base = base
+        self.rows = 0
+        self.full = False
+
+    def _row_bytes(self) -> int:
+        return sum(math.prod(shape) * dtype.itemsize for dtype, shape in self.specs.values())
+
+    def append(self, position: int, base: int, view: FlatView) -> None:
+        """Cache trajectory `position` (its first sample is cumulative sample `base`)."""
+        import torch
+
+        if position != self.hi or (self.full and self.lo == self.hi):
+            self.reset(position, base)
+        if self.full:
+            return
+        fields = {p: f for p, f in view.fields.items() if isinstance(f.rows, torch.Tensor)}
+        specs = {p: (f.rows.dtype, tuple(f.rows.shape[1:])) for p, f in fields.items()}
+        if self.lo == self.hi:
+            self.specs = specs
+            self.columns = {}
+        else:
+            for path in [p for p, spec in self.specs.items() if specs.get(p) != spec]:
+                del self.specs[path]
+                self.columns.pop(path, None)
+        n = view.t * view.b
+        if (self.rows + n) * self._row_bytes() > self.max_bytes:
+            self.full = True
+            return
+        for path in self.specs:
+            rows = flat_rows(view, path)
+            column = self.columns.get(path)
+            if column is None or column.shape[0] < self.rows + n:
+                grown = torch.empty((max(2 * (self.rows + n), 64), *rows.shape[1:]), dtype=rows.dtype)
+                if column is not None:
+                    grown[: self.rows] = column[: self.rows]
+                column = self.columns[path] = grown
+            column[self.rows : self.rows + n] = rows
+        self.rows += n
+        self.hi += 1
+
+    def trim(self, lo: int, base: int) -> None:
+        """The window now starts at position `lo` (cumulative sample `base`): drop dead rows."""
+        if lo >= self.hi:
+            if self.lo != self.hi or self.full:
+                self.reset(lo, base)
+            return
+        dead = base - self.base
+        if lo > self.lo and dead > self.rows - dead:
+            self.columns = {p: c[dead : self.rows].clone() for p, c in self.columns.items()}
+            self.rows -= dead
+            self.lo, self.base = lo, base
+
+    def covering(self, lo: int, hi: int, window_base: int) -> CachedRows | None:
+        """What this cache holds of the window `[lo, hi)` whose first sample is `window_base`."""
+        first, stop = max(self.lo, lo), min(self.hi, hi)
+        if first >= stop or not self.columns:
+            return None
+        columns = {p: c[: self.rows] for p, c in self.columns.items()}
+        return CachedRows(columns, first - lo, stop - lo, window_base - self.base)
+
+
 def gather(
     draw: Draw,
     schema: Schema,
     view_of: Callable[[int], FlatView],
-    cached: dict[FieldPath, torch.Tensor] | None = None,
+    cached: dict[FieldPath, torch.Tensor] | CachedRows | None = None,
+    raw_of: Callable[[int], RawTrajectory | None] | None = None,
 ) -> dict[str, Any]:
     """Build the batch, copying only the drawn rows.
 
-    Fields in `cached` (see window_cache) cost one index_select each. Other draws are
-    grouped by trajectory; each (trajectory, field) pair costs one index_select (or one read
-    per row for fields left on disk) written straight into its slice of the output, then one
-    permutation per field restores the draw order. The index arithmetic is done in numpy:
-    on a few hundred numbers torch's thread pool costs more than the work.
+    Draws covered by `cached` (a RowCache's run, or a window_cache covering the whole window)
+    cost one index_select per field. Draws from small files held as bytes (`raw_of`) cost one
+    gather of bytes per field over all of them. The others are grouped by trajectory; each
+    (trajectory, field) pair costs one index_select (or one read per row for fields left on
+    disk) written into its rows of the output. The index arithmetic is done in numpy: on a few hundred
+    numbers torch's thread pool costs more than the work.
     """
     import numpy as np
     import torch
 
-    cached = cached or {}
-    out: dict[FieldPath, torch.Tensor] = {}
-    if cached:
-        global_rows = draw.global_indices
-        for path in schema:
-            if path in cached:
-                out[path] = cached[path].index_select(0, global_rows)
-        if len(out) == len(schema):
-            return nest({path: out[path] for path in schema})
-
+    if isinstance(cached, dict):
+        cached = CachedRows(cached, 0, len(draw.window_ids), 0) if cached else None
     positions = draw.positions.numpy()
-    order = np.argsort(positions, kind="stable")
-    local = draw.local_indices.numpy()[order]
-    unique, starts, counts = np.unique(positions[order], return_index=True, return_counts=True)
-    views = [view_of(draw.window_ids[k]) for k in unique.tolist()]
-    bounds = list(zip(starts.tolist(), (starts + counts).tolist(), strict=True))
-    plain_rows = [torch.from_numpy(local[a:z]) for a, z in bounds]
-    inverse = np.empty_like(order)
-    inverse[order] = np.arange(order.size)
-    inverse_t = torch.from_numpy(inverse)
-    per_draw: dict[str, np.ndarray] = {}
+    local = draw.local_indices.numpy()
+    count = positions.size
+    covered: np.ndarray | None = None
+    cache_rows: torch.Tensor | None = None
+    if cached is not None:
+        mask = (positions >= cached.first) & (positions < cached.stop)
+        if mask.any():
+            covered = np.flatnonzero(mask)
+            cache_rows = torch.from_numpy(draw.global_indices.numpy()[covered] + cached.shift)
+    every = np.arange(count)
+    uncovered = every if covered is None else np.flatnonzero(~mask)
+    groups: dict[str, _Group] = {}  # draws read view by view: all of them, or those not cached
 
+    def group(key: str) -> _Group:
+        if key not in groups:
+            selection = every if key == "every" else uncovered
+            groups[key] = _Group(selection, positions, local, draw.window_ids, view_of, raw_of)
+        return groups[key]
+
+    out: dict[FieldPath, torch.Tensor] = {}
     for path, (dtype, shape) in schema.items():
-        if path in out:
+        in_cache = cached is not None and covered is not None and path in cached.columns
+        if in_cache and covered is not None and covered.size == count:
+            assert cached is not None and cache_rows is not None
+            out[path] = cached.columns[path].index_select(0, cache_rows)
             continue
-        fields = [view.fields[path] for view in views]
-        rows = plain_rows
-        if any(f.extra for f in fields):
-            if not per_draw:
-                per_draw["t"] = np.repeat([v.t for v in views], counts)
-                per_draw["b"] = np.repeat([v.b for v in views], counts)
-            extra = np.repeat([f.extra for f in fields], counts)
-            mapped = done_rows(local, per_draw["t"], per_draw["b"], extra)
-            rows = [torch.from_numpy(mapped[a:z]) for a, z in bounds]
-        target = torch.empty((order.size, *shape), dtype=dtype)
-        if all(isinstance(f.rows, torch.Tensor) for f in fields):
-            for field, idx, (a, z) in zip(fields, rows, bounds, strict=True):
-                torch.index_select(field.rows, 0, idx, out=target[a:z])
-            out[path] = target.index_select(0, inverse_t)
-        else:  # rows read from files go straight to their final places
-            for view, idx, (a, z) in zip(views, rows, bounds, strict=True):
-                view.rows(path, idx, target, order[a:z])
-            out[path] = target
+        target = torch.empty((count, *shape), dtype=dtype)
+        if in_cache:
+            assert cached is not None and covered is not None and cache_rows is not None
+            target.index_copy_(0, torch.from_numpy(covered), cached.columns[path].index_select(0, cache_rows))
+            group("uncovered").fill(path, target)
+        else:
+            group("every").fill(path, target)
+        out[path] = target
     return nest({path: out[path] for path in schema})
+
+
+class _Group:
+    """Draws (a selection of a Draw's rows) read trajectory by trajectory: those of small files
+    held as bytes together (_RawRows), the others view by view (_ViewRows)."""
+
+    def __init__(
+        self,
+        selection: Any,
+        positions: Any,
+        local: Any,
+        window_ids: Sequence[int],
+        view_of: Callable[[int], FlatView],
+        raw_of: Callable[[int], RawTrajectory | None] | None,
+    ) -> None:
+        import numpy as np
+
+        self.parts: list[_RawRows | _ViewRows] = []
+        if raw_of is not None and selection.size:
+            unique, inverse = np.unique(positions[selection], return_inverse=True)
+            raws = [raw_of(window_ids[k]) for k in unique.tolist()]
+            held = np.array([r is not None for r in raws], dtype=bool)
+            if held.any():
+                mask = held[inverse]
+                kept = [r for r in raws if r is not None]
+                slot = np.cumsum(held) - 1  # unique position -> index in kept
+                chosen = selection[mask]
+                self.parts.append(_RawRows(chosen, slot[inverse[mask]], local[chosen], kept))
+                selection = selection[~mask]
+        if selection.size:
+            self.parts.append(_ViewRows(selection, positions, local, window_ids, view_of))
+
+    def fill(self, path: FieldPath, target: Any) -> None:
+        for part in self.parts:
+            part.fill(path, target)
+
+
+class _RawRows:
+    """Draws from small files held as bytes: one byte gather per field over all of them."""
+
+    def __init__(self, dest: Any, slots: Any, local: Any, raws: list[RawTrajectory]) -> None:
+        import numpy as np
+
+        self.dest, self.slots, self.local, self.raws = dest, slots, local, raws
+        sizes = np.array([r.data.size for r in raws], dtype=np.int64)
+        self.file_start = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        self.data = np.concatenate([r.data for r in raws]) if len(raws) > 1 else raws[0].data
+        self._tb: tuple[Any, Any] | None = None
+
+    def fill(self, path: FieldPath, target: Any) -> None:
+        import numpy as np
+        import torch
+
+        row_bytes = math.prod(target.shape[1:]) * target.element_size()
+        if not row_bytes:
+            return
+        starts = np.fromiter((r.fields[path][0] for r in self.raws), dtype=np.int64, count=len(self.raws))
+        extras = np.fromiter((r.fields[path][1] for r in self.raws), dtype=np.int64, count=len(self.raws))
+        rows = self.local
+        if extras.any():
+            if self._tb is None:
+                self._tb = (
+                    np.array([r.t for r in self.raws], dtype=np.int64)[self.slots],
+                    np.array([r.b for r in self.raws], dtype=np.int64)[self.slots],
+                )
+            rows = done_rows(self.local, self._tb[0], self._tb[1], extras[self.slots])
+        first = (self.file_start + starts)[self.slots] + rows * row_bytes
+        picked = self.data[first[:, None] + np.arange(row_bytes, dtype=np.int64)]
+        out = target.view(torch.uint8).reshape(target.shape[0], row_bytes).numpy()
+        out[self.dest] = picked
+
+
+class _ViewRows:
+    """Draws read view by view, grouped by trajectory."""
+
+    def __init__(
+        self,
+        selection: Any,
+        positions: Any,
+        local: Any,
+        window_ids: Sequence[int],
+        view_of: Callable[[int], FlatView],
+    ) -> None:
+        import numpy as np
+        import torch
+
+        order = np.argsort(positions[selection], kind="stable")
+        self.dest = selection[order]
+        self.local = local[self.dest]
+        unique, starts, counts = np.unique(positions[self.dest], return_index=True, return_counts=True)
+        self.counts = counts
+        self.views = [view_of(window_ids[k]) for k in unique.tolist()]
+        self.bounds = list(zip(starts.tolist(), (starts + counts).tolist(), strict=True))
+        self.plain = [torch.from_numpy(self.local[a:z]) for a, z in self.bounds]
+        self.dest_t = torch.from_numpy(self.dest)
+        self._tb: tuple[Any, Any] | None = None
+
+    def rows_of(self, fields: list[FlatField]) -> list[Any]:
+        import numpy as np
+        import torch
+
+        if not any(f.extra for f in fields):
+            return self.plain
+        if self._tb is None:
+            self._tb = (
+                np.repeat([v.t for v in self.views], self.counts),
+                np.repeat([v.b for v in self.views], self.counts),
+            )
+        extra = np.repeat([f.extra for f in fields], self.counts)
+        mapped = done_rows(self.local, self._tb[0], self._tb[1], extra)
+        return [torch.from_numpy(mapped[a:z]) for a, z in self.bounds]
+
+    def fill(self, path: FieldPath, target: Any) -> None:
+        """Write the drawn rows of field `path` into their rows of `target`."""
+        import torch
+
+        fields = [view.fields[path] for view in self.views]
+        rows = self.rows_of(fields)
+        if all(isinstance(f.rows, torch.Tensor) for f in fields):
+            part = torch.empty((self.dest.size, *target.shape[1:]), dtype=target.dtype)
+            for field, idx, (a, z) in zip(fields, rows, self.bounds, strict=True):
+                torch.index_select(field.rows, 0, idx, out=part[a:z])
+            target.index_copy_(0, self.dest_t, part)
+        else:  # rows read from files go straight to their final places
+            for view, idx, (a, z) in zip(self.views, rows, self.bounds, strict=True):
+                view.rows(path, idx, target, self.dest[a:z])
 
 
 def view_scores(view: FlatView) -> np.ndarray:

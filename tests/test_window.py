@@ -1,0 +1,177 @@
+"""Window bookkeeping kept from what is added and what leaves: the batches are those a
+from-scratch computation over the window gives, whatever the order of adds, loads and
+window changes; a sample that fails draws nothing; auto-save publishes are spaced."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import make_traj
+
+from rbtool import TrajectoryReplayBuffer, read_index
+from rbtool.errors import TrajectoryFileError
+from rbtool.layout import DONE_LIKE, drop_bootstrap_rows
+from rbtool.storage import RowCache
+
+
+def flat_fields(traj: dict[str, Any]) -> dict[tuple[str, ...], torch.Tensor]:
+    """The reference sampler's fields of one trajectory as [T*B, ...] rows."""
+    t = traj["rewards"].shape[0]
+    out: dict[tuple[str, ...], torch.Tensor] = {}
+    for key, value in traj.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            rows = drop_bootstrap_rows(value, t) if key in DONE_LIKE else value
+            out[(key,)] = rows.reshape(-1, *rows.shape[2:])
+        elif isinstance(value, dict) and key in ("curr_obs", "next_obs", "forward_inputs"):
+            for sub, tensor in value.items():
+                if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2:
+                    out[(key, sub)] = tensor.reshape(-1, *tensor.shape[2:])
+    return out
+
+
+def expected_batch(trajs: dict[int, dict[str, Any]], draw: Any) -> dict[tuple[str, ...], torch.Tensor]:
+    """The batch a from-scratch gather gives: shared fields of the window, drawn rows."""
+    window = [draw.window_ids[k] for k in range(len(draw.window_ids))]
+    flats = {tid: flat_fields(trajs[tid]) for tid in window}
+    first = flats[window[0]]
+    shared = [
+        p
+        for p, v in first.items()
+        if all(p in f and f[p].dtype == v.dtype and f[p].shape[1:] == v.shape[1:] for f in flats.values())
+    ]
+    ids, rows = draw.trajectory_ids, draw.local_indices.tolist()
+    return {p: torch.stack([flats[tid][p][row] for tid, row in zip(ids, rows, strict=True)]) for p in shared}
+
+
+def flat_batch(batch: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], torch.Tensor]:
+    out: dict[tuple[str, ...], torch.Tensor] = {}
+    for key, value in batch.items():
+        if isinstance(value, dict):
+            out.update(flat_batch(value, (*prefix, key)))
+        else:
+            out[(*prefix, key)] = value
+    return out
+
+
+def varied_traj(rng: random.Random, seed: int) -> dict[str, Any]:
+    """Trajectories that differ in T, B and in which fields they carry (and their shapes)."""
+    traj = make_traj(t=rng.randint(1, 5), b=rng.randint(1, 3), seed=seed, image=rng.choice([2, 4]))
+    if rng.random() < 0.2:
+        del traj["prev_values"]
+    if rng.random() < 0.2:
+        traj["curr_obs"]["states"] = torch.randn(*traj["rewards"].shape[:2], 3)
+    return traj
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("auto_save", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+def test_batches_equal_a_from_scratch_gather_through_adds_loads_and_window_changes(
+    tmp_path: Path, auto_save: bool, seed: int
+) -> None:
+    rng = random.Random(seed)
+    buffer = TrajectoryReplayBuffer(
+        seed=seed,
+        sample_window_size=rng.choice([0, 3, 7]),
+        auto_save=auto_save,
+        auto_save_path=str(tmp_path / "auto") if auto_save else "",
+    )
+    trajs: dict[int, dict[str, Any]] = {}
+    next_seed = 0
+    for step in range(40):
+        action = rng.random()
+        if action < 0.6 or not trajs:
+            batch = [varied_traj(rng, seed * 1000 + next_seed + i) for i in range(rng.randint(1, 3))]
+            next_seed += len(batch)
+            for tid, traj in zip(buffer.add_trajectories(batch), batch, strict=True):
+                trajs[tid] = traj
+        elif action < 0.7:
+            buffer.sample_window_size = rng.choice([0, 1, 4, 9])
+        elif action < 0.78:
+            saved = tmp_path / f"saved_{step}"
+            buffer.save_checkpoint(saved)
+            buffer.load_checkpoint(saved)
+        draw, batch = buffer.sample_with_draw(rng.choice([1, 5, 64]))
+        assert list(draw.window_ids) == buffer.window_ids()
+        want = expected_batch(trajs, draw)
+        got = flat_batch(batch)
+        assert set(got) == set(want)  # (their order is the reference's: see test_fixtures)
+        for path, tensor in want.items():
+            assert got[path].dtype == tensor.dtype and torch.equal(got[path], tensor), (step, path)
+    buffer.close()
+
+
+def test_a_sample_that_fails_on_a_damaged_file_draws_nothing(tmp_path: Path) -> None:
+    writer = TrajectoryReplayBuffer(sample_window_size=0)
+    writer.add_trajectories([make_traj(seed=i) for i in range(6)])
+    writer.save_checkpoint(tmp_path / "c")
+    buffer = TrajectoryReplayBuffer(sample_window_size=0)
+    buffer.load_checkpoint(tmp_path / "c")
+    buffer.sample(4)  # signatures known, files read
+    buffer.clear_cache()
+    victim = tmp_path / "c" / read_index(tmp_path / "c").file_name(3)
+    data = victim.read_bytes()
+    buffer._store.raws.clear()  # as if evicted: the next draw of it reads the file again
+    victim.write_bytes(data[: len(data) // 2])
+    state = buffer.random_generator.get_state()
+    with pytest.raises(TrajectoryFileError, match="trajectory_3_"):
+        for _ in range(50):  # until a draw lands in the damaged file
+            state = buffer.random_generator.get_state()
+            buffer.sample(16)
+    assert torch.equal(buffer.random_generator.get_state(), state)
+
+
+def test_the_row_cache_drops_fields_a_new_trajectory_lacks_and_its_dead_rows() -> None:
+    from rbtool.storage import FlatView
+
+    cache = RowCache()
+    trajs = [make_traj(t=2, b=1, seed=i) for i in range(6)]
+    del trajs[3]["prev_values"]
+    base = 0
+    for position, traj in enumerate(trajs):
+        cache.append(position, base, FlatView(traj, 2, 1))
+        base += 2
+    assert ("prev_values",) not in cache.columns and ("actions",) in cache.columns
+    assert cache.rows == 12 and (cache.lo, cache.hi) == (0, 6)
+    cache.trim(5, 10)  # ten rows dead, two live: dropped
+    assert (cache.lo, cache.base, cache.rows) == (5, 10, 2)
+    covered = cache.covering(5, 6, 10)
+    assert covered is not None and covered.shift == 0
+    assert torch.equal(covered.columns[("actions",)], trajs[5]["actions"].reshape(2, 7))
+
+
+def test_the_row_cache_stops_at_its_budget() -> None:
+    from rbtool.storage import FlatView
+
+    cache = RowCache(max_bytes=4096)
+    base = 0
+    for position in range(40):
+        cache.append(position, base, FlatView(make_traj(t=2, b=1, seed=position), 2, 1))
+        base += 2
+    assert cache.full and 0 < cache.hi < 40
+    assert cache.rows * sum(c[0].numel() * c.element_size() for c in cache.columns.values()) <= 4096
+
+
+def test_auto_save_publishes_are_spaced_and_a_flush_publishes_everything(tmp_path: Path) -> None:
+    buffer = TrajectoryReplayBuffer(sample_window_size=0, auto_save=True, auto_save_path=str(tmp_path / "a"))
+    assert buffer._writer is not None
+    published: list[int] = []
+    publish = buffer._writer.publish
+
+    def counting(index: Any) -> None:
+        published.append(index.size)
+        time.sleep(0.01)  # a slow file system: each publish costs 10 ms
+        publish(index)
+
+    buffer._writer.publish = counting  # type: ignore[method-assign]
+    for i in range(60):
+        buffer.add_trajectories([make_traj(t=2, b=1, seed=i)])
+    buffer.flush()
+    assert published[-1] == 60 and read_index(tmp_path / "a").size == 60
+    assert published == sorted(published) and len(published) < 60
+    buffer.close()
