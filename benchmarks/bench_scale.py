@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import json
 import os
 import shutil
@@ -195,15 +196,34 @@ def ensure_rlinf(cfg: Config, n: int) -> Path:
     return final
 
 
+def writer_digest() -> str:
+    """A digest of the rbtool sources in use: what rbtool writes (entry keys, schema) may change with them."""
+    import rbtool
+
+    digest = hashlib.sha256()
+    for path in sorted(Path(rbtool.__file__).parent.rglob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
 def ensure_own(cfg: Config, n: int) -> Path:
-    """n trajectories in an auto-save directory written by rbtool's TrajectoryReplayBuffer."""
+    """n trajectories in an auto-save directory written by rbtool's TrajectoryReplayBuffer.
+
+    Rebuilt when the rbtool sources differ from the ones that wrote it (a stamp file beside
+    it), so that the checkpoint holds what this rbtool writes.
+    """
     from rbtool import TrajectoryReplayBuffer
 
     final = cfg.workdir / f"rbtool_{n}x{cfg.t}x{cfg.b}_img{cfg.image}"
-    if complete(final, n):
+    stamp = final.with_name(final.name + ".writer")
+    digest = writer_digest()
+    if complete(final, n) and stamp.is_file() and stamp.read_text() == digest:
         log(f"reusing {final}")
         return final
+    if final.exists():
+        log(f"{final} was written by other rbtool sources: rebuilding it")
     bench.remove(final)
+    bench.remove(stamp)
     partial = cfg.workdir / f".{final.name}.partial"
     bench.remove(partial)
     log(f"building {final} ({n:,} trajectories written by rbtool's buffer, auto_save on)")
@@ -220,6 +240,7 @@ def ensure_own(cfg: Config, n: int) -> Path:
     finally:
         buffer.close()
     partial.rename(final)
+    stamp.write_text(digest)
     log(f"built in {time.perf_counter() - start:.1f} s")
     return final
 

@@ -178,6 +178,7 @@ def test_scale_reports_every_figure(tmp_path: Path) -> None:
     # the data was built into hidden .partial directories and renamed; scratch space is gone
     assert sorted(p.name for p in (tmp_path / "data").iterdir()) == [
         "rbtool_12x4x2_img16",
+        "rbtool_12x4x2_img16.writer",  # which rbtool sources wrote it (rebuilt when they change)
         "rlinf_12x4x2_img16",
         "rlinf_6x4x2_img16",
     ]
