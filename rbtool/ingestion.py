@@ -23,7 +23,7 @@ from rbtool.errors import RbtoolError, UsageError
 from rbtool.format import FORMATS, INDEX_FILE, METADATA_FILE, is_checkpoint_dir, parse_trajectory_file_name
 from rbtool.fsutil import LOCK_FILE
 from rbtool.index import Index, init_buffer_dir, read_index
-from rbtool.sources import Item, Skipped, check_item, collect_sources
+from rbtool.sources import Checked, Item, Skipped, check_item, collect_sources
 from rbtool.writer import BufferWriter, WriteReport, new_entry
 
 _TEMP_RE = re.compile(r"^\.trajectory_.*\.tmp$")
@@ -97,12 +97,16 @@ def _is_empty(directory: Path) -> bool:
         return False
 
 
-def _content_hash(item: Item) -> str:
-    """The sha256 of a source file: its recorded one when the size still matches, else read."""
+def _check_and_hash(item: Item) -> tuple[Checked, str]:
+    """A source file checked, and its sha256: its recorded one when the size still matches.
+
+    The file is read once: its bytes are hashed and its header read from them.
+    """
     entry = item.entry
     if entry is not None and entry.get("sha256") and entry.get("file_bytes") == item.path.stat().st_size:
-        return str(entry["sha256"])
-    return trajfile.sha256_file(item.path)
+        return check_item(item), str(entry["sha256"])
+    data = trajfile.read_file_bytes(item.path)
+    return check_item(item, data), trajfile.sha256_bytes(data)
 
 
 def _identities(index: Index) -> tuple[dict[str, int], dict[str, int]]:
@@ -203,7 +207,7 @@ def ingest(
         result.skipped.extend(collected.skipped)
         checked = []
         for item in collected.items:
-            checked.append((item, check_item(item), _content_hash(item)))
+            checked.append((item, *_check_and_hash(item)))
             if on_checked is not None:
                 on_checked(1)
         uuids, hashes = _identities(index)

@@ -18,6 +18,7 @@ from rbtool.dirs import is_rank_tree, open_checkpoint, open_view
 from rbtool.errors import CheckpointError
 from rbtool.format import is_checkpoint_dir
 from rbtool.layout import TrajectoryInfo, describe_stored
+from rbtool.ptheader import TensorSpec, UnusualLayout, read_header
 
 
 @dataclass
@@ -141,10 +142,23 @@ class Checked:
     uuid: str | None = None
 
 
-def check_item(item: Item) -> Checked:
-    """Open a trajectory file safely and check its tensors (memory-mapped for `.pt`)."""
-    traj = trajfile.load(item.path, mmap=True)
-    info = describe_stored(traj, item.path.name, str(item.path))
+def check_item(item: Item, data: bytes | None = None) -> Checked:
+    """Open a trajectory file safely and check its tensors.
+
+    A `.pt` file is checked from its header (rbtool.ptheader: structure and every tensor's
+    declared place, no tensor data loaded), unless its layout is one only torch's loader
+    reads; `.pkl` files are loaded. `data`: the file's bytes, when read already.
+    """
+    traj: dict[str, Any] | None = None
+    kind: type | None = None
+    if item.path.suffix == ".pt":
+        try:
+            traj, kind = read_header(item.path, data), TensorSpec
+        except UnusualLayout:
+            traj = None
+    if traj is None:
+        traj = trajfile.load(item.path, mmap=True)
+    info = describe_stored(traj, item.path.name, str(item.path), kind)
     if info.max_episode_length is None and "max_episode_length" not in traj:
         mel = item.entry.get("max_episode_length") if item.entry else None
         info = TrajectoryInfo(info.shape, mel if mel is not None else info.shape[0], info.model_weights_id)
