@@ -297,6 +297,10 @@ def file_sizes(
                 listing = {entry.name: entry for entry in it}
         except OSError:
             listing = {}
+        if not any(name.endswith((".pt", ".pkl")) for name in listing):  # no trajectory file here at all
+            if progress is not None:
+                progress(index.size)
+            return np.full(index.size, -1, dtype=np.int64)
 
         def listed_size(tid: int) -> int:
             entry = listing.get(index.file_name(tid))
