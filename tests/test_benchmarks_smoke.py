@@ -251,3 +251,17 @@ def test_outputs_reports_every_figure(tmp_path: Path) -> None:
     names |= {f"{c}_{k}_streams" for c in ("stats", "verify") for k in ("jsonl", "json_all")}
     assert {g["name"] for g in doc["goals"]} == names
     assert not (tmp_path / ".outputs-scratch").exists()
+
+
+def test_deep_reports_every_figure(tmp_path: Path) -> None:
+    doc = run_script(
+        "bench_deep.py",
+        *("--quick", "--trajectories", "4", "--t", "2", "--b", "2", "--image", "8"),
+        *("--repeats", "1", "--workdir", str(tmp_path)),
+    )
+    runs = ("sha256sum", "hashlib", "jobs_1", f"jobs_{max(2, doc['cores'])}")
+    assert doc["files"] == 4 and positive(doc["bytes"]) and set(doc["median_seconds"]) == set(runs)
+    assert all(positive(doc["median_seconds"][k]) for k in runs)
+    assert all(positive(v) for v in doc["verify_vs_sha256sum"].values())
+    assert positive(doc["speedup_1_to_n_jobs"]) and doc["met"] in (True, False)
+    assert not list(tmp_path.rglob(".files"))
