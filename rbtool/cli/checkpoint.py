@@ -223,10 +223,13 @@ def load(
 
     # The library checks --world-size and --rank (both or neither, rank in range) before it
     # reads anything; without --rank every rank's block is shown.
-    if rank is not None:
-        shown, dropped = checkpoint.load_state(ckpt, world_size=world_size, rank=rank, strict=strict)
-    else:
-        shown, dropped = checkpoint.load_state(ckpt, strict=strict)
+    # One step: the library reads the index and checks the files in one call.
+    with progress_bar("reading the index and checking files", 1, show_progress(json or jsonl)) as advance:
+        if rank is not None:
+            shown, dropped = checkpoint.load_state(ckpt, world_size=world_size, rank=rank, strict=strict)
+        else:
+            shown, dropped = checkpoint.load_state(ckpt, strict=strict)
+        advance(1)
     doc: dict[str, Any] = {
         "checkpoint": str(ckpt),
         "strict": strict,
