@@ -56,7 +56,7 @@ def test_checkpoint_error_exits_1(tmp_path: Path) -> None:
 def test_unexpected_exception_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
     from rbtool.cli import version
 
-    def broken(doc: object) -> None:
+    def broken(doc: object, *args: object) -> None:
         raise ZeroDivisionError("a bug")
 
     monkeypatch.setattr(version, "print_json", broken)
