@@ -353,14 +353,21 @@ def _json_chunks(value: Any) -> Iterator[bytes]:
 def _write_blocks(pieces: Iterable[bytes]) -> None:
     """Write byte pieces to stdout in blocks of about _WRITE_BYTES (as text where stdout has no buffer)."""
     binary = getattr(sys.stdout, "buffer", None)
+
+    def emit(data: bytearray) -> None:
+        if binary is None:
+            sys.stdout.write(data.decode())
+        else:
+            binary.write(data)
+
     sys.stdout.flush()
     pending = bytearray()
     for piece in pieces:
         pending += piece
         if len(pending) >= _WRITE_BYTES:
-            binary.write(pending) if binary is not None else sys.stdout.write(pending.decode())
+            emit(pending)
             pending.clear()
-    binary.write(pending) if binary is not None else sys.stdout.write(pending.decode())
+    emit(pending)
     if binary is not None:
         binary.flush()
     sys.stdout.flush()
@@ -370,7 +377,8 @@ def print_json(doc: Any, pretty: bool = False) -> None:
     """Write one JSON document to stdout: compact and streamed a block at a time, or indented with `pretty`.
 
     Values may be numpy arrays or lazy columns (sequences that build items on access): a
-    complete listing is serialised block by block and never held whole as text.
+    complete listing is serialised block by block and never held whole as text. An indented
+    document is built whole (it is for reading, and summaries are small).
     """
     if pretty:
         data = orjson.dumps(doc, default=_plain, option=orjson.OPT_INDENT_2 | _NUMPY)
