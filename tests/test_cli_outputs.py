@@ -283,6 +283,12 @@ def test_progress_goes_to_stderr_only(terminal: None, tmp_path: Path) -> None:
     assert "trajectory files" in saved.stderr and "trajectory files" not in saved.stdout
 
 
+def test_sample_names_its_phases_on_stderr(terminal: None, tmp_path: Path) -> None:
+    result = output("sample", AUTOSAVE, "--num-chunks", "4", "--out", tmp_path / "b.pt")
+    assert "reading the index" in result.stderr and "reading the index" not in result.stdout
+    assert output("sample", AUTOSAVE, "--num-chunks", "4", "--json").stderr == ""
+
+
 def test_no_progress_with_json_or_jsonl_even_at_a_terminal(terminal: None) -> None:
     for extra in ("--json", "--jsonl"):
         result = output("stats", AUTOSAVE, extra)

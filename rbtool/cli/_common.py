@@ -418,6 +418,11 @@ class Advance:
         if self._progress is not None and n:
             self._progress.advance(self._task, n)
 
+    def phase(self, done: int, description: str) -> None:
+        """Name the phase under way, `done` steps of the bar's total behind it."""
+        if self._progress is not None:
+            self._progress.update(self._task, completed=done, description=description)
+
     def start(self, total: int | None, description: str | None = None) -> None:
         if self._progress is not None:
             changes: dict[str, Any] = {"total": total, "completed": 0}

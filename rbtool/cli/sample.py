@@ -128,12 +128,12 @@ def sample(
     # what the buffer will load: a rank tree reads as the merge of its ranks (ids are the
     # merged ones); non-strict drops missing files before merging, as load_checkpoint does
     # The phases are counted, not the files inside them: the buffer reports no progress of its own.
-    with progress_bar("reading the index", len(SAMPLE_PHASES), show_progress(json)) as advance:
+    phases = len(SAMPLE_PHASES) if out_path is not None else len(SAMPLE_PHASES) - 1
+    with progress_bar(SAMPLE_PHASES[0], phases, show_progress(json)) as advance:
         view = open_view(path, strict=strict)
         index = view.index
         missing = view.dropped_ids()
-        advance.start(len(SAMPLE_PHASES), SAMPLE_PHASES[1])
-        advance(1)
+        advance.phase(1, SAMPLE_PHASES[1])
         buffer = TrajectoryReplayBuffer(seed=DEFAULT_SEED, sample_window_size=window, extra_fields=all_fields)
         buffer.load_checkpoint(view, strict=strict)  # the index just read; reseeds when it has a seed
         used_seed = buffer.seed if seed is None else seed
@@ -141,12 +141,10 @@ def sample(
             buffer.seed = seed
             buffer.random_generator.manual_seed(seed)
         window_ids = buffer.window_ids()
-        advance.start(len(SAMPLE_PHASES), SAMPLE_PHASES[2])
-        advance(2)
+        advance.phase(2, SAMPLE_PHASES[2])
         draw, batch = buffer.sample_with_draw(num_chunks, strategy.value, k, temperature)
         if out_path is not None:
-            advance.start(len(SAMPLE_PHASES), SAMPLE_PHASES[3])
-            advance(3)
+            advance.phase(3, SAMPLE_PHASES[3])
         written = save_batch(batch, out_path) if out_path is not None else None
 
     tids = draw.trajectory_ids
