@@ -48,6 +48,7 @@ STORAGE_DTYPES = {
     "ComplexDoubleStorage": ("complex128", 16),
 }
 MAX_DEPTH = 32  # as trajfile.MAX_DEPTH: nesting of dicts and lists
+_KNOWN_VERSIONS = {b"1", b"2", b"3"}  # the zip `version` records of files torch.save writes
 MAX_PICKLE_BYTES = 64 << 20  # a trajectory's structure; tensors' bytes are in other records
 SMALL_FILE_BYTES = 256 << 10  # files up to this size are read whole, in one read
 _INT64 = (-(1 << 63), 1 << 63)
@@ -343,6 +344,9 @@ def _parse(path: Path, read: Any, size: int) -> dict[str, Any]:
     byteorder = f"{archive.prefix}byteorder"
     if byteorder in archive.records and archive.read(byteorder, 16) != b"little":
         raise UnusualLayout("big-endian data")
+    version = f"{archive.prefix}version"
+    if version in archive.records and archive.read(version, 16).strip() not in _KNOWN_VERSIONS:
+        raise UnusualLayout("a file format version torch.save does not write")  # torch's loader decides
     data = archive.read(f"{archive.prefix}data.pkl", MAX_PICKLE_BYTES)
     # Files of one writer often share their structure byte for byte (same pickle, records at
     # the same places): then the result is the same, and is reused.
