@@ -20,9 +20,19 @@ from rbtool.dirs import CheckpointView, open_view, warn_layout
 from rbtool.errors import BufferClosedError, CheckpointError, EmptyBufferError, UsageError
 from rbtool.format import FORMATS, trajectory_file_name
 from rbtool.index import Index, init_buffer_dir, read_index, window_of
+from rbtool.layout import field_schema
 from rbtool.sampling import Draw, SampleCounts, check_draw, check_num_chunks, draw_range
-from rbtool.storage import FlatView, RawTrajectory, RowCache, Signature, TrajectoryStore, WindowSchema, gather
-from rbtool.writer import AutoSaveWriter, WriteReport, place_trajectory, write_checkpoint
+from rbtool.storage import (
+    FlatView,
+    RawTrajectory,
+    RowCache,
+    Signature,
+    TrajectoryStore,
+    WindowSchema,
+    gather,
+    recorded_signature,
+)
+from rbtool.writer import AutoSaveWriter, WriteReport, place_trajectory, record_schema, write_checkpoint
 
 if TYPE_CHECKING:
     from rbtool.topk import Candidates, RewardIndex
@@ -92,6 +102,7 @@ class TrajectoryReplayBuffer:
         # list, the window's signatures (its shared fields), the added trajectories' rows.
         # A new generation (load, clear) starts them again.
         self._generation = object()
+        self._recorded: dict[str, Signature] = {}  # signatures of the index's recorded schemas
         self._counts = SampleCounts()
         self._window_schema = WindowSchema()
         self._rows = RowCache()
@@ -222,6 +233,7 @@ class TrajectoryReplayBuffer:
                     "model_weights_id": info.model_weights_id,
                     "uuid": uuid.uuid4().hex,
                 }
+                record_schema(self._index, self._index.entries[tid], field_schema(traj, info.shape[0]))
                 self._index.id_list.append(tid)
                 self._store.put(tid, traj)
                 ids.append(tid)
@@ -296,6 +308,7 @@ class TrajectoryReplayBuffer:
                 seed=self._index.seed,
                 trajectory_format=self._index.trajectory_format,
                 extra_metadata=dict(self._index.extra_metadata),
+                schemas=dict(self._index.schemas),
             )
         self._writer.publish(snapshot)
         self._last_publish = time.monotonic()
@@ -321,8 +334,16 @@ class TrajectoryReplayBuffer:
 
     def _signature_at(self, position: int) -> Signature:
         tid = self._index.id_list[position]
-        shape = self._index.entries[tid]["shape"]
-        return self._store.signature(tid, shape[0], shape[1])
+        entry = self._index.entries[tid]
+        shape = entry["shape"]
+        recorded = None
+        digest = entry.get("schema")
+        if digest is not None and tid not in self._store.memory:
+            recorded = self._recorded.get(digest)
+            if recorded is None and digest in self._index.schemas:
+                fields = self._index.schemas[digest]
+                recorded = self._recorded[digest] = recorded_signature(fields, self.extra_fields)
+        return self._store.signature(tid, shape[0], shape[1], recorded)
 
     def _left_window(self, position: int) -> None:
         self._store.forget(self._index.id_list[position])
@@ -333,7 +354,12 @@ class TrajectoryReplayBuffer:
             start = lo
         else:
             start = max(lo, self._window_schema.hi)
-        unknown = [tid for tid in self._index.id_list[start:hi] if tid not in self._store.signatures]
+        entries, recorded, known = self._index.entries, self._index.schemas, self._store.signatures
+        unknown = [
+            tid
+            for tid in self._index.id_list[start:hi]
+            if tid not in known and entries[tid].get("schema") not in recorded
+        ]
         if len(unknown) > 64:
             self._store.read_headers(unknown)
         self._window_schema.track(self._generation, lo, hi, self._signature_at, self._left_window)
@@ -489,6 +515,7 @@ class TrajectoryReplayBuffer:
                 trajectory_counter=index.trajectory_counter,
                 seed=self.seed,
                 trajectory_format=self.trajectory_format,
+                schemas=dict(index.schemas),
             )
             if self.auto_save_path is not None:
                 files = self._adopt_files(new, {i: view.file_of(i) for i in index.id_list})

@@ -180,6 +180,8 @@ def merge_indexes(dirs: Sequence[Path], indexes: Sequence[Index], path: Path | N
     all_ids = [i for idx in indexes for i in idx.id_list]
     renumber = len(set(all_ids)) != len(all_ids)
     merged = Index(seed=first.seed, trajectory_format=first.trajectory_format)
+    for idx in indexes:  # recorded field schemas are named by digest: the union serves all
+        merged.schemas.update(idx.schemas)
     origin: dict[int, tuple[int, int]] = {}
     if renumber:
         order = sorted((i, n) for n, idx in enumerate(indexes) for i in idx.id_list)

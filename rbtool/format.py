@@ -44,10 +44,14 @@ FORMAT_VERSION = 1
 METADATA_KEYS = ("trajectory_format", "size", "total_samples", "trajectory_counter", "seed")
 REQUIRED_METADATA_KEYS = METADATA_KEYS[:4]
 # Metadata keys only rbtool writes: when all are absent, another writer wrote last.
-RBTOOL_METADATA_KEYS = ("format_version",)
+RBTOOL_METADATA_KEYS = ("format_version", "field_schemas")
 # Entry keys the reference implementation writes, then the optional ones rbtool adds.
 ENTRY_KEYS = ("num_samples", "trajectory_id", "max_episode_length", "shape", "model_weights_id")
-OPTIONAL_ENTRY_KEYS = ("uuid", "file_bytes", "sha256", "source_sha256", "link")
+OPTIONAL_ENTRY_KEYS = ("uuid", "file_bytes", "sha256", "source_sha256", "link", "schema")
+# metadata.json may hold rbtool's table of field schemas (an rbtool key, so dropped when
+# another writer rewrites the metadata): digest -> [[field path, dtype, per-sample shape, E],
+# ...]; an entry's "schema" names one.
+SCHEMAS_KEY = "field_schemas"
 LINK_KEYS = ("inode", "size", "mtime_ns")  # a hard-linked file's identity when it was linked
 
 INT64_LIMIT = 1 << 63  # every count, id and size is an int in [0, 2**63)
@@ -226,6 +230,11 @@ PROBLEM_CODES: dict[str, tuple[str, str]] = {
         "deep: a file's sha256 differs from its entry's, but another writer rewrote the checkpoint after "
         "rbtool recorded it, so the record is only a hint",
     ),
+    "schema_table_invalid": (
+        WARNING,
+        "metadata.json's table of field schemas (rbtool's own key) is malformed; readers ignore it and "
+        "read each file's structure instead",
+    ),
     "schema_differs": (
         WARNING,
         "deep: a trajectory's fields, dtypes or trailing shapes differ from the first's",
@@ -329,6 +338,7 @@ def _typed_decoder() -> Any:
             ("sha256", str | None, None),
             ("source_sha256", str | None, None),
             ("link", dict[str, int] | None, None),
+            ("schema", str | None, None),
         ],
         namespace={"__getitem__": getitem, "get": get},
         gc=False,
@@ -337,7 +347,10 @@ def _typed_decoder() -> Any:
     index_file = msgspec.defstruct(
         "IndexFile",
         # int keys: msgspec accepts only canonical spellings ("3", never "03" or "+3")
-        [("trajectory_index", dict[count, entry]), ("trajectory_id_list", list[count])],  # type: ignore[valid-type]
+        [
+            ("trajectory_index", dict[count, entry]),  # type: ignore[valid-type]
+            ("trajectory_id_list", list[count]),
+        ],
         gc=False,
     )
     return msgspec.json.Decoder(index_file)
@@ -411,6 +424,31 @@ def _decode_typed(data: bytes) -> tuple[dict[int, Any], list[int]] | None:
     return raw.trajectory_index, raw.trajectory_id_list
 
 
+def _is_schema_field(value: Any) -> bool:
+    return (
+        type(value) is list
+        and len(value) == 4
+        and type(value[0]) is list
+        and len(value[0]) >= 1
+        and all(type(k) is str for k in value[0])
+        and type(value[1]) is str
+        and type(value[2]) is list
+        and all(type(d) is int and 0 <= d < DIM_LIMIT for d in value[2])
+        and type(value[3]) is int
+        and 0 <= value[3] < DIM_LIMIT
+    )
+
+
+def schema_table(value: Any) -> dict[str, list[Any]] | None:
+    """The index's table of field schemas when it is well formed, else None."""
+    if type(value) is not dict:
+        return None
+    for key, fields in value.items():
+        if type(key) is not str or type(fields) is not list or not all(map(_is_schema_field, fields)):
+            return None
+    return value
+
+
 def _json_error(exc: Exception) -> str:
     return one_line(str(exc)).removeprefix("JSON is malformed: ")
 
@@ -471,6 +509,8 @@ def entry_problems(key: str, entry: Any) -> list[tuple[str, str]]:
             found.append(("entry_invalid", f"{where} has a {key} that is not a string: {entry[key]!r}"))
     if entry.get("link") is not None and not _is_link(entry["link"]):
         found.append(("entry_invalid", f"{where} has an invalid link {entry['link']!r:.80}"))
+    if entry.get("schema") is not None and type(entry["schema"]) is not str:
+        found.append(("entry_invalid", f"{where} has a schema that is not a string: {entry['schema']!r:.80}"))
     return found
 
 
@@ -651,6 +691,7 @@ def _entry_mask(keys: list[str], values: list[Any]) -> tuple[np.ndarray, np.ndar
     ok &= _optional_count_mask(_column(rows, "file_bytes", None))
     ok &= _optional_str_mask(_column(rows, "sha256", None))
     ok &= _optional_str_mask(_column(rows, "source_sha256", None))
+    ok &= _optional_str_mask(_column(rows, "schema", None))
     links = _column(rows, "link", None)
     if any(v is not None for v in links):
         ok &= np.fromiter((v is None or _is_link(v) for v in links), dtype=bool, count=len(links))
@@ -669,6 +710,7 @@ class Metadata:
     seed: int | None = None
     has_seed: bool = False  # the key is there with an integer
     format_version: int | None = None
+    schemas: dict[str, list[Any]] = field(default_factory=dict)  # rbtool's table of field schemas
     extra: dict[str, Any] = field(default_factory=dict)  # keys rbtool does not interpret
     invalid: set[str] = field(default_factory=set)  # keys present with a value that was refused
     foreign: bool = False  # no rbtool metadata key: another writer wrote last
@@ -746,6 +788,18 @@ def check_metadata(meta: Any) -> tuple[Metadata, list[Problem]]:
             )
         else:
             result.format_version = major
+    if SCHEMAS_KEY in meta:
+        table = schema_table(meta[SCHEMAS_KEY])
+        if table is None:
+            found.append(
+                problem(
+                    "schema_table_invalid",
+                    f"{METADATA_FILE}: {SCHEMAS_KEY!r} is malformed; it is ignored",
+                    file=METADATA_FILE,
+                )
+            )
+        else:
+            result.schemas = table
     result.foreign = not any(key in meta for key in RBTOOL_METADATA_KEYS)
     result.extra = {k: v for k, v in meta.items() if k not in METADATA_KEYS and k not in RBTOOL_METADATA_KEYS}
     for key, value in result.extra.items():
@@ -891,10 +945,10 @@ class _IndexChecker:
     def run(self, data: bytes) -> None:
         typed = _decode_typed(data)
         if typed is not None:
-            if self._accept_typed(*typed):
+            table, id_list = typed
+            if self._accept_typed(table, id_list):
                 return
             # well typed but some value is wrong: the exact path over the same structs
-            table, id_list = typed
             self._check_general(
                 {"trajectory_index": {str(k): e for k, e in table.items()}, "trajectory_id_list": id_list}
             )

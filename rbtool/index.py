@@ -19,6 +19,7 @@ from rbtool.format import (
     FORMAT_VERSION,
     INDEX_FILE,
     METADATA_FILE,
+    SCHEMAS_KEY,
     check_json,
     is_checkpoint_dir,
     trajectory_file_name,
@@ -100,6 +101,8 @@ class Index:
     seed: int | None = 1234
     trajectory_format: str = "pt"
     extra_metadata: dict[str, Any] = field(default_factory=dict)
+    # rbtool's table of field schemas (digest -> fields), which entries name by "schema"
+    schemas: dict[str, list[Any]] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -129,6 +132,7 @@ class Index:
             seed=self.seed,
             trajectory_format=self.trajectory_format,
             extra_metadata=dict(self.extra_metadata),
+            schemas=self.schemas,
         )
 
     def rank_block(self, world_size: int, rank: int) -> Index:
@@ -158,6 +162,11 @@ class Index:
         for key, value in self.extra_metadata.items():
             meta.setdefault(key, value)
         meta["format_version"] = FORMAT_VERSION
+        if self.schemas:
+            used = {self.entries[i].get("schema") for i in self.id_list}
+            table = {d: fields for d, fields in self.schemas.items() if d in used}
+            if table:
+                meta[SCHEMAS_KEY] = table
         return meta
 
     def index_json(self) -> dict[str, Any]:
@@ -185,6 +194,7 @@ def read_index(directory: str | os.PathLike[str]) -> Index:
         seed=meta.seed,
         trajectory_format=meta.trajectory_format or "pt",
         extra_metadata=dict(meta.extra),
+        schemas=meta.schemas,
     )
     index.trajectory_counter = max(meta.trajectory_counter or 0, index.next_counter())
     return index

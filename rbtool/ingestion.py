@@ -24,7 +24,7 @@ from rbtool.format import FORMATS, INDEX_FILE, METADATA_FILE, is_checkpoint_dir,
 from rbtool.fsutil import LOCK_FILE
 from rbtool.index import Index, init_buffer_dir, read_index
 from rbtool.sources import Checked, Item, Skipped, check_item, collect_sources
-from rbtool.writer import BufferWriter, WriteReport, new_entry
+from rbtool.writer import BufferWriter, WriteReport, new_entry, record_schema
 
 _TEMP_RE = re.compile(r"^\.trajectory_.*\.tmp$")
 
@@ -226,6 +226,7 @@ def ingest(
                 # a source's uuid is kept (so it is known next time), unless the buffer has it already
                 kept = source_uuid if isinstance(source_uuid, str) and source_uuid not in uuids else None
                 entry = new_entry(tid, ready.info, kept or uuid.uuid4().hex)
+                record_schema(index, entry, ready.schema)
                 index.entries[tid] = entry
                 linked = item.entry is not None if link is None else link  # from a checkpoint?
                 writer.place(ready.path, index.file_name(tid), entry, result.report, link=linked)

@@ -156,6 +156,32 @@ def describe(traj: dict[str, Any], where: str, kind: type | None = None) -> Traj
     return TrajectoryInfo(shape=shape, max_episode_length=mel, model_weights_id=mwid)
 
 
+def field_schema(traj: dict[str, Any], t: int, kind: type | None = None) -> list[list[Any]]:
+    """A trajectory's field schema as the index records it: `[path, dtype, per-sample shape, E]`
+    for every tensor of >= 2 dims, depth first in dict order (E: a done-like field's extra rows).
+
+    Enough to work out a batch's fields (SPEC §3 steps 5-6) without opening the file.
+    """
+    fields: list[list[Any]] = []
+    for path, tensor in iter_tensors(traj, kind=kind):
+        if tensor.dim() < 2:
+            continue
+        shape = [int(d) for d in tensor.shape]
+        extra = shape[0] - t if len(path) == 1 and path[0] in DONE_LIKE else 0
+        dtype = tensor.dtype if isinstance(tensor.dtype, str) else str(tensor.dtype).removeprefix("torch.")
+        fields.append([list(path), dtype, shape[2:], extra])
+    return fields
+
+
+def schema_digest(fields: list[list[Any]]) -> str:
+    """The name an index entry gives its field schema: a digest of the schema's JSON."""
+    import hashlib
+
+    import orjson
+
+    return hashlib.sha256(orjson.dumps(fields)).hexdigest()[:16]
+
+
 def name_weights_id(file_name: str) -> str:
     """The model_weights_id a trajectory file's name carries ("" when the name has none)."""
     parsed = parse_trajectory_file_name(file_name)

@@ -17,7 +17,7 @@ from rbtool import trajfile
 from rbtool.dirs import is_rank_tree, open_checkpoint, open_view
 from rbtool.errors import CheckpointError
 from rbtool.format import is_checkpoint_dir
-from rbtool.layout import TrajectoryInfo, describe_stored
+from rbtool.layout import TrajectoryInfo, describe_stored, field_schema
 from rbtool.ptheader import TensorSpec, UnusualLayout, read_header
 
 
@@ -140,6 +140,7 @@ class Checked:
     info: TrajectoryInfo
     sha256: str | None = None
     uuid: str | None = None
+    schema: list[list[Any]] | None = None  # layout.field_schema of its contents
 
 
 def check_item(item: Item, data: bytes | None = None) -> Checked:
@@ -170,4 +171,4 @@ def check_item(item: Item, data: bytes | None = None) -> Checked:
     sha = None
     if item.entry is not None and item.entry.get("file_bytes") == item.path.stat().st_size:
         sha = item.entry.get("sha256")
-    return Checked(item.path, info, sha)
+    return Checked(item.path, info, sha, schema=field_schema(traj, info.shape[0], kind))

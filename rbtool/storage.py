@@ -461,6 +461,7 @@ class TrajectoryStore:
         self.signatures: dict[int, Signature] = {}
         self.headers: dict[int, dict[str, Any]] = {}
         self._interned: dict[Signature, Signature] = {}
+        self.recorded: set[int] = set()  # ids whose signature came from the index's record
         self._signature_keys: dict[tuple[Any, ...], Signature] = {}
         self._by_header: dict[int, tuple[dict[str, Any], Signature]] = {}
         self._raw_layouts: dict[
@@ -498,6 +499,7 @@ class TrajectoryStore:
             self.files.pop(tid, None)
             self.views.pop(tid, None)
             self.signatures.pop(tid, None)
+            self.recorded.discard(tid)
             self.headers.pop(tid, None)
             self._drop_raw(tid)
             pinned = self.pins.pop(tid, None)
@@ -517,6 +519,7 @@ class TrajectoryStore:
             self.files.clear()
             self.views.clear()
             self.signatures.clear()
+            self.recorded.clear()
             self.headers.clear()
             self.raws.clear()
             self.raw_bytes = 0
@@ -558,6 +561,7 @@ class TrajectoryStore:
             view = FlatView(traj, t, b, extra_fields=self.extra_fields)
         except RbtoolError as exc:
             raise TrajectoryFileError(f"{path or f'trajectory {tid}'}: {exc}") from None
+        self.check_recorded(tid, view_signature(view), path)
         self.views[tid] = view
         while len(self.views) > self.max_open:
             self.views.popitem(last=False)
@@ -640,6 +644,7 @@ class TrajectoryStore:
                 self._raw_layouts[(id(header), t, b)] = known
             if len(data) < known[2]:
                 raise TrajectoryFileError(f"{path}: truncated (a tensor's data is cut short)")
+            self.check_recorded(tid, self._header_signature(header), path)
             raw = RawTrajectory(data, t, b, known[1])
         except UnusualLayout:
             self.not_raw.add(tid)
@@ -686,7 +691,9 @@ class TrajectoryStore:
         known = self.signatures.get(tid)
         if known is not None:
             return known
-        if recorded is None:
+        if recorded is not None:
+            self.recorded.add(tid)  # checked against the file when it is opened
+        else:
             with self.lock:
                 traj = self.memory.get(tid)
             if traj is not None:
@@ -718,7 +725,16 @@ class TrajectoryStore:
     def forget(self, tid: int) -> None:
         """Drop what is known of a trajectory that left the window (its data stays held)."""
         self.signatures.pop(tid, None)
+        self.recorded.discard(tid)
         self.headers.pop(tid, None)
+
+    def check_recorded(self, tid: int, actual: Signature, path: Path | None) -> None:
+        """A trajectory whose signature came from its index entry must hold those fields."""
+        if tid in self.recorded and self.intern(actual) is not self.signatures.get(tid):
+            raise TrajectoryFileError(
+                f"{path or f'trajectory {tid}'}: its fields differ from the schema its index entry "
+                "records; rbtool repair rewrites the index from the files"
+            )
 
     def schema(self, tid: int, t: int, b: int) -> Schema:
         return dict(self.signature(tid, t, b)[0])
@@ -742,6 +758,21 @@ def signature_of(traj: dict[str, Any], extra_fields: bool) -> Signature:
     items, left_out = sampled_items(traj, extra_fields)
     fields = tuple((p, (_torch_dtype(v.dtype), tuple(int(d) for d in v.shape[2:]))) for p, v in items)
     return fields, tuple(left_out)
+
+
+def recorded_signature(fields: list[list[Any]], extra_fields: bool) -> Signature:
+    """The signature of a schema an index records (layout.field_schema), without the file."""
+    import torch
+
+    skeleton: dict[str, Any] = {}
+    for path, dtype, rest, extra in fields:
+        node = skeleton
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        itemsize = getattr(torch, dtype).itemsize if hasattr(torch, dtype) else 1
+        shape = (1 + extra, 1, *rest)
+        node[path[-1]] = TensorSpec(dtype, itemsize, shape, shape, 0, 0, 0)
+    return signature_of(skeleton, extra_fields)
 
 
 def view_signature(view: FlatView) -> Signature:

@@ -19,7 +19,7 @@ from rbtool import trajfile
 from rbtool.errors import RbtoolError
 from rbtool.fsutil import DirLock, link_or_copy, staged_dir, write_bytes_atomic
 from rbtool.index import Index, write_index
-from rbtool.layout import TrajectoryInfo
+from rbtool.layout import TrajectoryInfo, schema_digest
 
 Source = Path | dict[str, Any]
 Progress = Callable[[int], None]  # called with the number of trajectories just done
@@ -197,6 +197,15 @@ def new_entry(tid: int, info: TrajectoryInfo, uuid_hex: str) -> dict[str, Any]:
         "model_weights_id": info.model_weights_id,
         "uuid": uuid_hex,
     }
+
+
+def record_schema(index: Index, entry: dict[str, Any], fields: list[list[Any]] | None) -> None:
+    """Name a trajectory's field schema in its entry, the schema itself in the index's table."""
+    if fields is None:
+        return
+    digest = schema_digest(fields)
+    index.schemas.setdefault(digest, fields)
+    entry["schema"] = digest
 
 
 class BufferWriter:

@@ -234,6 +234,7 @@ def scenario_cases() -> dict[str, Callable[[Path], None]]:
             edit_index(c, lambda d: d["trajectory_id_list"].remove(3)),
             edit_meta(c, size=4, total_samples=32),
         ),
+        "schema_table_invalid": lambda c: edit_meta(c, field_schemas={"ab": [["x"]]}),
         "size_mismatch": lambda c: edit_meta(c, size=7),
         "total_samples_mismatch": lambda c: edit_meta(c, total_samples=41),
         "counter_too_low": lambda c: edit_meta(c, trajectory_counter=3),

@@ -175,3 +175,97 @@ def test_auto_save_publishes_are_spaced_and_a_flush_publishes_everything(tmp_pat
     assert published[-1] == 60 and read_index(tmp_path / "a").size == 60
     assert published == sorted(published) and len(published) < 60
     buffer.close()
+
+
+# ------------------------------------------------------------------ recorded schemas
+def test_checkpoints_rbtool_writes_record_each_trajectorys_field_schema(tmp_path: Path) -> None:
+    import orjson
+
+    from rbtool.layout import field_schema, schema_digest
+
+    trajs = [make_traj(seed=i) for i in range(4)]
+    del trajs[2]["prev_values"]
+    buffer = TrajectoryReplayBuffer(sample_window_size=0)
+    buffer.add_trajectories(trajs)
+    buffer.save_checkpoint(tmp_path / "c")
+    meta = orjson.loads((tmp_path / "c" / "metadata.json").read_bytes())
+    index = read_index(tmp_path / "c")
+    digests = [index.entries[i]["schema"] for i in index.id_list]
+    assert len(set(digests)) == 2 and set(meta["field_schemas"]) == set(digests)
+    for tid, traj in zip(index.id_list, trajs, strict=True):
+        fields = field_schema(traj, 4)
+        assert schema_digest(fields) == index.entries[tid]["schema"]
+        assert meta["field_schemas"][index.entries[tid]["schema"]] == fields
+    assert ["dones"] in [f[0] for f in fields] and [f[3] for f in fields if f[0] == ["dones"]] == [1]
+
+
+def test_a_recorded_schema_spares_reading_the_window_s_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rbtool import storage
+
+    buffer = TrajectoryReplayBuffer(sample_window_size=0)
+    buffer.add_trajectories([make_traj(t=2, b=1, seed=i) for i in range(300)])
+    buffer.save_checkpoint(tmp_path / "c")
+    reads: list[Path] = []
+    real = storage.read_header
+
+    def counting(path: Path, data: bytes | None = None) -> dict[str, Any]:
+        reads.append(path)
+        return real(path, data)
+
+    monkeypatch.setattr(storage, "read_header", counting)
+    loaded = TrajectoryReplayBuffer(sample_window_size=0)
+    loaded.load_checkpoint(tmp_path / "c")
+    draw, _ = loaded.sample_with_draw(8)
+    assert len(reads) <= len(set(draw.trajectory_ids))  # only files drawn from, never the window
+
+    foreign = tmp_path / "foreign"
+    import shutil
+
+    shutil.copytree(tmp_path / "c", foreign)
+    meta = foreign / "metadata.json"
+    import orjson
+
+    doc = orjson.loads(meta.read_bytes())
+    del doc["field_schemas"]  # as another writer leaves it: the file's headers are read instead
+    meta.write_bytes(orjson.dumps(doc))
+    reads.clear()
+    other = TrajectoryReplayBuffer(sample_window_size=0)
+    other.load_checkpoint(foreign)
+    assert flat_batch(other.sample(8)).keys() == flat_batch(loaded.sample(8)).keys()
+    assert len(reads) >= 300
+
+
+def test_a_file_that_disagrees_with_its_recorded_schema_is_named(tmp_path: Path) -> None:
+    buffer = TrajectoryReplayBuffer(sample_window_size=0)
+    buffer.add_trajectories([make_traj(seed=i) for i in range(3)])
+    buffer.save_checkpoint(tmp_path / "c")
+    index = read_index(tmp_path / "c")
+    changed = make_traj(seed=1)
+    changed["curr_obs"]["states"] = torch.zeros(4, 2, 3)  # another row shape, entry unchanged
+    torch.save(changed, tmp_path / "c" / index.file_name(1))
+    loaded = TrajectoryReplayBuffer(sample_window_size=0)
+    loaded.load_checkpoint(tmp_path / "c")
+    state = loaded.random_generator.get_state()
+    with pytest.raises(TrajectoryFileError, match="differ from the schema its index entry records"):
+        for _ in range(40):
+            state = loaded.random_generator.get_state()
+            loaded.sample(8)
+    assert torch.equal(loaded.random_generator.get_state(), state)
+
+
+def test_ingest_records_the_schema_it_read_from_each_header(tmp_path: Path) -> None:
+    from rbtool.ingestion import ingest
+    from rbtool.layout import field_schema, schema_digest
+
+    sources = []
+    for i in range(3):
+        path = tmp_path / f"t{i}.pt"
+        torch.save(make_traj(seed=i), path)
+        sources.append(path)
+    ingest(sources, tmp_path / "b")
+    index = read_index(tmp_path / "b")
+    want = schema_digest(field_schema(make_traj(seed=0), 4))
+    assert [index.entries[i]["schema"] for i in index.id_list] == [want] * 3
+    assert index.schemas[want] == field_schema(make_traj(seed=0), 4)
