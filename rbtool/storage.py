@@ -465,7 +465,7 @@ class TrajectoryStore:
         self._signature_keys: dict[tuple[Any, ...], Signature] = {}
         self._by_header: dict[int, tuple[dict[str, Any], Signature]] = {}
         self._raw_layouts: dict[
-            tuple[int, int, int], tuple[dict[str, Any], dict[FieldPath, tuple[int, int]]]
+            tuple[int, int, int], tuple[dict[str, Any], dict[FieldPath, tuple[int, int]], int]
         ] = {}
         # small files held as bytes (RawTrajectory), and the ids known not to be held so
         self.raws: OrderedDict[int, RawTrajectory] = OrderedDict()
