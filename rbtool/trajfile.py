@@ -224,6 +224,10 @@ def _check_zip_records(path: Path, data: bytes | None = None, *, mapped: bool = 
     try:
         with zipfile.ZipFile(source) as archive:
             records = archive.infolist()
+            names = [r.filename for r in records]
+            if len(set(names)) != len(names):  # which of the two a reader takes is up to the reader
+                twice = next(n for n in names if names.count(n) > 1)
+                raise TrajectoryFileError(f"{path}: zip record {twice!r:.80} appears twice")
             total = 0
             for record in records:
                 if record.compress_type != zipfile.ZIP_STORED or record.compress_size != record.file_size:
@@ -313,8 +317,11 @@ def _declared_storages(data_pkl: bytes) -> list[tuple[str, int]]:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             continue
         kind, key, numel = getattr(pid[1], "qualified", ""), pid[2], pid[4]
-        if type(key) is not str or type(numel) is not int or not kind.startswith("torch."):
+        if type(key) not in (str, int, float, bool) or type(numel) is not int:
             continue
+        if not kind.startswith("torch."):
+            continue
+        key = f"{key}"  # torch names the record f"data/{key}" whatever the key's type
         itemsize = _storage_itemsize(kind[len("torch.") :])
         if itemsize is not None:
             declared.append((key, numel * itemsize))
