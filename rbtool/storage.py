@@ -59,7 +59,7 @@ ROW_READ_MIN_BYTES = 2048
 # File descriptors kept open across batches (least recently used closed first): a quarter
 # of the process's limit, at most 1024.
 MAX_OPEN_FDS = max(16, min(1024, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4))
-_OPEN_FILES: OrderedDict[int, FileTrajectory] = OrderedDict()
+_OPEN_FILES: OrderedDict[int, FileTrajectory | FileHandle] = OrderedDict()
 
 
 class FileRows:
@@ -70,7 +70,9 @@ class FileRows:
     checkpoint resident. Reading rows into the output keeps memory at the batch size.
     """
 
-    def __init__(self, owner: FileTrajectory, offset: int, shape: tuple[int, ...], dtype: Any) -> None:
+    def __init__(
+        self, owner: FileTrajectory | FileHandle, offset: int, shape: tuple[int, ...], dtype: Any
+    ) -> None:
         import torch
 
         self.owner, self.offset, self.shape, self.dtype = owner, offset, torch.Size(shape), dtype
@@ -96,6 +98,36 @@ class FileRows:
             got = os.preadv(fd, [buffer[j * size : (j + 1) * size]], base + row * size)
             if got != size:
                 raise TrajectoryFileError(f"{self.owner.path}: truncated (row {row} of a field is cut short)")
+
+
+class FileHandle:
+    """A file read by pread, its descriptor opened on demand and kept in the bounded fd cache."""
+
+    def __init__(self, path: Path, pin: PinnedFile | None = None) -> None:
+        self.path, self._pin = path, pin
+        self._fd: int | None = None
+
+    def fd(self) -> int:
+        if self._pin is not None:
+            return self._pin.fd
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+            _OPEN_FILES[id(self)] = self
+            while len(_OPEN_FILES) > MAX_OPEN_FDS:
+                _OPEN_FILES.popitem(last=False)[1].close()
+        else:
+            _OPEN_FILES.move_to_end(id(self))
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd is not None:
+            _OPEN_FILES.pop(id(self), None)
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
 
 
 class FileTrajectory:
@@ -361,27 +393,39 @@ class FlatView:
 
 
 class RawTrajectory:
-    """A small `.pt` trajectory held as its file's bytes: drawn rows are copied out by offset.
+    """A `.pt` trajectory held as bytes: drawn rows are copied out by offset, no tensor built.
 
-    No tensor is built: `fields` maps each sampled field to (where its first row starts in
-    `data`, E bootstrap rows); gather() copies `row bytes` from `start + stored row * row
-    bytes`, which is valid for the C-contiguous fields it admits.
+    `fields` maps each sampled field held in `data` to (where its first row starts, E
+    bootstrap rows): a small file is held whole; of a larger one only its fields with small
+    rows are (packed), those with large rows are `disk` fields, read row by row with pread
+    (FileRows over the flat rows, E). gather() copies `row bytes` from `start + stored row *
+    row bytes`, valid for the C-contiguous fields admitted.
     """
 
-    __slots__ = ("b", "data", "fields", "t")
+    __slots__ = ("b", "data", "disk", "fields", "t")
 
-    def __init__(self, data: bytes, t: int, b: int, fields: dict[FieldPath, tuple[int, int]]) -> None:
+    def __init__(
+        self,
+        data: bytes | bytearray,
+        t: int,
+        b: int,
+        fields: dict[FieldPath, tuple[int, int]],
+        disk: dict[FieldPath, tuple[FileRows, int]] | None = None,
+    ) -> None:
         import numpy as np
 
         self.t, self.b = t, b
         self.data = np.frombuffer(data, dtype=np.uint8)
         self.fields = fields
+        self.disk = disk or {}
 
 
-def raw_fields(
-    header: dict[str, Any], where: str, t: int, b: int, extra_fields: bool
-) -> dict[FieldPath, tuple[int, int]]:
-    """RawTrajectory.fields of a header whose trajectory the index says is [T, B] = [t, b].
+# One sampled field of a header: (path, spec, E bootstrap rows).
+RawLayout = list[tuple[FieldPath, TensorSpec, int]]
+
+
+def raw_layout(header: dict[str, Any], where: str, t: int, b: int, extra_fields: bool) -> RawLayout:
+    """The sampled fields of a header whose trajectory the index says is [T, B] = [t, b].
 
     Raises UnusualLayout for a sampled field that is not C-contiguous (left to a view).
     """
@@ -390,7 +434,7 @@ def raw_fields(
         raise TrajectoryFileError(
             f"{where}: tensors are [T, B] = {list(info.shape[:2])} but the index says {[t, b]}"
         )
-    fields: dict[FieldPath, tuple[int, int]] = {}
+    layout: RawLayout = []
     items, _ = sampled_items(header, extra_fields)
     for path, spec in items:
         if not spec.is_contiguous():
@@ -403,8 +447,8 @@ def raw_fields(
                 raise TrajectoryFileError(
                     f"{where}: field {'.'.join(path)!r} has shape {list(spec.shape)}; {exc}"
                 ) from None
-        fields[path] = (spec.data_start, extra)
-    return fields
+        layout.append((path, spec, extra))
+    return layout
 
 
 def header_extent(header: dict[str, Any]) -> int:
@@ -464,9 +508,7 @@ class TrajectoryStore:
         self.recorded: set[int] = set()  # ids whose signature came from the index's record
         self._signature_keys: dict[tuple[Any, ...], Signature] = {}
         self._by_header: dict[int, tuple[dict[str, Any], Signature]] = {}
-        self._raw_layouts: dict[
-            tuple[int, int, int], tuple[dict[str, Any], dict[FieldPath, tuple[int, int]], int]
-        ] = {}
+        self._raw_layouts: dict[tuple[int, int, int], tuple[dict[str, Any], RawLayout, int]] = {}
         # small files held as bytes (RawTrajectory), and the ids known not to be held so
         self.raws: OrderedDict[int, RawTrajectory] = OrderedDict()
         self.raw_bytes = 0
@@ -613,7 +655,7 @@ class TrajectoryStore:
             self.not_raw.discard(tid)
 
     def raw(self, tid: int, t: int, b: int) -> RawTrajectory | None:
-        """The trajectory as its small file's bytes, or None (in memory, large, unusual, .pkl)."""
+        """The trajectory as bytes (see RawTrajectory), or None (in memory, unusual, .pkl)."""
         raw = self.raws.get(tid)
         if raw is not None:
             self.raws.move_to_end(tid)
@@ -630,22 +672,22 @@ class TrajectoryStore:
         read_path = pinned.read_path if pinned is not None else path
         try:
             data = _read_small(read_path)
-            if data is None:
-                self.not_raw.add(tid)
-                return None
             header = self.headers.get(tid) or read_header(read_path, data)
             # headers are shared by files of one structure: so is what is derived from them
             known = self._raw_layouts.get((id(header), t, b))
             if known is None or known[0] is not header:
                 if len(self._raw_layouts) >= 4096:
                     self._raw_layouts.clear()
-                fields = raw_fields(header, str(path), t, b, self.extra_fields)
-                known = (header, fields, header_extent(header))
+                layout = raw_layout(header, str(path), t, b, self.extra_fields)
+                known = (header, layout, header_extent(header))
                 self._raw_layouts[(id(header), t, b)] = known
-            if len(data) < known[2]:
-                raise TrajectoryFileError(f"{path}: truncated (a tensor's data is cut short)")
             self.check_recorded(tid, self._header_signature(header), path)
-            raw = RawTrajectory(data, t, b, known[1])
+            if data is not None:
+                if len(data) < known[2]:
+                    raise TrajectoryFileError(f"{path}: truncated (a tensor's data is cut short)")
+                raw = RawTrajectory(data, t, b, {p: (spec.data_start, e) for p, spec, e in known[1]})
+            else:
+                raw = self._packed(path, pinned, t, b, known[1])
         except UnusualLayout:
             self.not_raw.add(tid)
             return None
@@ -661,6 +703,40 @@ class TrajectoryStore:
             _, dropped = self.raws.popitem(last=False)
             self.raw_bytes -= dropped.data.size
         return raw
+
+    def _packed(
+        self, path: Path, pinned: PinnedFile | None, t: int, b: int, layout: RawLayout
+    ) -> RawTrajectory:
+        """A large file as a RawTrajectory: fields with small rows read and packed, the others
+        left on disk."""
+        import torch
+
+        handle = FileHandle(path, pinned)
+        small = []
+        disk: dict[FieldPath, tuple[FileRows, int]] = {}
+        for field_path, spec, extra in layout:
+            row_bytes = math.prod(spec.shape[2:]) * spec.itemsize
+            if row_bytes >= ROW_READ_MIN_BYTES:
+                rows = spec.shape[0] * spec.shape[1]
+                shape = (rows, *spec.shape[2:])
+                disk[field_path] = (
+                    FileRows(handle, spec.data_start, shape, getattr(torch, spec.dtype)),
+                    extra,
+                )
+            else:
+                small.append((field_path, spec, extra))
+        packed = bytearray(sum(spec.numel() * spec.itemsize for _, spec, _ in small))
+        view = memoryview(packed)
+        fields: dict[FieldPath, tuple[int, int]] = {}
+        at = 0
+        for field_path, spec, extra in small:
+            size = spec.numel() * spec.itemsize
+            if size and os.preadv(handle.fd(), [view[at : at + size]], spec.data_start) != size:
+                raise TrajectoryFileError(f"{path}: truncated (a tensor's data is cut short)")
+            fields[field_path] = (at, extra)
+            at += size
+        handle.close()
+        return RawTrajectory(packed, t, b, fields, disk)
 
     def read_headers(self, tids: Sequence[int]) -> None:
         """Read the headers of many held files at once (threads overlap the file system's waits).
@@ -1096,6 +1172,19 @@ class _RawRows:
         self.data = np.concatenate([r.data for r in raws]) if len(raws) > 1 else raws[0].data
         self._tb: tuple[Any, Any] | None = None
 
+    def _rows(self, extras: Any) -> Any:
+        """Stored rows of each draw for a field with per-draw bootstrap rows `extras`."""
+        import numpy as np
+
+        if not extras.any():
+            return self.local
+        if self._tb is None:
+            self._tb = (
+                np.array([r.t for r in self.raws], dtype=np.int64)[self.slots],
+                np.array([r.b for r in self.raws], dtype=np.int64)[self.slots],
+            )
+        return done_rows(self.local, self._tb[0], self._tb[1], extras)
+
     def fill(self, path: FieldPath, target: Any) -> None:
         import numpy as np
         import torch
@@ -1103,20 +1192,28 @@ class _RawRows:
         row_bytes = math.prod(target.shape[1:]) * target.element_size()
         if not row_bytes:
             return
-        starts = np.fromiter((r.fields[path][0] for r in self.raws), dtype=np.int64, count=len(self.raws))
-        extras = np.fromiter((r.fields[path][1] for r in self.raws), dtype=np.int64, count=len(self.raws))
-        rows = self.local
-        if extras.any():
-            if self._tb is None:
-                self._tb = (
-                    np.array([r.t for r in self.raws], dtype=np.int64)[self.slots],
-                    np.array([r.b for r in self.raws], dtype=np.int64)[self.slots],
-                )
-            rows = done_rows(self.local, self._tb[0], self._tb[1], extras[self.slots])
-        first = (self.file_start + starts)[self.slots] + rows * row_bytes
-        picked = self.data[first[:, None] + np.arange(row_bytes, dtype=np.int64)]
-        out = target.view(torch.uint8).reshape(target.shape[0], row_bytes).numpy()
-        out[self.dest] = picked
+        held = [path in r.fields for r in self.raws]
+        count = len(self.raws)
+        starts = np.fromiter(
+            (r.fields[path][0] if h else 0 for r, h in zip(self.raws, held, strict=True)), np.int64, count
+        )
+        extras = np.fromiter(
+            (r.fields[path][1] if h else r.disk[path][1] for r, h in zip(self.raws, held, strict=True)),
+            np.int64,
+            count,
+        )
+        rows = self._rows(extras[self.slots])
+        in_data = np.asarray(held, dtype=bool)[self.slots]
+        chosen = slice(None) if in_data.all() else np.flatnonzero(in_data)
+        if in_data.any():
+            first = (self.file_start + starts)[self.slots[chosen]] + rows[chosen] * row_bytes
+            picked = self.data[first[:, None] + np.arange(row_bytes, dtype=np.int64)]
+            out = target.view(torch.uint8).reshape(target.shape[0], row_bytes).numpy()
+            out[self.dest[chosen]] = picked
+        if not in_data.all():  # fields with large rows: read from their files, row by row
+            for k in np.unique(self.slots[~in_data]).tolist():
+                mine = np.flatnonzero(self.slots == k)
+                self.raws[k].disk[path][0].take(rows[mine], target, self.dest[mine])
 
 
 class _ViewRows:

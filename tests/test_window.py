@@ -58,9 +58,15 @@ def flat_batch(batch: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[tupl
     return out
 
 
-def varied_traj(rng: random.Random, seed: int) -> dict[str, Any]:
-    """Trajectories that differ in T, B and in which fields they carry (and their shapes)."""
-    traj = make_traj(t=rng.randint(1, 5), b=rng.randint(1, 3), seed=seed, image=rng.choice([2, 4]))
+def varied_traj(rng: random.Random, seed: int, wide: bool = False) -> dict[str, Any]:
+    """Trajectories that differ in T, B and in which fields they carry (and their shapes).
+
+    `wide`: image rows of 3 KB and a wide done-like field, which stay on disk in large files.
+    """
+    t, b = rng.randint(1, 5), rng.randint(1, 3)
+    traj = make_traj(t=t, b=b, seed=seed, image=32 if wide else rng.choice([2, 4]))
+    if wide:
+        traj["terminations"] = torch.randn(t + 1, b, 600)
     if rng.random() < 0.2:
         del traj["prev_values"]
     if rng.random() < 0.2:
@@ -70,10 +76,16 @@ def varied_traj(rng: random.Random, seed: int) -> dict[str, Any]:
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("auto_save", [False, True])
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(
+    ("seed", "large_files"), [(0, False), (1, False), (2, False), (3, False), (4, True), (5, True)]
+)
 def test_batches_equal_a_from_scratch_gather_through_adds_loads_and_window_changes(
-    tmp_path: Path, auto_save: bool, seed: int
+    tmp_path: Path, auto_save: bool, seed: int, large_files: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from rbtool import storage
+
+    if large_files:  # read as files too large to hold whole: small fields packed, wide ones on disk
+        monkeypatch.setattr(storage, "SMALL_FILE_BYTES", 0)
     rng = random.Random(seed)
     buffer = TrajectoryReplayBuffer(
         seed=seed,
@@ -86,7 +98,8 @@ def test_batches_equal_a_from_scratch_gather_through_adds_loads_and_window_chang
     for step in range(40):
         action = rng.random()
         if action < 0.6 or not trajs:
-            batch = [varied_traj(rng, seed * 1000 + next_seed + i) for i in range(rng.randint(1, 3))]
+            count = rng.randint(1, 3)
+            batch = [varied_traj(rng, seed * 1000 + next_seed + i, large_files) for i in range(count)]
             next_seed += len(batch)
             for tid, traj in zip(buffer.add_trajectories(batch), batch, strict=True):
                 trajs[tid] = traj
