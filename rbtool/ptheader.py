@@ -28,7 +28,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from rbtool.errors import RbtoolError, TrajectoryFileError
 
@@ -173,8 +173,7 @@ _CENTRAL = struct.Struct("<4s6xH8xIIHHH8xI")  # sig, method, comp, size, name/ex
 _TAIL = 1 << 16
 
 
-@dataclass(frozen=True, slots=True)
-class _Record:
+class _Record(NamedTuple):
     size: int
     stored: bool
     header_offset: int
