@@ -32,7 +32,15 @@ from rbtool.storage import (
     gather,
     recorded_signature,
 )
-from rbtool.writer import AutoSaveWriter, WriteReport, place_trajectory, record_schema, write_checkpoint
+from rbtool.writer import (
+    AutoSaveWriter,
+    Progress,
+    WriteReport,
+    place_trajectory,
+    record_schema,
+    start_phase,
+    write_checkpoint,
+)
 
 if TYPE_CHECKING:
     from rbtool.topk import Candidates, RewardIndex
@@ -348,7 +356,7 @@ class TrajectoryReplayBuffer:
     def _left_window(self, position: int) -> None:
         self._store.forget(self._index.id_list[position])
 
-    def _track_window(self, lo: int, hi: int) -> None:
+    def _track_window(self, lo: int, hi: int, progress: Progress | None = None) -> None:
         """Bring the window's signatures up to date (new ones read from headers, a few at once)."""
         if self._window_schema.generation is not self._generation or lo < self._window_schema.lo:
             start = lo
@@ -361,7 +369,8 @@ class TrajectoryReplayBuffer:
             if tid not in known and entries[tid].get("schema") not in recorded
         ]
         if len(unknown) > 64:
-            self._store.read_headers(unknown)
+            start_phase(progress, len(unknown), "reading the window's trajectory headers")
+            self._store.read_headers(unknown, progress)
         self._window_schema.track(self._generation, lo, hi, self._signature_at, self._left_window)
 
     def sample(
@@ -380,11 +389,19 @@ class TrajectoryReplayBuffer:
         return self.sample(num_chunks)
 
     def sample_with_draw(
-        self, num_chunks: int, strategy: str = "uniform", k: int | None = None, temperature: float = 1.0
+        self,
+        num_chunks: int,
+        strategy: str = "uniform",
+        k: int | None = None,
+        temperature: float = 1.0,
+        *,
+        progress: Progress | None = None,
     ) -> tuple[Draw, dict[str, Any]]:
         """`sample()`, also returning the Draw: which trajectory and row each batch row came from.
 
-        Everything that can fail is checked before a random number is drawn.
+        Everything that can fail is checked before a random number is drawn. `progress` is
+        told of the files read for the window's fields (the first sample of a checkpoint
+        another writer made reads each file's header), as writers report their files.
         """
         from rbtool.topk import check_strategy, draw_topk
 
@@ -394,7 +411,7 @@ class TrajectoryReplayBuffer:
         if not self._index.id_list:
             raise EmptyBufferError("cannot sample from an empty buffer")
         lo, hi = self._window_range()
-        self._track_window(lo, hi)
+        self._track_window(lo, hi, progress)
         schema, left_out = self._window_schema.shared()
         ids = self._index.id_list
         # a call that fails draws nothing (SPEC §3 step 3): the stream is put back

@@ -738,7 +738,7 @@ class TrajectoryStore:
         handle.close()
         return RawTrajectory(packed, t, b, fields, disk)
 
-    def read_headers(self, tids: Sequence[int]) -> None:
+    def read_headers(self, tids: Sequence[int], progress: Callable[[int], None] | None = None) -> None:
         """Read the headers of many held files at once (threads overlap the file system's waits).
 
         Files without a readable header are left for signature() to open, and to report.
@@ -749,6 +749,8 @@ class TrajectoryStore:
             for tid in part:
                 with contextlib.suppress(RbtoolError):
                     self.header(tid)
+                if progress is not None:
+                    progress(1)
 
         workers = min(8, 2 * (os.cpu_count() or 1))
         step = -(-len(tids) // workers)

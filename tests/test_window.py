@@ -282,3 +282,35 @@ def test_ingest_records_the_schema_it_read_from_each_header(tmp_path: Path) -> N
     want = schema_digest(field_schema(make_traj(seed=0), 4))
     assert [index.entries[i]["schema"] for i in index.id_list] == [want] * 3
     assert index.schemas[want] == field_schema(make_traj(seed=0), 4)
+
+
+def test_the_first_sample_of_a_foreign_checkpoint_reports_the_headers_it_reads(tmp_path: Path) -> None:
+    import orjson
+
+    buffer = TrajectoryReplayBuffer(sample_window_size=0)
+    buffer.add_trajectories([make_traj(t=2, b=1, seed=i) for i in range(100)])
+    buffer.save_checkpoint(tmp_path / "c")
+    meta = tmp_path / "c" / "metadata.json"
+    doc = orjson.loads(meta.read_bytes())
+    del doc["field_schemas"], doc["format_version"]  # as another writer leaves it
+    meta.write_bytes(orjson.dumps(doc))
+
+    class Seen:
+        def __init__(self) -> None:
+            self.phases: list[tuple[int | None, str | None]] = []
+            self.done = 0
+
+        def start(self, total: int | None, description: str | None = None) -> None:
+            self.phases.append((total, description))
+
+        def __call__(self, n: int = 1) -> None:
+            self.done += n
+
+    seen = Seen()
+    loaded = TrajectoryReplayBuffer(sample_window_size=0)
+    loaded.load_checkpoint(tmp_path / "c")
+    loaded.sample_with_draw(8, progress=seen)
+    assert seen.phases == [(100, "reading the window's trajectory headers")] and seen.done == 100
+    again = Seen()
+    loaded.sample_with_draw(8, progress=again)  # known now: nothing read, nothing reported
+    assert again.phases == [] and again.done == 0

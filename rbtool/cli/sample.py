@@ -127,7 +127,8 @@ def sample(
 
     # what the buffer will load: a rank tree reads as the merge of its ranks (ids are the
     # merged ones); non-strict drops missing files before merging, as load_checkpoint does
-    # The phases are counted, not the files inside them: the buffer reports no progress of its own.
+    # The phases are counted; the files the first sample reads (headers of the window's files,
+    # when no schema is recorded) are counted as they are read.
     phases = len(SAMPLE_PHASES) if out_path is not None else len(SAMPLE_PHASES) - 1
     with progress_bar(SAMPLE_PHASES[0], phases, show_progress(json)) as advance:
         view = open_view(path, strict=strict)
@@ -142,8 +143,9 @@ def sample(
             buffer.random_generator.manual_seed(seed)
         window_ids = buffer.window_ids()
         advance.phase(2, SAMPLE_PHASES[2])
-        draw, batch = buffer.sample_with_draw(num_chunks, strategy.value, k, temperature)
+        draw, batch = buffer.sample_with_draw(num_chunks, strategy.value, k, temperature, progress=advance)
         if out_path is not None:
+            advance.start(phases, SAMPLE_PHASES[3])
             advance.phase(3, SAMPLE_PHASES[3])
         written = save_batch(batch, out_path) if out_path is not None else None
 
