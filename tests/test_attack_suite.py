@@ -1810,7 +1810,10 @@ def test_live_buffer_readers(tmp_path: Path, reader: str, fmt: str) -> None:
         ran = measured(*argv)
         # the writer's own trajectories of a few KB each count towards the input
         assert_clean(ran, memory_bound(baseline, live) + 16 * MiB)
-        assert ran.result.exit_code == 0, (argv, ran.result.stdout, ran.result.stderr)
+        if reader == "diff":  # its two sides are read one after the other: the buffer may have grown
+            assert ran.result.exit_code in (0, 1) and error_lines(ran.result) == [], ran.result.stderr
+        else:
+            assert ran.result.exit_code == 0, (argv, ran.result.stdout, ran.result.stderr)
     if out is not None:
         assert run("verify", out, "--deep", *J1).exit_code == 0, argv
         assert staging_left(scratch) == []
