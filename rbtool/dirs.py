@@ -94,7 +94,12 @@ def missing_files(directory: Path, index: Index) -> list[int]:
 
 def open_checkpoint(path: str | os.PathLike[str], *, strict: bool = True) -> tuple[Path, Index]:
     """Read a checkpoint's index; refuse (strict) or drop (non-strict) ids whose files are missing."""
-    directory = Path(path)
+    directory, index, _ = _open_checkpoint(Path(path), strict)
+    return directory, index
+
+
+def _open_checkpoint(directory: Path, strict: bool) -> tuple[Path, Index, list[int]]:
+    """open_checkpoint, also returning the ids a non-strict open dropped."""
     index = read_index(directory)
     missing = missing_files(directory, index)
     if missing:
@@ -107,7 +112,7 @@ def open_checkpoint(path: str | os.PathLike[str], *, strict: bool = True) -> tup
             )
         gone = set(missing)
         index = index.subset([i for i in index.id_list if i not in gone])
-    return directory, index
+    return directory, index, missing
 
 
 # ------------------------------------------------------------------ views
@@ -223,10 +228,8 @@ def open_view(
     dropped: list[tuple[Path, int]] = []
     for d in dirs:
         if check_files:
-            before = read_index(d) if not strict else None
-            _, idx = open_checkpoint(d, strict=strict)
-            if before is not None:
-                dropped.extend((d, i) for i in before.id_list if i not in idx.entries)
+            _, idx, missing = _open_checkpoint(d, strict)  # the index read once, missing ids kept
+            dropped.extend((d, i) for i in missing)
         else:
             idx = read_index(d)
         indexes.append(idx)
