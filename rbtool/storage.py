@@ -508,7 +508,10 @@ class TrajectoryStore:
         self.recorded: set[int] = set()  # ids whose signature came from the index's record
         self._signature_keys: dict[tuple[Any, ...], Signature] = {}
         self._by_header: dict[int, tuple[dict[str, Any], Signature]] = {}
-        self._raw_layouts: dict[tuple[int, int, int], tuple[dict[str, Any], RawLayout, int]] = {}
+        # (header id, t, b) -> (header, its layout, the bytes it needs, RawTrajectory.fields)
+        self._raw_layouts: dict[
+            tuple[int, int, int], tuple[dict[str, Any], RawLayout, int, dict[FieldPath, tuple[int, int]]]
+        ] = {}
         # small files held as bytes (RawTrajectory), and the ids known not to be held so
         self.raws: OrderedDict[int, RawTrajectory] = OrderedDict()
         self.raw_bytes = 0
@@ -679,13 +682,14 @@ class TrajectoryStore:
                 if len(self._raw_layouts) >= 4096:
                     self._raw_layouts.clear()
                 layout = raw_layout(header, str(path), t, b, self.extra_fields)
-                known = (header, layout, header_extent(header))
+                fields = {p: (spec.data_start, e) for p, spec, e in layout}  # shared, never changed
+                known = (header, layout, header_extent(header), fields)
                 self._raw_layouts[(id(header), t, b)] = known
             self.check_recorded(tid, self._header_signature(header), path)
             if data is not None:
                 if len(data) < known[2]:
                     raise TrajectoryFileError(f"{path}: truncated (a tensor's data is cut short)")
-                raw = RawTrajectory(data, t, b, {p: (spec.data_start, e) for p, spec, e in known[1]})
+                raw = RawTrajectory(data, t, b, known[3])
             else:
                 raw = self._packed(path, pinned, t, b, known[1])
         except UnusualLayout:
