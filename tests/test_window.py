@@ -314,3 +314,31 @@ def test_the_first_sample_of_a_foreign_checkpoint_reports_the_headers_it_reads(t
     again = Seen()
     loaded.sample_with_draw(8, progress=again)  # known now: nothing read, nothing reported
     assert again.phases == [] and again.done == 0
+
+
+def test_rows_read_by_threads_are_those_read_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rbtool import storage
+
+    monkeypatch.setattr(storage, "SMALL_FILE_BYTES", 0)  # image rows stay in their files
+    writer = TrajectoryReplayBuffer(sample_window_size=0)
+    writer.add_trajectories([make_traj(t=3, b=2, seed=i, image=32) for i in range(12)])
+    writer.save_checkpoint(tmp_path / "c")
+    batches = []
+    for parallel_min, slow in ((10**9, 1.0), (1, 0.0)):  # in order; then always on threads
+        monkeypatch.setattr(storage, "READ_PARALLEL_MIN", parallel_min)
+        monkeypatch.setattr(storage, "READ_SLOW_S", slow)
+        buffer = TrajectoryReplayBuffer(seed=7, sample_window_size=0)
+        buffer.load_checkpoint(tmp_path / "c")
+        batches.append([flat_batch(buffer.sample(200)) for _ in range(3)])
+    for ordered, threaded in zip(*batches, strict=True):
+        assert ordered.keys() == threaded.keys()
+        for path in ordered:
+            assert torch.equal(ordered[path], threaded[path]), path
+    victim = tmp_path / "c" / read_index(tmp_path / "c").file_name(4)
+    victim.write_bytes(victim.read_bytes()[:-20000])  # its image rows cut short
+    buffer = TrajectoryReplayBuffer(seed=7, sample_window_size=0)
+    buffer.load_checkpoint(tmp_path / "c")
+    with pytest.raises(TrajectoryFileError, match="trajectory_4_"):
+        buffer.sample(200)
