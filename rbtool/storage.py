@@ -1214,7 +1214,7 @@ class _Group:
 
 
 class _RawRows:
-    """Draws from small files held as bytes: one byte gather per field over all of them."""
+    """Draws from files held as bytes: one byte gather per field over all of them."""
 
     def __init__(self, dest: Any, slots: Any, local: Any, raws: list[RawTrajectory]) -> None:
         import numpy as np
@@ -1224,6 +1224,14 @@ class _RawRows:
         self.file_start = np.concatenate([[0], np.cumsum(sizes)[:-1]])
         self.data = np.concatenate([r.data for r in raws]) if len(raws) > 1 else raws[0].data
         self._tb: tuple[Any, Any] | None = None
+        # the draws of each raw (in draw order), and the raws sharing one field table
+        order = np.argsort(slots, kind="stable")
+        cuts = np.flatnonzero(np.diff(slots[order])) + 1
+        self.draws_of = np.split(order, cuts)
+        layouts: dict[int, tuple[dict[FieldPath, tuple[int, int]], list[int]]] = {}
+        for k, raw in enumerate(raws):
+            layouts.setdefault(id(raw.fields), (raw.fields, []))[1].append(k)
+        self.layouts = [(fields, np.array(ks, dtype=np.int64)) for fields, ks in layouts.values()]
 
     def _rows(self, extras: Any) -> Any:
         """Stored rows of each draw for a field with per-draw bootstrap rows `extras`."""
@@ -1245,33 +1253,36 @@ class _RawRows:
         row_bytes = math.prod(target.shape[1:]) * target.element_size()
         if not row_bytes:
             return
-        held = [path in r.fields for r in self.raws]
         count = len(self.raws)
-        starts = np.fromiter(
-            (r.fields[path][0] if h else 0 for r, h in zip(self.raws, held, strict=True)), np.int64, count
-        )
-        extras = np.fromiter(
-            (r.fields[path][1] if h else r.disk[path][1] for r, h in zip(self.raws, held, strict=True)),
-            np.int64,
-            count,
-        )
+        starts = np.zeros(count, dtype=np.int64)
+        extras = np.zeros(count, dtype=np.int64)
+        held = np.zeros(count, dtype=bool)
+        for fields, ks in self.layouts:
+            entry = fields.get(path)
+            if entry is not None:
+                starts[ks], extras[ks], held[ks] = entry[0], entry[1], True
+        others = np.flatnonzero(~held).tolist()
+        for k in others:
+            extras[k] = self.raws[k].disk[path][1]
         rows = self._rows(extras[self.slots])
-        in_data = np.asarray(held, dtype=bool)[self.slots]
-        chosen = slice(None) if in_data.all() else np.flatnonzero(in_data)
+        out = target.view(torch.uint8).reshape(target.shape[0], row_bytes).numpy()
+        if not others:
+            first = (self.file_start + starts)[self.slots] + rows * row_bytes
+            out[self.dest] = self.data[first[:, None] + np.arange(row_bytes, dtype=np.int64)]
+            return
+        in_data = held[self.slots]
         if in_data.any():
+            chosen = np.flatnonzero(in_data)
             first = (self.file_start + starts)[self.slots[chosen]] + rows[chosen] * row_bytes
-            picked = self.data[first[:, None] + np.arange(row_bytes, dtype=np.int64)]
-            out = target.view(torch.uint8).reshape(target.shape[0], row_bytes).numpy()
-            out[self.dest[chosen]] = picked
-        if not in_data.all():  # fields with large rows: read from their files, row by row
-            reads: list[tuple[FileRows, int, int]] = []  # (file, stored row, output row)
-            for k in np.unique(self.slots[~in_data]).tolist():
-                mine = np.flatnonzero(self.slots == k)
-                rows_of = self.raws[k].disk[path][0]
-                reads.extend(
-                    zip([rows_of] * mine.size, rows[mine].tolist(), self.dest[mine].tolist(), strict=True)
-                )
-            read_rows(reads, target)
+            out[self.dest[chosen]] = self.data[first[:, None] + np.arange(row_bytes, dtype=np.int64)]
+        reads: list[tuple[FileRows, int, int]] = []  # fields with large rows: (file, stored row, output row)
+        for k in others:
+            mine = self.draws_of[k]
+            rows_of = self.raws[k].disk[path][0]
+            reads.extend(
+                zip([rows_of] * mine.size, rows[mine].tolist(), self.dest[mine].tolist(), strict=True)
+            )
+        read_rows(reads, target)
 
 
 class _ViewRows:
