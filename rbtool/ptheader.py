@@ -185,8 +185,9 @@ class _Archive:
     Bytes come from `read(offset, n)`: a slice of the file already in memory, or a pread.
     """
 
-    def __init__(self, path: Path, read: Any, size: int) -> None:
+    def __init__(self, path: Path, read: Any, size: int, whole: bytes | None = None) -> None:
         self.path, self._read, self.size = path, read, size
+        self._whole = whole  # the file's bytes, when it was read whole
         self.records = self._directory()
         total = 0
         for name, record in self.records.items():
@@ -202,7 +203,12 @@ class _Archive:
 
     def _directory(self) -> dict[str, _Record]:
         tail_start = max(0, self.size - _TAIL - _EOCD.size)
-        tail = bytes(self._read(tail_start, self.size - tail_start))
+        whole = self._whole
+        tail = (
+            whole
+            if whole is not None and tail_start == 0
+            else bytes(self._read(tail_start, self.size - tail_start))
+        )
         at = tail.rfind(b"PK\x05\x06")
         if at < 0 or len(tail) - at < _EOCD.size:
             raise UnusualLayout("not a zip")
@@ -220,7 +226,7 @@ class _Archive:
             _, _, _, _, _, _, _, count, cd_size, cd_offset = _ZIP64_EOCD.unpack(head)
         if cd_offset + cd_size > self.size or count > cd_size // _CENTRAL.size:
             raise TrajectoryFileError(f"{self.path}: truncated (the zip directory is cut short)")
-        directory = self._read(cd_offset, cd_size)
+        directory = bytes(self._read(cd_offset, cd_size))
         records: dict[str, _Record] = {}
         pos = 0
         for _ in range(count):
@@ -232,11 +238,11 @@ class _Archive:
             if signature != b"PK\x01\x02":
                 raise TrajectoryFileError(f"{self.path}: the zip directory is damaged")
             pos += _CENTRAL.size
-            name = bytes(directory[pos : pos + name_len]).decode("utf-8", "replace")
-            extra = bytes(directory[pos + name_len : pos + name_len + extra_len])
-            pos += name_len + extra_len + comment_len
-            if 0xFFFFFFFF in (comp, size, offset):
+            name = str(directory[pos : pos + name_len], "utf-8", "replace")
+            if comp == 0xFFFFFFFF or size == 0xFFFFFFFF or offset == 0xFFFFFFFF:
+                extra = directory[pos + name_len : pos + name_len + extra_len]
                 comp, size, offset = _zip64_sizes(extra, comp, size, offset)
+            pos += name_len + extra_len + comment_len
             if name in records:
                 raise TrajectoryFileError(f"{self.path}: zip record {name!r:.80} appears twice")
             records[name] = _Record(size, method == 0 and comp == size, offset)
@@ -338,8 +344,8 @@ def _build(path: Path, archive: _Archive, value: Any) -> Any:
     return walk(value, "", 0, frozenset())
 
 
-def _parse(path: Path, read: Any, size: int) -> dict[str, Any]:
-    archive = _Archive(path, read, size)
+def _parse(path: Path, read: Any, size: int, whole: bytes | None = None) -> dict[str, Any]:
+    archive = _Archive(path, read, size, whole)
     byteorder = f"{archive.prefix}byteorder"
     if byteorder in archive.records and archive.read(byteorder, 16) != b"little":
         raise UnusualLayout("big-endian data")
@@ -389,7 +395,7 @@ def read_header(path: Path, data: bytes | None = None) -> dict[str, Any]:
     """
     if data is not None:
         view = memoryview(data)
-        return _parse(path, lambda offset, n: view[offset : offset + n], len(data))
+        return _parse(path, lambda offset, n: view[offset : offset + n], len(data), bytes(data))
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
@@ -403,7 +409,7 @@ def read_header(path: Path, data: bytes | None = None) -> dict[str, Any]:
         if info.st_size <= SMALL_FILE_BYTES:  # one read for the whole file
             whole = os.pread(fd, info.st_size, 0)
             view = memoryview(whole)
-            return _parse(path, lambda offset, n: view[offset : offset + n], len(whole))
+            return _parse(path, lambda offset, n: view[offset : offset + n], len(whole), whole)
         return _parse(path, lambda offset, n: os.pread(fd, n, offset), info.st_size)
     except OSError as exc:
         raise TrajectoryFileError(f"{path}: cannot read ({exc.strerror})") from None
