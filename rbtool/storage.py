@@ -443,8 +443,8 @@ class RawTrajectory:
     """A `.pt` trajectory held as bytes: drawn rows are copied out by offset, no tensor built.
 
     `fields` maps each sampled field held in `data` to (where its first row starts, E
-    bootstrap rows): a small file is held whole; of a larger one only its fields with small
-    rows are (packed), those with large rows are `disk` fields, read row by row with pread
+    bootstrap rows): of a small file its sampled fields are held, packed; of a larger one its
+    fields with small rows are, and those with large rows are `disk` fields, read row by row with pread
     (FileRows over the flat rows, E). gather() copies `row bytes` from `start + stored row *
     row bytes`, valid for the C-contiguous fields admitted.
     """
@@ -504,7 +504,7 @@ def header_extent(header: dict[str, Any]) -> int:
 
 
 # Small files held as bytes for sampling, least recently used dropped first beyond this.
-RAW_CACHE_MAX_BYTES = 256 << 20
+RAW_CACHE_MAX_BYTES = 384 << 20
 
 
 def open_trajectory(path: Path, pin: PinnedFile | None = None) -> tuple[dict[str, Any], TrajectoryInfo]:
@@ -557,7 +557,8 @@ class TrajectoryStore:
         self._by_header: dict[int, tuple[dict[str, Any], Signature]] = {}
         # (header id, t, b) -> (header, its layout, the bytes it needs, RawTrajectory.fields)
         self._raw_layouts: dict[
-            tuple[int, int, int], tuple[dict[str, Any], RawLayout, int, dict[FieldPath, tuple[int, int]]]
+            tuple[int, int, int],
+            tuple[dict[str, Any], RawLayout, int, dict[FieldPath, tuple[int, int]], list[tuple[int, int]]],
         ] = {}
         # small files held as bytes (RawTrajectory), and the ids known not to be held so
         self.raws: OrderedDict[int, RawTrajectory] = OrderedDict()
@@ -729,14 +730,21 @@ class TrajectoryStore:
                 if len(self._raw_layouts) >= 4096:
                     self._raw_layouts.clear()
                 layout = raw_layout(header, str(path), t, b, self.extra_fields)
-                fields = {p: (spec.data_start, e) for p, spec, e in layout}  # shared, never changed
-                known = (header, layout, header_extent(header), fields)
+                # a small file is held as its sampled fields packed one after the other: where
+                # each is in the file, and where it is in the packed bytes (shared, never changed)
+                pieces, fields, at = [], {}, 0
+                for field_path, spec, extra in layout:
+                    size = spec.numel() * spec.itemsize
+                    pieces.append((spec.data_start, spec.data_start + size))
+                    fields[field_path] = (at, extra)
+                    at += size
+                known = (header, layout, header_extent(header), fields, pieces)
                 self._raw_layouts[(id(header), t, b)] = known
             self.check_recorded(tid, self._header_signature(header), path)
             if data is not None:
                 if len(data) < known[2]:
                     raise TrajectoryFileError(f"{path}: truncated (a tensor's data is cut short)")
-                raw = RawTrajectory(data, t, b, known[3])
+                raw = RawTrajectory(b"".join([data[a:z] for a, z in known[4]]), t, b, known[3])
             else:
                 raw = self._packed(path, pinned, t, b, known[1])
         except UnusualLayout:
