@@ -370,7 +370,8 @@ class TrajectoryReplayBuffer:
         ]
         if len(unknown) > 64:
             start_phase(progress, len(unknown), "reading the window's trajectory headers")
-            self._store.read_headers(unknown, progress)
+            shapes = [(tid, *entries[tid]["shape"][:2]) for tid in unknown]
+            self._store.read_headers(shapes, progress)
         self._window_schema.track(self._generation, lo, hi, self._signature_at, self._left_window)
 
     def sample(

@@ -562,6 +562,7 @@ class TrajectoryStore:
         ] = {}
         # small files held as bytes (RawTrajectory), and the ids known not to be held so
         self.raws: OrderedDict[int, RawTrajectory] = OrderedDict()
+        self._raw_lock = threading.Lock()  # the held bytes are filled by several readers at once
         self.raw_bytes = 0
         self.not_raw: set[int] = set()
 
@@ -693,10 +694,11 @@ class TrajectoryStore:
         return header
 
     def _drop_raw(self, tid: int) -> None:
-        raw = self.raws.pop(tid, None)
-        if raw is not None:
-            self.raw_bytes -= raw.data.size
-        self.not_raw.discard(tid)
+        with self._raw_lock:
+            raw = self.raws.pop(tid, None)
+            if raw is not None:
+                self.raw_bytes -= raw.data.size
+            self.not_raw.discard(tid)
 
     def written(self, tid: int, path: Path) -> None:
         """A held trajectory's file is complete: read it from there and free the memory."""
@@ -707,10 +709,11 @@ class TrajectoryStore:
 
     def raw(self, tid: int, t: int, b: int) -> RawTrajectory | None:
         """The trajectory as bytes (see RawTrajectory), or None (in memory, unusual, .pkl)."""
-        raw = self.raws.get(tid)
-        if raw is not None:
-            self.raws.move_to_end(tid)
-            return raw
+        with self._raw_lock:
+            raw = self.raws.get(tid)
+            if raw is not None:
+                self.raws.move_to_end(tid)
+                return raw
         if tid in self.not_raw:
             return None
         with self.lock:
@@ -755,12 +758,14 @@ class TrajectoryStore:
             if not message.startswith(str(path)):
                 message = f"{path}: {message}"
             raise TrajectoryFileError(message) from None
-        self.headers.setdefault(tid, header)
-        self.raws[tid] = raw
-        self.raw_bytes += raw.data.size
-        while self.raw_bytes > RAW_CACHE_MAX_BYTES and len(self.raws) > 1:
-            _, dropped = self.raws.popitem(last=False)
-            self.raw_bytes -= dropped.data.size
+        with self._raw_lock:
+            self.headers.setdefault(tid, header)
+            if tid not in self.raws:
+                self.raws[tid] = raw
+                self.raw_bytes += raw.data.size
+            while self.raw_bytes > RAW_CACHE_MAX_BYTES and len(self.raws) > 1:
+                _, dropped = self.raws.popitem(last=False)
+                self.raw_bytes -= dropped.data.size
         return raw
 
     def _packed(
@@ -797,20 +802,26 @@ class TrajectoryStore:
         handle.close()
         return RawTrajectory(packed, t, b, fields, disk)
 
-    def read_headers(self, tids: Sequence[int], progress: Callable[[int], None] | None = None) -> None:
-        """Read the headers of many held files at once (threads overlap the file system's waits).
+    def read_headers(
+        self, trajectories: Sequence[tuple[int, int, int]], progress: Callable[[int], None] | None = None
+    ) -> None:
+        """Read the headers of many held files (tid, T, B) at once, on a few threads.
 
-        Files without a readable header are left for signature() to open, and to report.
+        A small file is read whole for its header: its bytes are kept too (raw()), so the
+        draws that follow find them held. Files without a readable header are left for
+        signature() to open, and to report.
         """
         from concurrent.futures import ThreadPoolExecutor
 
-        def read(part: Sequence[int]) -> None:
-            for tid in part:
+        def read(part: Sequence[tuple[int, int, int]]) -> None:
+            for tid, t, b in part:
                 with contextlib.suppress(RbtoolError):
-                    self.header(tid)
+                    if self.raw(tid, t, b) is None:
+                        self.header(tid)
                 if progress is not None:
                     progress(1)
 
+        tids = list(trajectories)
         workers = min(8, 2 * (os.cpu_count() or 1))
         step = -(-len(tids) // workers)
         with ThreadPoolExecutor(max_workers=workers) as pool:

@@ -311,6 +311,7 @@ def test_the_first_sample_of_a_foreign_checkpoint_reports_the_headers_it_reads(t
     loaded.load_checkpoint(tmp_path / "c")
     loaded.sample_with_draw(8, progress=seen)
     assert seen.phases == [(100, "reading the window's trajectory headers")] and seen.done == 100
+    assert len(loaded._store.raws) == 100  # read whole for their headers, their bytes kept
     again = Seen()
     loaded.sample_with_draw(8, progress=again)  # known now: nothing read, nothing reported
     assert again.phases == [] and again.done == 0
