@@ -159,7 +159,7 @@ def check_item(item: Item, data: bytes | None = None) -> Checked:
             traj = None
     if traj is None:
         traj = trajfile.load(item.path, mmap=True)
-    info = describe_stored(traj, item.path.name, str(item.path), kind)
+    info, schema = _facts(traj, item.path, kind)
     if info.max_episode_length is None and "max_episode_length" not in traj:
         mel = item.entry.get("max_episode_length") if item.entry else None
         info = TrajectoryInfo(info.shape, mel if mel is not None else info.shape[0], info.model_weights_id)
@@ -171,4 +171,24 @@ def check_item(item: Item, data: bytes | None = None) -> Checked:
     sha = None
     if item.entry is not None and item.entry.get("file_bytes") == item.path.stat().st_size:
         sha = item.entry.get("sha256")
-    return Checked(item.path, info, sha, schema=field_schema(traj, info.shape[0], kind))
+    return Checked(item.path, info, sha, schema=schema)
+
+
+# Headers are shared by the files of one structure (rbtool.ptheader): what they say about the
+# trajectory is worked out once per header, when it does not depend on the file's name.
+_FACTS: dict[int, tuple[dict[str, Any], TrajectoryInfo, list[list[Any]]]] = {}
+
+
+def _facts(traj: dict[str, Any], path: Path, kind: type | None) -> tuple[TrajectoryInfo, list[list[Any]]]:
+    """describe_stored and field_schema of a trajectory (or of a shared header, once)."""
+    shared = kind is TensorSpec and traj.get("model_weights_id") is not None
+    known = _FACTS.get(id(traj)) if shared else None
+    if known is not None and known[0] is traj:
+        return known[1], known[2]
+    info = describe_stored(traj, path.name, str(path), kind)
+    schema = field_schema(traj, info.shape[0], kind)
+    if shared:
+        if len(_FACTS) >= 4096:
+            _FACTS.clear()
+        _FACTS[id(traj)] = (traj, info, schema)
+    return info, schema
