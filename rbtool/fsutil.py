@@ -192,7 +192,7 @@ def _link_or_copy(src: Path, dst: Path, *, link: bool = True) -> Placement:
             try:
                 # link(2) links a symlink itself, not its target: a listed file that is a
                 # relative link within its checkpoint would dangle in the new directory
-                os.link(os.path.realpath(src), tmp)
+                os.link(os.path.realpath(src) if os.path.islink(src) else src, tmp)
                 how = "link"
             except OSError as exc:
                 if exc.errno == errno.ENOENT:

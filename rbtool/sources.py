@@ -56,8 +56,15 @@ class Collected:
     skipped: list[Skipped] = field(default_factory=list)
 
 
-def _is_under(path: Path, others: Sequence[Path]) -> bool:
-    real = Path(os.path.realpath(path))
+def _is_under(path: Path, others: Sequence[Path], folder_real: Path | None = None) -> bool:
+    """Whether `path` resolves to one of `others` or inside one (`folder_real`: its folder,
+    resolved already, for an entry that is not a symlink)."""
+    if not others:
+        return False
+    if folder_real is not None and not path.is_symlink():
+        real = folder_real / path.name
+    else:
+        real = Path(os.path.realpath(path))
     return any(real == o or o in real.parents for o in others)
 
 
@@ -75,10 +82,11 @@ def _directory_items(path: Path) -> list[Item] | None:
 def _walk(folder: Path, recursive: bool, exclude: Sequence[Path], found: Collected) -> int:
     """Add a plain folder's trajectory files in natural order; returns how many were found."""
     count = 0
+    folder_real = Path(os.path.realpath(folder))
     for entry in sorted(folder.iterdir(), key=lambda p: natural_key(p.name)):
         if entry.name.startswith("."):
             continue  # hidden: a writer's temporary files, locks, staging
-        if _is_under(entry, exclude):
+        if _is_under(entry, exclude, folder_real):
             found.skipped.append(Skipped(entry, "the destination itself"))
         elif entry.is_dir():
             if not recursive:
