@@ -386,6 +386,26 @@ _KNOWN: dict[tuple[bytes, tuple[tuple[str, int, int], ...]], dict[str, Any]] = {
 _KNOWN_MAX = 4096
 
 
+def open_regular(path: Path) -> tuple[int, int]:
+    """(descriptor, size) of a regular file, opened without blocking (a FIFO never hangs a
+    reader); anything else is refused with one line naming it. The caller closes it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise TrajectoryFileError(f"{path}: file not found") from None
+    except OSError as exc:
+        raise TrajectoryFileError(f"{path}: cannot read ({exc.strerror})") from None
+    try:
+        info = os.fstat(fd)
+    except OSError as exc:
+        os.close(fd)
+        raise TrajectoryFileError(f"{path}: cannot read ({exc.strerror})") from None
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise TrajectoryFileError(f"{path}: not a regular file")
+    return fd, info.st_size
+
+
 def read_header(path: Path, data: bytes | None = None) -> dict[str, Any]:
     """A `.pt` trajectory's dict with a TensorSpec for each tensor, reading no tensor bytes.
 
@@ -396,21 +416,13 @@ def read_header(path: Path, data: bytes | None = None) -> dict[str, Any]:
     if data is not None:
         view = memoryview(data)
         return _parse(path, lambda offset, n: view[offset : offset + n], len(data), bytes(data))
+    fd, size = open_regular(path)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        raise TrajectoryFileError(f"{path}: file not found") from None
-    except OSError as exc:
-        raise TrajectoryFileError(f"{path}: cannot read ({exc.strerror})") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise TrajectoryFileError(f"{path}: not a regular file")
-        if info.st_size <= SMALL_FILE_BYTES:  # one read for the whole file
-            whole = os.pread(fd, info.st_size, 0)
+        if size <= SMALL_FILE_BYTES:  # one read for the whole file
+            whole = os.pread(fd, size, 0)
             view = memoryview(whole)
             return _parse(path, lambda offset, n: view[offset : offset + n], len(whole), whole)
-        return _parse(path, lambda offset, n: os.pread(fd, n, offset), info.st_size)
+        return _parse(path, lambda offset, n: os.pread(fd, n, offset), size)
     except OSError as exc:
         raise TrajectoryFileError(f"{path}: cannot read ({exc.strerror})") from None
     finally:

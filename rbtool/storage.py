@@ -14,7 +14,6 @@ import contextlib
 import math
 import os
 import resource
-import stat
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -34,7 +33,7 @@ from rbtool.layout import (
     done_rows,
     drop_bootstrap_rows,
 )
-from rbtool.ptheader import SMALL_FILE_BYTES, TensorSpec, UnusualLayout, iter_specs, read_header
+from rbtool.ptheader import SMALL_FILE_BYTES, TensorSpec, UnusualLayout, iter_specs, open_regular, read_header
 
 if TYPE_CHECKING:
     import numpy as np
@@ -177,7 +176,7 @@ def read_rows(reads: list[tuple[FileRows, int, int]], out: Any) -> None:
         list(pool.map(run, [plan[i : i + step] for i in range(0, len(plan), step)]))
 
 
-class FileTrajectory:
+class FileTrajectory(FileHandle):
     """A `.pt` trajectory opened for sampling: small fields in memory, large rows left on disk.
 
     The structure and each tensor's place in the file come from the file's header
@@ -189,9 +188,7 @@ class FileTrajectory:
         self, path: Path, pin: PinnedFile | None = None, header: dict[str, Any] | None = None
     ) -> None:
         # A pinned file is read through its open descriptor: the name may be gone or replaced.
-        self._pin = pin
-        self.path = path
-        self._fd: int | None = None
+        super().__init__(path, pin)
         read_path = pin.read_path if pin is not None else path
         whole: bytes | None = None
         if header is None:
@@ -205,18 +202,6 @@ class FileTrajectory:
         self.data = _map_specs(header, self._place)
         self._whole = None
         self.close()
-
-    def fd(self) -> int:
-        if self._pin is not None:
-            return self._pin.fd
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDONLY)
-            _OPEN_FILES[id(self)] = self
-            while len(_OPEN_FILES) > MAX_OPEN_FDS:
-                _OPEN_FILES.popitem(last=False)[1].close()
-        else:
-            _OPEN_FILES.move_to_end(id(self))
-        return self._fd
 
     def _place(self, spec: TensorSpec) -> Any:
         import torch
@@ -236,17 +221,6 @@ class FileTrajectory:
         raw = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
         return raw.view(dtype).as_strided(spec.shape, spec.stride, spec.offset)
 
-    def close(self) -> None:
-        """Close the file (it is reopened on the next read)."""
-        if self._fd is not None:
-            _OPEN_FILES.pop(id(self), None)
-            os.close(self._fd)
-            self._fd = None
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
-
 
 def _file_size(path: Path) -> int:
     try:
@@ -257,20 +231,12 @@ def _file_size(path: Path) -> int:
 
 def _read_small(path: Path) -> bytes | None:
     """A regular file's bytes when it is small enough to read whole; None otherwise."""
+    fd, size = open_regular(path)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        raise TrajectoryFileError(f"{path}: file not found") from None
-    except OSError as exc:
-        raise TrajectoryFileError(f"{path}: cannot read ({exc.strerror})") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise TrajectoryFileError(f"{path}: not a regular file")
-        if info.st_size > SMALL_FILE_BYTES:
+        if size > SMALL_FILE_BYTES:
             return None
-        data = os.pread(fd, info.st_size, 0)
-        if len(data) != info.st_size:
+        data = os.pread(fd, size, 0)
+        if len(data) != size:
             raise TrajectoryFileError(f"{path}: truncated while it was read")
         return data
     except OSError as exc:
