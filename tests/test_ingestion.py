@@ -271,7 +271,7 @@ def test_running_an_interrupted_ingest_again_adds_only_what_is_missing(tmp_path:
         def stop_after_first_batch(ids: list[int]) -> None:
             raise KeyboardInterrupt
 
-        ingest(files, buffer, batch_size=2, on_published=stop_after_first_batch)
+        ingest(files, buffer, batch_size=2, batch_seconds=1e9, on_published=stop_after_first_batch)
     assert assert_valid(buffer).id_list == [0, 1]
     again = ingest(files, buffer)
     assert again.added_ids == [2, 3, 4, 5] and again.duplicates == 2
