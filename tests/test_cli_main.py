@@ -133,13 +133,15 @@ def test_start_up_imports_no_library_module() -> None:
 
 
 def test_commands_import_only_the_shared_helpers() -> None:
-    """Command modules never import each other; what they share lives in rbtool.cli._common."""
+    """Command modules never import each other; what they share lives in rbtool.cli._common (which
+    takes the output layer from rbtool.cli._output)."""
     cli = Path(__file__).resolve().parents[1] / "rbtool" / "cli"
     for path in cli.glob("*.py"):
         if path.name == "__init__.py":
             continue
         imports = set(re.findall(r"^\s*(?:from|import) (rbtool\.cli[\w.]*)", path.read_text(), flags=re.M))
-        assert imports <= {"rbtool.cli._common"}, (path.name, imports)
+        shared = {"rbtool.cli._output"} if path.name == "_common.py" else {"rbtool.cli._common"}
+        assert imports <= shared, (path.name, imports)
 
 
 def test_every_option_of_the_resharding_commands_is_documented() -> None:

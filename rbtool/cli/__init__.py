@@ -26,7 +26,7 @@ from rbtool.cli import (
     verify,
     version,
 )
-from rbtool.cli._common import Group
+from rbtool.cli._common import Command, Group
 
 app = typer.Typer(
     cls=Group,
@@ -48,21 +48,21 @@ def _root() -> None:
 
 
 # The command set, in the order `rbtool --help` lists it.
-app.command()(ingest.ingest)
+app.command(cls=Command)(ingest.ingest)
 app.add_typer(checkpoint.checkpoint_app)  # checkpoint save, checkpoint load
-app.command()(shard.shard)
-app.command()(merge.merge)
-app.command()(reshard.reshard)
-app.command(name="filter")(filter.filter_)
-app.command()(diff.diff)
-app.command()(convert.convert)
-app.command()(lerobot.export)  # export --to lerobot
+app.command(cls=Command)(shard.shard)
+app.command(cls=Command)(merge.merge)
+app.command(cls=Command)(reshard.reshard)
+app.command(name="filter", cls=Command)(filter.filter_)
+app.command(cls=Command)(diff.diff)
+app.command(cls=Command)(convert.convert)
+app.command(cls=Command)(lerobot.export)  # export --to lerobot
 app.add_typer(lerobot.import_app)  # import lerobot
-app.command()(stats.stats)
-app.command()(sample.sample)
-app.command()(verify.verify)
-app.command()(repair.repair)
-app.command()(version.version)
+app.command(cls=Command)(stats.stats)
+app.command(cls=Command)(sample.sample)
+app.command(cls=Command)(verify.verify)
+app.command(cls=Command)(repair.repair)
+app.command(cls=Command)(version.version)
 
 
 def main() -> None:

@@ -14,13 +14,24 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from itertools import chain
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import orjson
 import typer
 from rich.console import Console
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
+from rbtool.cli._output import Column as Column
+from rbtool.cli._output import Fitted as Fitted
+from rbtool.cli._output import ResultConsole, id_runs, size
+from rbtool.cli._output import count as count
+from rbtool.cli._output import head as head
+from rbtool.cli._output import id_ranges as id_ranges
+from rbtool.cli._output import key_values as key_values
+from rbtool.cli._output import left_out as left_out
+from rbtool.cli._output import number as number
+from rbtool.cli._output import side_by_side as side_by_side
+from rbtool.cli._output import unique_prefixes as unique_prefixes
 from rbtool.errors import (
     FieldsLeftOutWarning,
     MissingTrajectoryFilesError,
@@ -30,11 +41,8 @@ from rbtool.errors import (
     UsageError,
 )
 
-if TYPE_CHECKING:
-    from rich.table import Table
-
-# Results go to stdout; progress, warnings and errors to stderr.
-out = Console(highlight=False, soft_wrap=True)
+# Results go to stdout (see _output.ResultConsole); progress, warnings and errors to stderr.
+out = ResultConsole(highlight=False)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
@@ -103,6 +111,17 @@ class Group(TyperGroup):
     traceback. Library warnings become one line `Warning: ...` each.
     """
 
+    def format_commands(self, ctx: Any, formatter: Any) -> None:
+        """Each command with the whole first sentence of its description, wrapped, never cut."""
+        rows = []
+        for name in self.list_commands(ctx):
+            command = self.get_command(ctx, name)
+            if command is not None and not command.hidden:
+                rows.append((name, command.get_short_help_str(limit=10_000)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
     def resolve_command(self, ctx: Any, args: list[str]) -> Any:
         name, command, rest = super().resolve_command(ctx, args)
         ctx.meta[_COMMAND] = command
@@ -127,6 +146,63 @@ class Group(TyperGroup):
 
                 print_error(str(os_error(exc, exc.filename or "?")))
                 raise typer.Exit(1) from None
+
+
+# ------------------------------------------------------------ help
+def plain_metavar(param: Any) -> str:
+    """What a value is called in help: N, X, PATH, TEXT, or its choices `[pt|pkl]`; never a Python type."""
+    desc = getattr(param, "type_descriptor", None)
+    choices = getattr(desc, "choices", None)
+    if choices:
+        return "[" + "|".join(str(getattr(c, "value", c)) for c in choices) + "]"
+    annotation = getattr(desc, "annotation", None)
+    if getattr(desc, "is_list", False):
+        args = getattr(annotation, "__args__", ())
+        annotation = args[0] if args else None
+    if getattr(desc, "is_path", False) or annotation is Path:
+        return "PATH"
+    return {int: "N", float: "X", str: "TEXT"}.get(annotation, "VALUE")  # type: ignore[arg-type]
+
+
+def _argument_name(param: Any) -> str:
+    name = param.metavar or (param.name or "").upper()
+    return name + ("..." if param.nargs != 1 else "")
+
+
+class Command(TyperCommand):
+    """A command whose help names values plainly (`PATH...`, `N`, `[pt|pkl]`) rather than by
+    Python type (`<list[Path]>`, `<int range>`); ranges and defaults stay in the brackets after
+    each option's help."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if param.param_type_name == "argument":
+                name = _argument_name(param)
+                pieces.append(name if param.required else f"[{name}]")
+        return pieces
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        arguments, options = [], []
+        for param in self.get_params(ctx):
+            if param.param_type_name == "argument":
+                record = param.get_help_record(ctx)
+                if record is not None:
+                    arguments.append((_argument_name(param), record[1]))
+            elif param.param_type_name == "option":
+                given = param.metavar
+                if given is None and not (getattr(param, "is_flag", False) or getattr(param, "count", False)):
+                    param.metavar = plain_metavar(param)
+                try:
+                    record = param.get_help_record(ctx)
+                finally:
+                    param.metavar = given
+                if record is not None:
+                    options.append(record)
+        for title, rows in (("Arguments", arguments), ("Options", options)):
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
 
 
 # ------------------------------------------------------------ options
@@ -196,9 +272,30 @@ StrictOpt = Annotated[
     ),
 ]
 FormatOpt = Annotated[
-    TrajectoryFormat | None, typer.Option("--format", help="Trajectory file format.", show_default=False)
+    TrajectoryFormat | None,
+    typer.Option(
+        "--format",
+        help="Trajectory file format (default: the format the buffer or input already has, else pt).",
+        show_default=False,
+    ),
 ]
 ExistingPath = Annotated[Path, typer.Argument(exists=False, help="A checkpoint or buffer directory.")]
+PathsArg = Annotated[
+    list[Path],
+    typer.Argument(
+        metavar="PATH",
+        help="Checkpoints or buffer directories, or folders of rank_* checkpoints; each is reported.",
+        show_default=False,
+    ),
+]
+WideOpt = Annotated[
+    bool,
+    typer.Option(
+        "--wide",
+        help="At a terminal, keep every column and whole model_weights_ids even where lines get "
+        "longer than the terminal (piped output always has them).",
+    ),
+]
 
 
 class Strategy(str, enum.Enum):
@@ -252,29 +349,6 @@ def refuse_output_mix(json: bool, jsonl: bool = False, pretty: bool = False) -> 
 def summary_limit(all_items: bool) -> int | None:
     """How many items a summarised list keeps: None (all) with --all."""
     return None if all_items else SUMMARY_ITEMS
-
-
-def head(items: Any, limit: int | None) -> Any:
-    """The first `limit` items of a list, numpy array or lazy column (all of them when None)."""
-    return items if limit is None or len(items) <= limit else items[:limit]
-
-
-def left_out(items: Any, limit: int | None) -> int:
-    """How many items `head(items, limit)` leaves out."""
-    return 0 if limit is None else max(0, len(items) - limit)
-
-
-def id_ranges(ids: Any) -> list[list[int]]:
-    """Runs of consecutive ids, in list order, as [first, last] pairs: [0, 1, 2, 5] -> [[0, 2], [5, 5]]."""
-    import numpy as np
-
-    values = np.asarray(ids, dtype=np.int64).reshape(-1)
-    if values.size == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(values) != 1)
-    starts = np.concatenate(([0], breaks + 1))
-    ends = np.concatenate((breaks, [values.size - 1]))
-    return np.stack((values[starts], values[ends]), axis=1).tolist()  # type: ignore[no-any-return]
 
 
 def bound(doc: dict[str, Any], key: str, limit: int | None, *, ranges: str | None = None) -> None:
@@ -474,38 +548,31 @@ def refuse_overlap(target: Path, inputs: Sequence[Path], option: str) -> None:
             )
 
 
-def state_table(title: str, rows: list[tuple[str, dict[str, Any]]], limit: int | None = None) -> Table:
+def state_table(title: str, rows: list[tuple[str, dict[str, Any]]], limit: int | None = None) -> Fitted:
     """A table of (label, state) rows: size, samples, counter and ids of each (the first `limit` runs)."""
-    from rich.table import Table
-
-    table = Table(title=title, title_justify="left")
-    table.add_column("", style="bold")
-    table.add_column("size", justify="right")
-    table.add_column("total samples", justify="right")
-    table.add_column("counter", justify="right")
-    table.add_column("trajectory ids")
-    for label, state in rows:
-        table.add_row(
+    columns = [
+        Column("", style="bold"),
+        Column("size", right=True),
+        Column("total samples", right=True),
+        Column("counter", right=True),
+        Column("trajectory ids", wrap=True),
+    ]
+    cells = [
+        [
             label,
-            str(state["size"]),
-            str(state["total_samples"]),
-            str(state["trajectory_counter"]),
+            f"{state['size']}",
+            f"{state['total_samples']}",
+            f"{state['trajectory_counter']}",
             format_ids(state["trajectory_id_list"], limit),
-        )
-    return table
+        ]
+        for label, state in rows
+    ]
+    return Fitted(columns, cells, title=title)
 
 
 def format_ids(ids: Sequence[int], limit: int | None = None) -> str:
     """Ids for a person: runs of consecutive ids as `a-b`; past `limit` runs, how many ids remain."""
-    if not len(ids):
-        return "(none)"
-    runs = id_ranges(ids)
-    shown = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in head(runs, limit))
-    hidden = left_out(runs, limit)
-    if hidden:
-        rest = sum(b - a + 1 for a, b in runs[len(runs) - hidden :])
-        shown += f", ... {rest} more ids in {hidden} runs"
-    return shown
+    return id_runs(ids, limit)
 
 
 def files_line(files: dict[str, int]) -> str:
@@ -514,4 +581,4 @@ def files_line(files: dict[str, int]) -> str:
         f"{files['reflinked']} reflinked, {files['linked']} linked, "
         f"{files['copied']} copied, {files['written']} written"
     )
-    return f"{placed}, {files['bytes']} bytes"
+    return f"{placed}, {size(files['bytes'])}"

@@ -12,6 +12,7 @@ import typer
 from rbtool.cli._common import (
     SUMMARY_ITEMS,
     AllOpt,
+    Command,
     CopyOpt,
     ForceOpt,
     FormatOpt,
@@ -58,7 +59,7 @@ class SaveMode(str, enum.Enum):
 
 
 # ----------------------------------------------------------------------- save
-@checkpoint_app.command()
+@checkpoint_app.command(cls=Command)
 def save(
     sources: Annotated[
         list[Path],
@@ -183,7 +184,7 @@ def trajectory_rows(index: Index, world_size: int | None, rank: int | None) -> I
             }
 
 
-@checkpoint_app.command()
+@checkpoint_app.command(cls=Command)
 def load(
     ckpt: Annotated[Path, typer.Argument(metavar="CKPT", help="Checkpoint or buffer directory.")],
     world_size: Annotated[

@@ -18,6 +18,7 @@ from rbtool.cli._common import (
     StrictOpt,
     TrajectoryFormat,
     bound_state,
+    count,
     files_line,
     out,
     print_json,
@@ -25,6 +26,7 @@ from rbtool.cli._common import (
     refuse_output_mix,
     refuse_overlap,
     show_progress,
+    size,
     state_table,
     summary_limit,
 )
@@ -87,7 +89,7 @@ def convert(
         return
     out.print(
         state_table(
-            f"{source} converted to {doc['trajectory_format']} into {target} ({doc['jobs']} jobs)",
+            f"{source} converted to {doc['trajectory_format']} into {target} ({count(doc['jobs'], 'job')})",
             [(Path(c["path"]).name, c) for c in checkpoints],
             None if all_items else SUMMARY_ITEMS,
         )
@@ -95,5 +97,5 @@ def convert(
     out.print(f"files: {files_line(doc['files'])}")
     rate = (doc["bytes_per_second"] or 0) / 1e6
     out.print(
-        f"read {doc['bytes_read']} bytes to rewrite in {doc['seconds']:.2f} s ({rate:.1f} MB/s)", markup=False
+        f"read {size(doc['bytes_read'])} to rewrite in {doc['seconds']:.2f} s ({rate:.1f} MB/s)", markup=False
     )

@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from rbtool.cli._common import (
     CopyOpt,
@@ -15,6 +14,8 @@ from rbtool.cli._common import (
     PrettyOpt,
     err,
     files_line,
+    format_ids,
+    key_values,
     out,
     print_json,
     progress_bar,
@@ -129,23 +130,23 @@ def ingest(
     if json:
         print_json(doc, pretty)
         return
-    table = Table(title=f"ingest into {result.buffer}", show_header=False, title_justify="left")
-    table.add_column("key", style="bold")
-    table.add_column("value")
     ids = result.added_ids
-    table.add_row("added", f"{len(ids)} (id{'s' if len(ids) > 1 else ''} {id_range(ids)})" if ids else "0")
-    table.add_row("size", str(doc["size"]))
-    table.add_row("total samples", str(doc["total_samples"]))
-    table.add_row("trajectory counter", str(doc["trajectory_counter"]))
-    table.add_row("format", doc["trajectory_format"])
-    table.add_row("files", files_line(doc["files"]))
+    rows = [
+        ("added", f"{len(ids)} ({'id' if len(ids) == 1 else 'ids'} {format_ids(ids)})" if ids else "0"),
+        ("size", f"{doc['size']}"),
+        ("total samples", f"{doc['total_samples']}"),
+        ("trajectory counter", f"{doc['trajectory_counter']}"),
+        ("format", doc["trajectory_format"]),
+        ("files", files_line(doc["files"])),
+    ]
     if result.removed_leftovers:
-        table.add_row("removed leftovers", ", ".join(result.removed_leftovers))
+        rows.append(("removed leftovers", ", ".join(result.removed_leftovers)))
     if result.skipped:
-        table.add_row("skipped", f"{len(result.skipped)} ({result.duplicates} already in the buffer)")
-    out.print(table)
+        rows.append(("skipped", f"{len(result.skipped)} ({result.duplicates} already in the buffer)"))
+    out.print(key_values(f"ingest into {result.buffer}", rows))
     shown = 20
     for skipped in result.skipped[:shown]:
         out.print(f"skipped {skipped.path}: {skipped.reason}", markup=False)
     if len(result.skipped) > shown:
-        out.print(f"... and {len(result.skipped) - shown} more skipped (--json lists them all)", markup=False)
+        more = len(result.skipped) - shown
+        out.print(f"... and {more} more skipped (--json lists them all)", markup=False)

@@ -7,9 +7,12 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
+from rich.text import Text
 
 from rbtool.cli._common import (
+    Column,
+    Command,
+    Fitted,
     ForceOpt,
     FormatOpt,
     Group,
@@ -19,12 +22,14 @@ from rbtool.cli._common import (
     err,
     files_line,
     format_ids,
+    key_values,
     out,
     print_json,
     progress_bar,
     refuse_output_mix,
     refuse_overlap,
     show_progress,
+    size,
 )
 
 import_app = typer.Typer(
@@ -73,15 +78,6 @@ def parse_episodes(text: str | None) -> list[int] | None:
     if len(set(episodes)) != len(episodes):
         raise typer.BadParameter("names an episode twice", param_hint="--episodes")
     return episodes
-
-
-def _key_value_table(title: str, rows: list[tuple[str, str]]) -> Table:
-    table = Table(title=title, show_header=False, title_justify="left")
-    table.add_column("key", style="bold")
-    table.add_column("value")
-    for key, value in rows:
-        table.add_row(key, value)
-    return table
 
 
 # ------------------------------------------------------------------------ export
@@ -190,28 +186,28 @@ def export(
         print_json(doc, pretty)
         return
     rows = [
-        ("trajectories", str(result.trajectories)),
-        ("episodes", str(result.episodes)),
-        ("frames", str(result.frames)),
+        ("trajectories", f"{result.trajectories}"),
+        ("episodes", f"{result.episodes}"),
+        ("frames", f"{result.frames}"),
         (
             "files",
             f"{result.data_files} data, {result.video_files} video, "
-            f"{result.episode_files} episode metadata, {result.bytes} bytes",
+            f"{result.episode_files} episode metadata, {size(result.bytes)}",
         ),
     ]
-    out.print(_key_value_table(f"export {result.source} to LeRobot {CODEBASE_VERSION} {result.out}", rows))
-    table = Table(title="features", title_justify="left")
-    for column in ("feature", "dtype", "shape", "buffer field"):
-        table.add_column(column)
-    for item in doc["features"]:
-        table.add_row(item["name"], item["dtype"], str(item["shape"]), item["field"] or "")
-    out.print(table)
+    out.print(key_values(f"export {result.source} to LeRobot {CODEBASE_VERSION} {result.out}", rows))
+    columns = [Column("feature"), Column("dtype"), Column("shape"), Column("buffer field")]
+    features = [
+        [Text(item["name"]), item["dtype"], str(item["shape"]), Text(item["field"] or "")]
+        for item in doc["features"]
+    ]
+    out.print(Fitted(columns, features, title="features"))
     if result.sidecar_fields:
         out.print(f"kept whole in the sidecar: {', '.join(result.sidecar_fields)}", markup=False)
 
 
 # ------------------------------------------------------------------------ import
-@import_app.command("lerobot")
+@import_app.command("lerobot", cls=Command)
 def import_lerobot(
     source: Annotated[Path, typer.Argument(metavar="IN", help="A LeRobot dataset directory (v3.0 or v2.x).")],
     buffer: Annotated[
@@ -331,20 +327,16 @@ def import_lerobot(
             if result.skipped
             else []
         ),
-        ("episodes", str(result.episodes)),
-        ("frames", str(result.frames)),
-        ("size", str(index.size)),
-        ("total samples", str(index.total_samples)),
-        ("trajectory counter", str(index.trajectory_counter)),
+        ("episodes", f"{result.episodes}"),
+        ("frames", f"{result.frames}"),
+        ("size", f"{index.size}"),
+        ("total samples", f"{index.total_samples}"),
+        ("trajectory counter", f"{index.trajectory_counter}"),
         ("format", index.trajectory_format),
         ("files", files_line(doc["files"])),
     ]
     if result.dropped:
         rows.append(("dropped", ", ".join(result.dropped)))
-    out.print(_key_value_table(f"import into {result.buffer}", rows))
-    table = Table(title="fields", title_justify="left")
-    table.add_column("feature")
-    table.add_column("buffer field")
-    for feature, f in result.fields.items():
-        table.add_row(feature, f)
-    out.print(table)
+    out.print(key_values(f"import into {result.buffer}", rows))
+    mapped = [[Text(feature), Text(f)] for feature, f in result.fields.items()]
+    out.print(Fitted([Column("feature"), Column("buffer field")], mapped, title="fields"))

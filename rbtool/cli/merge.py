@@ -17,6 +17,7 @@ from rbtool.cli._common import (
     PrettyOpt,
     StrictOpt,
     bound_state,
+    count,
     files_line,
     out,
     print_json,
@@ -76,7 +77,7 @@ def merge(
         return
     out.print(
         state_table(
-            f"merged {len(inputs)} checkpoint(s) into {target}",
+            f"merged {count(len(inputs), 'checkpoint')} into {target}",
             [("merged", doc)],
             None if all_items else SUMMARY_ITEMS,
         )

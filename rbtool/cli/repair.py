@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 from rich.text import Text
 
 from rbtool.cli._common import (
@@ -18,15 +17,18 @@ from rbtool.cli._common import (
     JsonOpt,
     PrettyOpt,
     bound,
+    count,
     files_line,
     format_ids,
     head,
+    key_values,
     left_out,
     out,
     print_json,
     progress_bar,
     refuse_output_mix,
     show_progress,
+    size,
     summary_limit,
 )
 
@@ -75,41 +77,35 @@ def repair(
         return
     shown = None if all_items else SUMMARY_ITEMS
     for ckpt in result.checkpoints:
-        table = Table(
-            title=Text(f"repaired {ckpt.source} -> {ckpt.out}"), show_header=False, title_justify="left"
-        )
-        table.add_column("key", style="bold")
-        table.add_column("value")
-        table.add_row("kept", Text(f"{ckpt.index.size} ({format_ids(ckpt.index.id_list, shown)})"))
-        table.add_row("total samples", str(ckpt.index.total_samples))
-        table.add_row("trajectory counter", str(ckpt.index.trajectory_counter))
+        rows: list[tuple[str, str | Text]] = []
+        rows.append(("kept", f"{ckpt.index.size} ({format_ids(ckpt.index.id_list, shown)})"))
+        rows.append(("total samples", f"{ckpt.index.total_samples}"))
+        rows.append(("trajectory counter", f"{ckpt.index.trajectory_counter}"))
         rebuilt = [
             name
             for name, flag in (("metadata", ckpt.rebuilt_metadata), ("index", ckpt.rebuilt_index))
             if flag
         ]
-        table.add_row("rebuilt", ", ".join(rebuilt) or "nothing")
+        rows.append(("rebuilt", ", ".join(rebuilt) or "nothing"))
         for item in head(ckpt.dropped, shown):
-            table.add_row(
-                Text(f"dropped {item['trajectory_id']}"), Text(f"{item['file'] or ''}: {item['reason']}")
-            )
+            rows.append((f"dropped {item['trajectory_id']}", f"{item['file'] or ''}: {item['reason']}"))
         for item in head(ckpt.ignored, shown):
-            table.add_row("ignored", Text(f"{item['file'] or ''}: {item['reason']}".lstrip(": ")))
+            rows.append(("ignored", f"{item['file'] or ''}: {item['reason']}".lstrip(": ")))
         for item in head(ckpt.fixed, shown):
             label = "fixed" if item["trajectory_id"] is None else f"fixed {item['trajectory_id']}"
-            table.add_row(label, Text(item["message"]))
+            rows.append((label, item["message"]))
         hidden = [
             f"{left_out(items, shown)} {what}"
             for what, items in (("dropped", ckpt.dropped), ("ignored", ckpt.ignored), ("fixed", ckpt.fixed))
             if left_out(items, shown)
         ]
         if hidden:
-            table.add_row("...", f"{', '.join(hidden)} more; --all lists them")
-        out.print(table)
+            rows.append(("...", f"{', '.join(hidden)} more; --all lists them"))
+        out.print(key_values(f"repaired {ckpt.source} -> {ckpt.out}", rows))
     out.print(f"files: {files_line(result.report.as_json())}", markup=False)
     read = result.throughput
     out.print(
-        f"read {read.bytes_read} bytes in {read.seconds:.2f} s "
-        f"({(read.bytes_per_second or 0) / 1e6:.1f} MB/s, {read.jobs} job{'s' if read.jobs != 1 else ''})",
+        f"read {size(read.bytes_read)} in {read.seconds:.2f} s "
+        f"({(read.bytes_per_second or 0) / 1e6:.1f} MB/s, {count(read.jobs, 'job')})",
         markup=False,
     )

@@ -8,12 +8,13 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich import box
-from rich.table import Table
+from rich.text import Text
 
 from rbtool.cli._common import (
     AllOpt,
+    Column,
     ExistingPath,
+    Fitted,
     JsonOpt,
     KOpt,
     PrettyOpt,
@@ -24,12 +25,15 @@ from rbtool.cli._common import (
     TemperatureOpt,
     WindowOpt,
     bound,
+    count,
     out,
     print_json,
     progress_bar,
     refuse_k_without_topk,
     refuse_output_mix,
     show_progress,
+    side_by_side,
+    size,
     summary_limit,
 )
 
@@ -188,34 +192,35 @@ def render(doc: dict[str, Any]) -> None:
     how = doc["strategy"] if doc["strategy"] == "uniform" else f"topk k={doc['k']} T={doc['temperature']:g}"
     window = "all" if doc["window"] == 0 else f"last {doc['window']}"
     out.print(
-        f"[bold]{doc['num_chunks']}[/bold] chunks ({how}) from {doc['path']}  ·  window {window}: "
-        f"{doc['window_trajectories']} trajectories, {doc['window_samples']} samples  ·  seed {doc['seed']}"
+        Text.assemble(
+            (count(doc["num_chunks"], "chunk"), "bold"),
+            f" ({how}) from {doc['path']}  ·  window {window}: "
+            f"{count(doc['window_trajectories'], 'trajectory', 'trajectories')}, "
+            f"{count(doc['window_samples'], 'sample')}  ·  seed {doc['seed']}",
+        )
     )
     if doc["num_chunks"] < doc["requested_chunks"]:
         out.print(f"[yellow]clamped from {doc['requested_chunks']} to the window's samples[/yellow]")
     if doc["missing_ids"]:
-        out.print(f"[yellow]left out {len(doc['missing_ids'])} trajectories whose files are missing[/yellow]")
+        missing = count(len(doc["missing_ids"]), "trajectory", "trajectories")
+        out.print(f"[yellow]left out {missing} whose files are missing[/yellow]")
 
-    fields = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    for name in ("field", "dtype", "shape"):
-        fields.add_column(name)
-    for row in doc["fields"]:
-        fields.add_row(row["field"], row["dtype"], str(row["shape"]))
-
-    draws = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    for name in ("#", "trajectory", "row", "t", "b"):
-        draws.add_column(name, justify="right")
+    field_rows = [[Text(r["field"]), r["dtype"], str(r["shape"])] for r in doc["fields"]]
+    fields = Fitted([Column("field"), Column("dtype"), Column("shape")], field_rows)
     d = doc["draws"]
-    for i in range(min(SHOWN_DRAWS, doc["num_chunks"])):
-        draws.add_row(str(i), str(d["trajectory_id"][i]), str(d["row"][i]), str(d["t"][i]), str(d["b"][i]))
+    draw_rows = [
+        [str(i), str(d["trajectory_id"][i]), str(d["row"][i]), str(d["t"][i]), str(d["b"][i])]
+        for i in range(min(SHOWN_DRAWS, doc["num_chunks"]))
+    ]
     if doc["num_chunks"] > SHOWN_DRAWS:
-        draws.add_row("…", f"{doc['num_chunks'] - SHOWN_DRAWS} more", "", "", "")
-    if out.width >= SIDE_BY_SIDE_WIDTH:
-        grid = Table.grid(padding=(0, 4))
-        grid.add_row(fields, draws)
-        out.print(grid)
+        draw_rows.append(["…", f"{doc['num_chunks'] - SHOWN_DRAWS} more", "", "", ""])
+    columns = [Column(name, right=True) for name in ("#", "trajectory", "row", "t", "b")]
+    draws = Fitted(columns, draw_rows)
+    if not out.piped and out.width >= SIDE_BY_SIDE_WIDTH:
+        out.print(side_by_side(fields, draws))
     else:
-        out.print(fields, draws)
+        out.print(fields)
+        out.print(draws)
 
     counts: dict[int, int] = {}
     for tid in d["trajectory_id"]:
@@ -223,4 +228,4 @@ def render(doc: dict[str, Any]) -> None:
     per_traj = ", ".join(f"{tid}: {n}" for tid, n in sorted(counts.items()))
     out.print(f"draws per trajectory: {per_traj}")
     if doc["out"] is not None:
-        out.print(f"wrote {doc['out']} ({doc['out_bytes']:,} bytes)")
+        out.print(Text(f"wrote {doc['out']} ({size(doc['out_bytes'])})"))
