@@ -112,12 +112,13 @@ class Group(TyperGroup):
     """
 
     def format_commands(self, ctx: Any, formatter: Any) -> None:
-        """Each command with the whole first sentence of its description, wrapped, never cut."""
+        """Each command with the whole first paragraph of its description, wrapped, never cut."""
         rows = []
         for name in self.list_commands(ctx):
             command = self.get_command(ctx, name)
             if command is not None and not command.hidden:
-                rows.append((name, command.get_short_help_str(limit=10_000)))
+                text = command.short_help or (command.help or "").split("\n\n")[0]
+                rows.append((name, " ".join(text.split())))
         if rows:
             with formatter.section("Commands"):
                 formatter.write_dl(rows)

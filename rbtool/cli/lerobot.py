@@ -196,7 +196,7 @@ def export(
         ),
     ]
     out.print(key_values(f"export {result.source} to LeRobot {CODEBASE_VERSION} {result.out}", rows))
-    columns = [Column("feature"), Column("dtype"), Column("shape"), Column("buffer field")]
+    columns = [Column("feature"), Column("dtype"), Column("shape"), Column("buffer field", wrap=True)]
     features = [
         [Text(item["name"]), item["dtype"], str(item["shape"]), Text(item["field"] or "")]
         for item in doc["features"]
