@@ -58,8 +58,10 @@ def diff(
     else:
         render(doc, None if all_items else SUMMARY_ITEMS)
     if doc["files_unchecked"] and not deep:
+        n = doc["files_unchecked"]
+        is_, was = ("is", "was") if n == 1 else ("are", "were")
         err.print(
-            f"Warning: {doc['files_unchecked']} file(s) are in different formats and were not compared; "
+            f"Warning: {count(n, 'file')} {is_} in different formats and {was} not compared; "
             "pass --deep to compare their contents",
             markup=False,
             highlight=False,

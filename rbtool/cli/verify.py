@@ -194,7 +194,7 @@ def verify(
                 if json:
                     print_json(documents[0], pretty)
                 raise CheckpointError(
-                    f"{path}: verification failed with {errors} error(s): {error_codes(result)}"
+                    f"{path}: verification failed with {count(errors, 'error')}: {error_codes(result)}"
                 )
             failed.append(f"{path} ({error_codes(result)})")
     if json:
