@@ -31,21 +31,34 @@ ID_PREFIX = 8  # model_weights_ids are shortened to unique prefixes of at least 
 
 # ------------------------------------------------------------ the console
 class ResultConsole(Console):
-    """stdout for results: word-wrapped and fitted at a terminal; unwrapped, untrimmed-free when piped."""
+    """stdout for results: word-wrapped and fitted at a terminal; unwrapped and without trailing
+    spaces when piped."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fixed_width: int | None = kwargs.get("width")  # None: follow the terminal
 
     @property
     def size(self) -> ConsoleDimensions:
         """The terminal's size, read when asked (COLUMNS first), never frozen when rbtool starts."""
+        if self._fixed_width is not None:
+            return ConsoleDimensions(self._fixed_width, 25)
         columns = os.environ.get("COLUMNS", "")
         if columns.isdigit() and int(columns) > 0:
-            width = int(columns)
-        else:
-            width = shutil.get_terminal_size((80, 25)).columns or 80
-        return ConsoleDimensions(width, 25)
+            return ConsoleDimensions(int(columns), 25)
+        return ConsoleDimensions(shutil.get_terminal_size((80, 25)).columns or 80, 25)
 
     @size.setter
-    def size(self, new_size: tuple[int, int]) -> None:  # Console's setter, kept for its callers
-        self._width, self._height = new_size
+    def size(self, new_size: tuple[int, int]) -> None:
+        self._fixed_width = new_size[0]
+
+    @property
+    def width(self) -> int:
+        return self.size.width
+
+    @width.setter
+    def width(self, width: int) -> None:
+        self._fixed_width = width
 
     @property
     def piped(self) -> bool:
