@@ -67,9 +67,12 @@ def sparkline(counts: list[float]) -> str:
 def bucketed(values: list[float], width: int = SPARK_WIDTH) -> list[float]:
     """Sum consecutive values into at most `width` buckets (for a sparkline over many trajectories)."""
     if len(values) <= width:
-        return values
+        return list(values)
+    import numpy as np
+
     size = -(-len(values) // width)
-    return [sum(values[i : i + size]) for i in range(0, len(values), size)]
+    flat = np.asarray(values, dtype=np.float64)
+    return np.add.reduceat(flat, np.arange(0, len(flat), size)).tolist()  # type: ignore[no-any-return]
 
 
 def bar(value: float, top: float, width: int = BAR_WIDTH) -> str:
@@ -275,8 +278,9 @@ def render(doc: dict[str, Any], con: Console, every: bool = False, wide: bool = 
     """
     idx, files, win = doc["index"], doc["files"], doc["window"]
     ids = id_runs(doc["trajectories"]["id"], HEADER_RUNS)
+    seed = "no seed" if idx["seed"] is None else f"seed {idx['seed']}"
     con.print(
-        f"[bold]{doc['path']}[/bold]  {idx['trajectory_format']}  seed {idx['seed']}  ·  "
+        f"[bold]{doc['path']}[/bold]  {idx['trajectory_format']}  {seed}  ·  "
         f"{count(idx['size'], 'trajectory', 'trajectories')}, {count(idx['total_samples'], 'sample')}  ·  "
         f"ids {ids}  ·  counter {idx['trajectory_counter']}  ·  "
         f"{count(idx['model_weights_ids'], 'model_weights_id')}"
@@ -335,8 +339,10 @@ def trajectory_table(
         Column("p(draw)", right=True),
         Column("", drop=3),
     ]
+    import numpy as np
+
     probs = rows["draw_probability"]
-    top = max(probs, default=0.0)
+    top = float(np.max(probs)) if len(probs) else 0.0
     cells: list[list[str | Text]] = []
     for pos in shown_positions(len(rows["id"]), every):
         if pos is None:
