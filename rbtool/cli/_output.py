@@ -270,6 +270,17 @@ class Fitted:
                 need = self.need(console, keep)
         return self.table(keep), need
 
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        """As wide as the fitted table needs, at most as wide as its widest line (so a grid of
+        tables, as in `sample`, sets them side by side at their own widths)."""
+        width = None if isinstance(console, ResultConsole) and console.piped else options.max_width
+        table, need = self.fitted(console, width)
+        widest = Measurement.get(console, options.update(width=PIPED_WIDTH), table).maximum
+        for line in (self.title, self.caption):
+            if line is not None:
+                widest = max(widest, plain(line).cell_len)
+        return Measurement(min(need, widest), widest)
+
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         width = None if isinstance(console, ResultConsole) and console.piped else options.max_width
         table, need = self.fitted(console, width)
