@@ -72,10 +72,6 @@ class ResultConsole(Console):
         except ValueError:
             return True
 
-    def fit_width(self) -> int | None:
-        """The width tables must fit: the terminal's, or None (no limit) when piped."""
-        return None if self.piped else self.width
-
     def print(self, *objects: Any, **kwargs: Any) -> None:  # type: ignore[override]
         """Print at a terminal with word wrapping; piped, unwrapped and without trailing spaces."""
         kwargs.setdefault("crop", False)  # a table wider than the terminal (--wide) is not cut
@@ -282,6 +278,7 @@ class Fitted:
         return Measurement(min(need, widest), widest)
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        # Piped, the result console draws on a console PIPED_WIDTH wide: nothing is left out.
         width = None if isinstance(console, ResultConsole) and console.piped else options.max_width
         table, need = self.fitted(console, width)
         if self.title is not None:  # above the table, as wide as the terminal (not the table)
