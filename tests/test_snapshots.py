@@ -121,6 +121,12 @@ def test_human_view_matches_its_snapshot(
     case: str, mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     text = human_view(case, mode, tmp_path, monkeypatch)
+    lines = text.split("\n")
+    if mode == "80":  # fits without a cut cell: nothing longer than the terminal, no ellipsis but a prefix's
+        assert all(len(line) <= 80 for line in lines), max(lines, key=len)
+        assert all(re.search(r"[0-9a-f]{8}…", line) for line in lines if "…" in line and "more" not in line)
+    if mode == "piped":  # grep-friendly: no trailing spaces, nothing shortened
+        assert all(line == line.rstrip() for line in lines) and "…" not in text.replace("… ", "")
     snapshot = SNAPSHOTS / f"{case}.{mode}.txt"
     if UPDATE:
         SNAPSHOTS.mkdir(exist_ok=True)
