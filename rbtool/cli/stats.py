@@ -29,6 +29,7 @@ from rbtool.cli._common import (
     id_ranges,
     insert_after,
     left_out,
+    make_console,
     out,
     print_json,
     print_jsonl,
@@ -53,7 +54,7 @@ def view_console() -> Console:
     """stdout at a terminal; written to a file or pipe, a console wide enough not to cut columns."""
     if out.is_terminal:
         return out
-    return Console(highlight=False, soft_wrap=True, width=max(out.width, PIPED_WIDTH))
+    return make_console(highlight=False, soft_wrap=True, width=max(out.width, PIPED_WIDTH))
 
 
 def sparkline(counts: list[float]) -> str:
