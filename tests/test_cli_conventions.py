@@ -251,8 +251,10 @@ def loose_sources(directory: Path, n: int) -> list[Path]:
 
 
 def interrupt(argv: list[str | Path], ready: object, cwd: Path) -> tuple[int, list[str]]:
-    """Start `python -m rbtool ARGV`, send SIGINT once `ready(stderr line or None)` says so, and
-    return the exit status and the stderr lines."""
+    """Start `python -m rbtool ARGV`, send SIGINT to its process group (as Ctrl-C at a terminal
+    does, workers included) once `ready` says so, and return the exit status and stderr lines.
+
+    `ready` is "first line" (after the first stderr line) or a function polled until true."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "rbtool", *map(str, argv)],
         stdout=subprocess.DEVNULL,
@@ -260,6 +262,7 @@ def interrupt(argv: list[str | Path], ready: object, cwd: Path) -> tuple[int, li
         text=True,
         cwd=cwd,
         env={**os.environ, "PYTHONPATH": str(Path(rbtool.__file__).parents[1])},
+        start_new_session=True,
     )
     assert proc.stderr is not None
     lines: list[str] = []
@@ -269,7 +272,7 @@ def interrupt(argv: list[str | Path], ready: object, cwd: Path) -> tuple[int, li
         deadline = time.monotonic() + 120
         while not ready() and proc.poll() is None and time.monotonic() < deadline:  # type: ignore[operator]
             time.sleep(0.001)
-    proc.send_signal(signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGINT)
     _, rest = proc.communicate(timeout=120)
     return proc.returncode, lines + rest.splitlines()
 
@@ -301,11 +304,31 @@ def test_ctrl_c_mid_convert_writes_nothing_to_out(tmp_path: Path) -> None:
         return any(p.name not in before for p in tmp_path.iterdir())
 
     status, lines = interrupt(
-        ["convert", "ckpt", "-o", "out", "--format", "pkl", "-j", "1"], staging, tmp_path
+        ["convert", "ckpt", "-o", "out", "--format", "pkl", "-j", "2"], staging, tmp_path
     )
     assert status == 130, lines
-    assert lines[-1] == "interrupted: nothing was written to out", lines
+    assert lines == ["interrupted: nothing was written to out"]  # and no worker's traceback
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no OUT, no staging left
+
+
+def test_ctrl_c_before_force_replaces_out_leaves_it_as_it_was(tmp_path: Path) -> None:
+    from conftest import tree_digest
+
+    from rbtool.ingestion import ingest
+
+    ingest(loose_sources(tmp_path / "src", 400), tmp_path / "ckpt")
+    ingest(loose_sources(tmp_path / "other", 3), tmp_path / "out")
+    before, digest = sorted(p.name for p in tmp_path.iterdir()), tree_digest(tmp_path / "out")
+
+    def staging() -> bool:
+        return any(p.name not in before for p in tmp_path.iterdir())
+
+    argv = ["convert", "ckpt", "-o", "out", "--format", "pkl", "--force", "-j", "1"]
+    status, lines = interrupt(argv, staging, tmp_path)
+    assert status == 130, lines
+    assert lines == ["interrupted: out is left as it was"]
+    assert tree_digest(tmp_path / "out") == digest
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
 def test_force_color_colours_a_log_but_shows_no_progress_bar(ckpt: Path) -> None:
