@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -107,6 +108,26 @@ def test_completion_script_is_shown_without_importing_torch() -> None:
     assert probe.returncode == 0, probe.stderr
     assert probe.stderr.strip() == "False"
     assert "complete" in probe.stdout and "_RBTOOL_COMPLETE" in probe.stdout
+
+
+@pytest.mark.parametrize(
+    ("words", "expected"), [("rbtool sta", "stats"), ("rbtool stats --ind", "--index-only")]
+)
+def test_completion_completes_commands_and_options_without_importing_torch(words: str, expected: str) -> None:
+    code = (
+        "import sys\n"
+        "sys.argv = ['rbtool']\n"
+        "from rbtool.cli import main\n"
+        "try:\n    main()\n"
+        "except SystemExit as exit:\n    assert exit.code in (0, None), exit.code\n"
+        "print('torch' in sys.modules, file=sys.stderr)"
+    )
+    env = {**os.environ, "_RBTOOL_COMPLETE": "complete_bash", "COMP_WORDS": words}
+    env["COMP_CWORD"] = str(len(words.split()) - 1)
+    probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stderr.strip() == "False"
+    assert expected in probe.stdout.split()
 
 
 # ------------------------------------------------------------------ -q, -v, --no-progress
@@ -334,3 +355,17 @@ def test_ctrl_c_before_force_replaces_out_leaves_it_as_it_was(tmp_path: Path) ->
 def test_force_color_colours_a_log_but_shows_no_progress_bar(ckpt: Path) -> None:
     result = invoke("verify", ckpt, "--deep", "-j", "1", env={"FORCE_COLOR": "1"})
     assert result.exit_code == 0 and result.stderr == ""  # no bar: stderr is not a terminal
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_quiet_leaves_out_warnings_that_only_inform(ckpt: Path, tmp_path: Path, width: int) -> None:
+    def leftover() -> None:  # what a writer killed earlier (a pid that no longer runs) left
+        (tmp_path / f".out.rbtool-staging-999999999@{socket.gethostname()}-0123456789ab").mkdir()
+
+    leftover()
+    plain = invoke("shard", ckpt, "-n", "2", "-o", tmp_path / "out", width=width)
+    assert plain.exit_code == 0 and plain.stderr.startswith("Warning: ") and "removed 1" in plain.stderr
+    leftover()
+    quiet = invoke("shard", ckpt, "-n", "2", "-o", tmp_path / "out", "--force", "-q", width=width)
+    assert quiet.exit_code == 0 and quiet.stderr == "" and quiet.stdout
+    assert not list(tmp_path.glob(".out.rbtool-staging-*"))

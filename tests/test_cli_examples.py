@@ -50,7 +50,8 @@ def split(line: str) -> tuple[dict[str, str], list[str]]:
     return env, words
 
 
-def test_every_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("width", [80, 200])
+def test_every_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, width: int) -> None:
     workspace(tmp_path)
     monkeypatch.chdir(tmp_path)
     order = [path for path in sections() if path in EXAMPLES]
@@ -59,7 +60,7 @@ def test_every_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     for path in order:
         for _, line in EXAMPLES[path]:
             env, args = split(line)
-            result = CliRunner().invoke(app, args, env={"COLUMNS": "80", **env})
+            result = CliRunner().invoke(app, args, env={"COLUMNS": str(width), **env}, terminal_width=width)
             assert result.exit_code == 0, (line, result.stdout[-2000:], result.stderr[-2000:])
             assert "Error:" not in result.stderr, (line, result.stderr)
             assert result.stdout, line

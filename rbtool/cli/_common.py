@@ -23,6 +23,7 @@ from typer.core import TyperGroup
 
 from rbtool.errors import (
     FieldsLeftOutWarning,
+    LeftoversRemovedWarning,
     MissingTrajectoryFilesError,
     NeedsTrajectoryFilesError,
     OutputExistsError,
@@ -76,6 +77,8 @@ def print_error(message: str) -> None:
 
 def print_warning(warning: Warning | str, command: Any) -> None:
     """A library warning as one line `Warning: ...` on stderr, in the command line's terms."""
+    if settings.quiet and isinstance(warning, INFORMATION):
+        return
     if isinstance(warning, FieldsLeftOutWarning) and "--all-fields" in _options(command):
         text = (
             f"sampled batches leave out {', '.join(warning.fields)} (RLinf's sampler ignores them); "
@@ -603,6 +606,9 @@ class ColorMode(str, enum.Enum):
     always = "always"
     never = "never"
 
+
+# Warnings that only inform (nothing is wrong with the result): -q leaves them out.
+INFORMATION: tuple[type[Warning], ...] = (FieldsLeftOutWarning, LeftoversRemovedWarning)
 
 # Environment defaults of options that several commands share, by option name. `Group`
 # attaches them wherever the option appears, so every command reads the same variable.
