@@ -369,3 +369,20 @@ def test_quiet_leaves_out_warnings_that_only_inform(ckpt: Path, tmp_path: Path, 
     quiet = invoke("shard", ckpt, "-n", "2", "-o", tmp_path / "out", "--force", "-q", width=width)
     assert quiet.exit_code == 0 and quiet.stderr == "" and quiet.stdout
     assert not list(tmp_path.glob(".out.rbtool-staging-*"))
+
+
+def test_what_the_interrupt_line_says_for_each_kind_of_command(tmp_path: Path, ckpt: Path) -> None:
+    from rbtool.cli._common import _state, interrupted_line
+
+    assert interrupted_line(None, None, None) == "interrupted: nothing was written"
+    new = tmp_path / "new"
+    assert interrupted_line(new, None, None) == f"interrupted: nothing was written to {new}"
+    assert interrupted_line(ckpt, _state(ckpt), None) == f"interrupted: {ckpt} is left as it was"
+    new.mkdir()  # published (renamed into place) just before the interrupt
+    assert interrupted_line(new, None, None) == f"interrupted: {new} had been written in full"
+    assert interrupted_line(None, None, tmp_path / "nobuffer") == (
+        f"interrupted: nothing was written to {tmp_path / 'nobuffer'}"
+    )
+    assert interrupted_line(None, None, ckpt) == (
+        f"interrupted: the buffer {ckpt} holds ids 0-5; nothing half-written"
+    )

@@ -856,7 +856,7 @@ def interrupted_line(target: Path | None, before: tuple[int, int] | None, buffer
                 return f"interrupted: nothing was written to {target}"
             return f"interrupted: {target} is left as it was"
         return f"interrupted: {target} had been written in full"
-    return "interrupted"
+    return "interrupted: nothing was written"  # every writer names an OUT or a --buffer
 
 
 def _guarded(callback: Any) -> Any:
