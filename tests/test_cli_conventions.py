@@ -386,3 +386,64 @@ def test_what_the_interrupt_line_says_for_each_kind_of_command(tmp_path: Path, c
     assert interrupted_line(None, None, ckpt) == (
         f"interrupted: the buffer {ckpt} holds ids 0-5; nothing half-written"
     )
+
+
+# ------------------------------------------------------------------ at a terminal
+def at_terminal(argv: list[str | Path], cwd: Path, interrupt_on: bytes | None = None) -> tuple[int, str]:
+    """Run `python -m rbtool ARGV` with stdout and stderr on a pseudo-terminal (80 columns); with
+    `interrupt_on`, send one SIGINT to its process group once that text has appeared."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR", "COLUMNS")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rbtool", *map(str, argv)],
+        stdin=subprocess.DEVNULL,
+        stdout=slave,
+        stderr=slave,
+        cwd=cwd,
+        env={**env, "TERM": "xterm", "PYTHONPATH": str(Path(rbtool.__file__).parents[1])},
+        start_new_session=True,
+    )
+    os.close(slave)
+    seen, sent = b"", False
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the other end closed: the command is done
+            break
+        if not chunk:
+            break
+        seen += chunk
+        if interrupt_on is not None and not sent and interrupt_on in seen:
+            os.killpg(proc.pid, signal.SIGINT)
+            sent = True
+    os.close(master)
+    return proc.wait(timeout=120), seen.decode(errors="replace")
+
+
+def test_a_terminal_gets_a_progress_bar_and_no_progress_lines(tmp_path: Path) -> None:
+    loose_sources(tmp_path / "src", 200)
+    status, shown = at_terminal(["ingest", "src", "-b", "a"], tmp_path)
+    assert status == 0 and "checking sources" in shown and "eta" in shown
+    assert "added trajectory ids" not in shown  # the bar is the progress
+    status, shown = at_terminal(["ingest", "src", "-b", "b", "--no-progress"], tmp_path)
+    assert status == 0 and "eta" not in shown and "added trajectory ids" not in shown
+    assert "\x1b[" in shown  # colour at a terminal ...
+    status, shown = at_terminal(["--color", "never", "ingest", "src", "-b", "c", "--no-progress"], tmp_path)
+    assert status == 0 and "\x1b[" not in shown and "ingest into c" in shown  # ... unless never
+
+
+def test_ctrl_c_at_a_terminal_clears_the_bar_and_says_what_was_kept(tmp_path: Path) -> None:
+    loose_sources(tmp_path / "src", 600)
+    status, shown = at_terminal(["ingest", "src", "-b", "buffer"], tmp_path, interrupt_on=b"checking sources")
+    assert status == 130
+    last = shown.replace("\r", "\n").strip().splitlines()[-1]
+    assert ANSI.sub("", last).endswith(
+        ("interrupted: nothing was written to buffer", "; nothing half-written")
+    ), shown[-500:]
+    assert "Traceback" not in shown
