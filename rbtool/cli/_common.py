@@ -836,9 +836,21 @@ def _state(path: Path) -> tuple[int, int] | None:
     return stat.st_ino, stat.st_mtime_ns
 
 
-def interrupted_line(target: Path | None, before: tuple[int, int] | None, buffer: Path | None) -> str:
-    """What an interrupted command kept, in one line."""
-    if buffer is not None and (buffer / "trajectory_index.json").exists():
+def interrupted_line(
+    target: Path | None,
+    before: tuple[int, int] | None,
+    buffer: Path | None = None,
+    index_before: tuple[int, int] | None = None,
+) -> str:
+    """What an interrupted command kept, in one line. `before` is the state (`_state`) of
+    `target` when the command began, `index_before` that of the buffer's index."""
+    if buffer is not None:
+        index = buffer / "trajectory_index.json"
+        after = _state(index)
+        if after is None:
+            return f"interrupted: nothing was written to {buffer}"
+        if after == index_before:
+            return f"interrupted: the buffer {buffer} is left as it was"
         from rbtool.index import read_index
 
         try:
@@ -847,11 +859,8 @@ def interrupted_line(target: Path | None, before: tuple[int, int] | None, buffer
             return f"interrupted: {buffer} holds the batches published before the interrupt"
         held = f"ids {format_ids(ids, SUMMARY_ITEMS)}" if ids else "no trajectories"
         return f"interrupted: the buffer {buffer} holds {held}; nothing half-written"
-    if buffer is not None:
-        return f"interrupted: nothing was written to {buffer}"
     if target is not None:
-        after = _state(target)
-        if after == before:
+        if _state(target) == before:
             if before is None:
                 return f"interrupted: nothing was written to {target}"
             return f"interrupted: {target} is left as it was"
@@ -870,11 +879,13 @@ def _guarded(callback: Any) -> Any:
         ctx = _running.get("leaf")
         target, buffer = _targets(ctx) if ctx is not None else (None, None)
         before = None if target is None else _state(target)
+        index_before = None if buffer is None else _state(buffer / "trajectory_index.json")
         started = time.perf_counter()
         try:
             result = callback(*args, **kwargs)
         except KeyboardInterrupt:
-            err.print(interrupted_line(target, before, buffer), markup=False, highlight=False)
+            line = interrupted_line(target, before, buffer, index_before)
+            err.print(line, markup=False, highlight=False)
             raise typer.Exit(130) from None
         if ctx is not None:
             detail(f"{ctx.command_path}: done in {time.perf_counter() - started:.2f} s")
