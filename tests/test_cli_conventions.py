@@ -450,3 +450,13 @@ def test_ctrl_c_at_a_terminal_clears_the_bar_and_says_what_was_kept(tmp_path: Pa
         -500:
     ]
     assert "Traceback" not in shown and not (tmp_path / "buffer").exists()
+
+
+def test_verbose_names_the_options_set_by_the_environment_once(ckpt: Path) -> None:
+    env = {"RBTOOL_JOBS": "1", "RBTOOL_COLOR": "never"}
+    lines = invoke("-v", "verify", ckpt, "--deep", env=env).stderr.splitlines()
+    assert (
+        lines.count("--jobs from RBTOOL_JOBS=1") == 1 and lines.count("--color from RBTOOL_COLOR=never") == 1
+    )
+    lines = invoke("verify", ckpt, "--deep", "-v", "-j", "2", env=env).stderr.splitlines()
+    assert not [line for line in lines if line.startswith("--jobs from")]  # the command line's -j

@@ -868,6 +868,24 @@ def interrupted_line(
     return "interrupted: nothing was written"  # every writer names an OUT or a --buffer
 
 
+def _detail_environment(leaf: Any) -> None:
+    """With -v, name each option whose value came from an RBTOOL_* variable (once each)."""
+    contexts = []
+    while leaf is not None:
+        contexts.append(leaf)
+        leaf = leaf.parent
+    named: set[str] = set()
+    for ctx in reversed(contexts):
+        for param in ctx.command.params:
+            source = ctx.get_parameter_source(param.name)
+            variable = param.envvar
+            if source is None or source.name != "ENVIRONMENT" or not isinstance(variable, str):
+                continue
+            if variable not in named:
+                named.add(variable)
+                detail(f"{max(param.opts, key=len)} from {variable}={os.environ.get(variable, '')}")
+
+
 def _guarded(callback: Any) -> Any:
     """Wrap a command's function: one line on Ctrl-C saying what was kept (exit 130), and the
     time taken with -v."""
@@ -880,6 +898,8 @@ def _guarded(callback: Any) -> Any:
         target, buffer = _targets(ctx) if ctx is not None else (None, None)
         before = None if target is None else _state(target)
         index_before = None if buffer is None else _state(buffer / "trajectory_index.json")
+        if ctx is not None:
+            _detail_environment(ctx)
         started = time.perf_counter()
         try:
             result = callback(*args, **kwargs)
