@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -99,15 +100,18 @@ def test_the_common_options_read_their_rbtool_variable_wherever_they_appear() ->
 def test_completion_script_is_shown_without_importing_torch() -> None:
     code = (
         "import runpy, sys\n"
-        "sys.argv = ['rbtool', '--show-completion', 'bash']\n"
+        "sys.argv = ['rbtool', '--show-completion']\n"
         "try:\n    runpy.run_module('rbtool', run_name='__main__')\n"
         "except SystemExit as exit:\n    assert exit.code in (0, None), exit.code\n"
         "print('torch' in sys.modules, file=sys.stderr)"
     )
-    probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    # The shell is found among the parent processes, as when a user types it: run under bash
+    # (a second command keeps bash from replacing itself with the first).
+    script = f"{shlex.quote(sys.executable)} -c {shlex.quote(code)}"
+    probe = subprocess.run(["bash", "-c", f"{script}; exit $?"], capture_output=True, text=True, timeout=60)
     assert probe.returncode == 0, probe.stderr
     assert probe.stderr.strip() == "False"
-    assert "complete" in probe.stdout and "_RBTOOL_COMPLETE" in probe.stdout
+    assert "complete -o default -F" in probe.stdout and "_RBTOOL_COMPLETE=complete_bash" in probe.stdout
 
 
 @pytest.mark.parametrize(

@@ -711,7 +711,8 @@ def _conventions(
             "--quiet",
             "-q",
             envvar="RBTOOL_QUIET",
-            help="Print results only: no progress and no notes on stderr (errors and warnings still).",
+            help="Print results only: no progress, notes or merely informative warnings on stderr "
+            "(errors still).",
         ),
     ] = False,
     verbose: Annotated[
