@@ -257,7 +257,7 @@ def import_lerobot(
 
     A dataset rbtool exported comes back as the checkpoint it was (into a new buffer directory,
     with its own ids). After each published batch a line `added trajectory ids FIRST-LAST` goes
-    to stderr.
+    to stderr (not beside a progress bar; none with -q or --no-progress).
     """
     refuse_output_mix(json, pretty=pretty)
     from rbtool.errors import RbtoolError
