@@ -433,14 +433,15 @@ def at_terminal(argv: list[str | Path], cwd: Path, interrupt_on: bytes | None = 
 
 
 def test_a_terminal_gets_a_progress_bar_and_no_progress_lines(tmp_path: Path) -> None:
-    loose_sources(tmp_path / "src", 200)
-    status, shown = at_terminal(["ingest", "src", "-b", "a"], tmp_path)
+    loose_sources(tmp_path / "src", 70)  # two batches (64 a batch)
+    status, shown = at_terminal(["ingest", "src", "-b", "a", "--format", "pkl"], tmp_path)
     assert status == 0 and "checking sources" in shown and "eta" in shown
     assert "added trajectory ids" not in shown  # the bar is the progress
-    status, shown = at_terminal(["ingest", "src", "-b", "b", "--no-progress"], tmp_path)
+    status, shown = at_terminal(["ingest", "src", "-b", "b", "--format", "pkl", "--no-progress"], tmp_path)
     assert status == 0 and "eta" not in shown and "added trajectory ids" not in shown
     assert "\x1b[" in shown  # colour at a terminal ...
-    status, shown = at_terminal(["--color", "never", "ingest", "src", "-b", "c", "--no-progress"], tmp_path)
+    argv = ["--color", "never", "ingest", "src", "-b", "c", "--format", "pkl", "--no-progress"]
+    status, shown = at_terminal(argv, tmp_path)
     assert status == 0 and "\x1b[" not in shown and "ingest into c" in shown  # ... unless never
 
 
