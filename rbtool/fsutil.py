@@ -348,12 +348,20 @@ def _publish_dir(staging: Path, target: Path, *, overwrite: bool) -> None:
 @contextlib.contextmanager
 def staged_dir(target: Path, *, overwrite: bool = False) -> Iterator[Path]:
     """Build a directory in a hidden staging directory; publish it only if the block succeeds."""
-    staging = new_staging_dir(target)
+    staging: Path | None = None
     try:
+        staging = new_staging_dir(target)
         yield staging
         publish_dir(staging, target, overwrite=overwrite)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)  # gone once published
+        if staging is None:  # Ctrl-C between making it and getting its name: find it by owner
+            mine = f".{target.name}{STAGING_MARK}{_owner_tag()}-"
+            with contextlib.suppress(OSError):
+                for entry in os.scandir(target.parent):
+                    if entry.name.startswith(mine):
+                        shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            shutil.rmtree(staging, ignore_errors=True)  # gone once published
         raise
 
 

@@ -8,6 +8,8 @@ the library. Library errors become exit statuses in one place, `_common.Group.in
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from rbtool.cli import (
@@ -32,14 +34,28 @@ app = typer.Typer(
     cls=Group,
     name="rbtool",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        version.version()
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    show_version: Annotated[
+        bool,
+        typer.Option(
+            "--version", "-V", is_eager=True, callback=_print_version, help="Print rbtool's version and exit."
+        ),
+    ] = False,
+) -> None:
     """Build, inspect, shard, reshard, merge, filter, diff, convert and check replay-buffer checkpoints.
 
     Every command prints a human view, or with --json exactly one JSON document on stdout.

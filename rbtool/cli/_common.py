@@ -34,6 +34,7 @@ from rbtool.cli._output import side_by_side as side_by_side
 from rbtool.cli._output import unique_prefixes as unique_prefixes
 from rbtool.errors import (
     FieldsLeftOutWarning,
+    LeftoversRemovedWarning,
     MissingTrajectoryFilesError,
     NeedsTrajectoryFilesError,
     OutputExistsError,
@@ -84,6 +85,8 @@ def print_error(message: str) -> None:
 
 def print_warning(warning: Warning | str, command: Any) -> None:
     """A library warning as one line `Warning: ...` on stderr, in the command line's terms."""
+    if settings.quiet and isinstance(warning, INFORMATION):
+        return
     if isinstance(warning, FieldsLeftOutWarning) and "--all-fields" in _options(command):
         text = (
             f"sampled batches leave out {', '.join(warning.fields)} (RLinf's sampler ignores them); "
@@ -110,6 +113,18 @@ class Group(TyperGroup):
     escaped the library is one line and exit 1 too; anything else is a bug and keeps its
     traceback. Library warnings become one line `Warning: ...` each.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        root = self.name == ROOT
+        adopt(self, "" if root else str(self.name))
+        for name, command in self.commands.items():
+            adopt(command, name if root else f"{self.name} {name}")
+
+    def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
+        if parent is None:
+            reset_settings()
+        return super().make_context(info_name, args, parent=parent, **extra)
 
     def format_commands(self, ctx: Any, formatter: Any) -> None:
         """Each command with the whole first paragraph of its description, wrapped, never cut."""
@@ -477,8 +492,21 @@ def print_jsonl(rows: Iterable[Any]) -> None:
 
 
 def show_progress(json_mode: bool) -> bool:
-    """Progress bars only for a person at a terminal, never with --json or --jsonl."""
-    return not json_mode and err.is_terminal
+    """Progress bars only for a person at a terminal, never with --json, --jsonl, -q or --no-progress."""
+    return not json_mode and settings.progress and _stderr_is_terminal()
+
+
+def _stderr_is_terminal() -> bool:
+    # FORCE_COLOR (set by many CI systems for colour in their logs) makes Rich treat a log as a
+    # terminal; colour, yes, but a log gets no progress bars: then the device itself decides.
+    if not err.is_terminal:
+        return False
+    if "FORCE_COLOR" not in os.environ:
+        return True
+    try:
+        return err.file.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 class Advance:
@@ -506,14 +534,64 @@ class Advance:
             self._progress.reset(self._task, **changes)
 
 
+class _PhaseLog(Advance):
+    """An Advance for -v without a bar: one stderr line per phase, with the time the last one took."""
+
+    def __init__(self, description: str) -> None:
+        import time
+
+        super().__init__()
+        self._clock = time.perf_counter
+        self._description = description
+        self._started = self._clock()
+        self._done = 0
+        detail(f"{description} ...")
+
+    def __call__(self, n: int = 1) -> None:
+        self._done += n
+
+    def _finished(self, now: float) -> None:
+        done = f"{self._done} done " if self._done else ""
+        detail(f"{self._description}: {done}in {now - self._started:.2f} s")
+
+    def _next(self, description: str | None) -> None:
+        now = self._clock()
+        self._finished(now)
+        self._description = description or self._description
+        self._started, self._done = now, 0
+        detail(f"{self._description} ...")
+
+    def phase(self, done: int, description: str) -> None:
+        if description != self._description:
+            self._next(description)
+
+    def start(self, total: int | None, description: str | None = None) -> None:
+        self._next(description)
+
+    def finish(self) -> None:
+        self._finished(self._clock())
+
+
+@contextmanager
+def _phases(description: str) -> Iterator[Advance]:
+    log = _PhaseLog(description)
+    yield log
+    log.finish()
+
+
 @contextmanager
 def progress_bar(description: str, total: int | None, enabled: bool) -> Iterator[Advance]:
     """A Rich progress bar on stderr with a count, the time taken and an ETA; yields an Advance.
 
-    Disabled, the Advance does nothing. Transient: the bar is gone once the work is done.
+    Disabled, the Advance does nothing (with -v it names each phase and its time on stderr).
+    Transient: the bar is gone once the work is done.
     """
     if not enabled:
-        yield Advance()
+        if settings.verbose:
+            with _phases(description) as advance:
+                yield advance
+        else:
+            yield Advance()
         return
     from rich.progress import (
         BarColumn,
@@ -583,3 +661,324 @@ def files_line(files: dict[str, int]) -> str:
         f"{files['copied']} copied, {files['written']} written"
     )
     return f"{placed}, {size(files['bytes'])}"
+
+
+# ------------------------------------------------------------ conventions
+# Options every command and group takes, before or after the command name (`rbtool -q stats X`
+# and `rbtool stats X -q` alike). They are declared once, on `_conventions` below, and copied
+# onto every command by `Group`; their values live in `settings`, not in command arguments.
+class ColorMode(str, enum.Enum):
+    """When output carries colour and style escape codes."""
+
+    auto = "auto"
+    always = "always"
+    never = "never"
+
+
+# Warnings that only inform (nothing is wrong with the result): -q leaves them out.
+INFORMATION: tuple[type[Warning], ...] = (FieldsLeftOutWarning, LeftoversRemovedWarning)
+
+# Environment defaults of options that several commands share, by option name. `Group`
+# attaches them wherever the option appears, so every command reads the same variable.
+OPTION_ENVVARS: dict[str, str] = {
+    "--jobs": "RBTOOL_JOBS",
+    "--window": "RBTOOL_WINDOW",
+    "--format": "RBTOOL_FORMAT",  # only where --format takes a trajectory file format (pt, pkl)
+}
+
+
+class Settings:
+    """The shared options of the running command line: what was given, and where from."""
+
+    def __init__(self) -> None:
+        self.given: dict[str, Any] = {}  # on the command line (the last occurrence wins)
+        self.environment: dict[str, Any] = {}  # from RBTOOL_* variables
+
+    def _value(self, name: str, default: Any) -> Any:
+        return self.given.get(name, self.environment.get(name, default))
+
+    @property
+    def quiet(self) -> bool:
+        if "verbose" in self.given and "quiet" not in self.given:
+            return False
+        return bool(self._value("quiet", False))
+
+    @property
+    def verbose(self) -> bool:
+        if "quiet" in self.given and "verbose" not in self.given:
+            return False
+        return bool(self._value("verbose", False)) and not self.quiet
+
+    @property
+    def progress(self) -> bool:
+        return not self._value("no_progress", False) and not self.quiet
+
+    @property
+    def color(self) -> ColorMode:
+        return ColorMode(self._value("color", ColorMode.auto))
+
+
+settings = Settings()
+
+# The command line's long-lived Rich consoles; `configure_consoles` sets their colour.
+_consoles: list[Console] = [out, err]
+
+
+def make_console(**kwargs: Any) -> Console:
+    """A Rich console made while a command runs, following --color and NO_COLOR like `out` and `err`."""
+    console = Console(**kwargs)
+    _set_color(console)
+    return console
+
+
+def _set_color(console: Console) -> None:
+    # Rich fixes a console's colour system when the console is made, at import time; the
+    # mode (and NO_COLOR / FORCE_COLOR) is known only once the command line is parsed.
+    from rich.color import ColorSystem
+
+    mode = settings.color
+    if mode is ColorMode.auto and os.environ.get("NO_COLOR", ""):
+        mode = ColorMode.never
+    if mode is ColorMode.never:
+        console._color_system = None
+    else:
+        detected = console._detect_color_system()  # honours FORCE_COLOR, TERM, COLORTERM
+        console._color_system = (detected or ColorSystem.STANDARD) if mode is ColorMode.always else detected
+    console.no_color = mode is ColorMode.never
+
+
+def configure_consoles() -> None:
+    """Apply the colour mode to every console of the command line."""
+    for console in _consoles:
+        _set_color(console)
+
+
+def note(message: str) -> None:
+    """A line for a person on stderr (what the command is waiting for, what it kept); none with -q."""
+    if not settings.quiet:
+        err.print(message, markup=False, highlight=False)
+
+
+def progress_line(message: str, bar_shown: bool) -> None:
+    """A line of progress on stderr (a published batch): the log's form of a progress bar, so none
+    beside a bar, with -q or with --no-progress; always with -v."""
+    if settings.verbose or (settings.progress and not bar_shown):
+        err.print(message, markup=False, highlight=False)
+
+
+def detail(message: str) -> None:
+    """A line of detail on stderr (phases, timings), only with -v."""
+    if settings.verbose:
+        err.print(message, markup=False, highlight=False)
+
+
+def _conventions(
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "--quiet",
+            "-q",
+            envvar="RBTOOL_QUIET",
+            help="Print results only: no progress, notes or merely informative warnings on stderr "
+            "(errors still).",
+        ),
+    ] = False,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose", "-v", envvar="RBTOOL_VERBOSE", help="Print more on stderr: phases and timings."
+        ),
+    ] = False,
+    no_progress: Annotated[
+        bool,
+        typer.Option("--no-progress", envvar="RBTOOL_NO_PROGRESS", help="Show no progress bars or lines."),
+    ] = False,
+    color: Annotated[
+        ColorMode,
+        typer.Option(
+            "--color",
+            envvar="RBTOOL_COLOR",
+            help="Colour and style in the output: auto (at a terminal, unless NO_COLOR is set), "
+            "always or never.",
+        ),
+    ] = ColorMode.auto,
+) -> None:
+    """The shared options' declarations (never run: `Group` copies its parameters)."""
+
+
+# The context of the command being run, set while its options are parsed.
+_running: dict[str, Any] = {}
+
+
+def reset_settings() -> None:
+    """Forget the shared options of an earlier command line (the CLI may run several in one process)."""
+    settings.given.clear()
+    settings.environment.clear()
+    _running.clear()
+    configure_consoles()
+
+
+def _record(ctx: Any, param: Any, value: Any) -> Any:
+    """Callback of a shared option: note where its value came from in `settings`."""
+    if not isinstance(ctx.command, TyperGroup):
+        _running["leaf"] = ctx
+    source = ctx.get_parameter_source(param.name)
+    if source is None or source.name == "DEFAULT":
+        return value
+    if source.name == "ENVIRONMENT":
+        settings.environment[param.name] = value
+    else:
+        if param.name in ("quiet", "verbose") and value:
+            other = "verbose" if param.name == "quiet" else "quiet"
+            if settings.given.get(other):
+                raise typer.BadParameter(
+                    "give one of them, not both", ctx=ctx, param_hint="-q/--quiet, -v/--verbose"
+                )
+        settings.given[param.name] = value
+    configure_consoles()
+    return value
+
+
+_SHARED: list[Any] = []
+
+
+def shared_params() -> list[Any]:
+    """Click parameters of the shared options, built once from `_conventions`."""
+    if not _SHARED:
+        template = typer.Typer(add_completion=False)
+        template.command()(_conventions)
+        for param in typer.main.get_command(template).params:
+            param.expose_value = False
+            param.callback = _record
+            _SHARED.append(param)
+    return _SHARED
+
+
+def _trajectory_formats(param: Any) -> bool:
+    from typing import get_args
+
+    annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+    return annotation is TrajectoryFormat or TrajectoryFormat in get_args(annotation)
+
+
+ROOT = "rbtool"  # the root group's name
+
+
+def adopt(command: Any, path: str) -> None:
+    """Give a command (or group) the shared options, the RBTOOL_* environment defaults of its
+    options and its examples (`path`: the command as typed after `rbtool`); guard what it
+    writes against Ctrl-C."""
+    from rbtool.cli._examples import epilog
+
+    if command.epilog is None:
+        command.epilog = epilog(path)
+    names = {opt for p in command.params for opt in p.opts}
+    for param in command.params:
+        for option, variable in OPTION_ENVVARS.items():
+            if option in param.opts and (option != "--format" or _trajectory_formats(param)):
+                param.envvar, param.show_envvar = variable, True
+    command.params.extend(p for p in shared_params() if not names & set(p.opts))
+    if not isinstance(command, TyperGroup) and not getattr(command.callback, "_rbtool_guarded", False):
+        command.callback = _guarded(command.callback)
+
+
+# ------------------------------------------------------------ Ctrl-C
+def _targets(leaf: Any) -> tuple[Path | None, Path | None]:
+    """(OUT, buffer) of the running command: where it writes a new output, or the buffer it adds to."""
+    target = buffer = None
+    for param in leaf.command.params:
+        value = leaf.params.get(param.name)
+        if not isinstance(value, Path):
+            continue
+        if "--buffer" in param.opts:
+            buffer = value
+        elif "--out" in param.opts or param.metavar == "OUT":
+            target = value
+    return target, buffer
+
+
+def _state(path: Path) -> tuple[int, int] | None:
+    try:
+        stat = os.lstat(path)
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
+
+
+def interrupted_line(
+    target: Path | None,
+    before: tuple[int, int] | None,
+    buffer: Path | None = None,
+    index_before: tuple[int, int] | None = None,
+) -> str:
+    """What an interrupted command kept, in one line. `before` is the state (`_state`) of
+    `target` when the command began, `index_before` that of the buffer's index."""
+    if buffer is not None:
+        index = buffer / "trajectory_index.json"
+        after = _state(index)
+        if after is None:
+            return f"interrupted: nothing was written to {buffer}"
+        if after == index_before:
+            return f"interrupted: the buffer {buffer} is left as it was"
+        from rbtool.index import read_index
+
+        try:
+            ids = read_index(buffer).id_list
+        except (RbtoolError, OSError):
+            return f"interrupted: {buffer} holds the batches published before the interrupt"
+        held = f"ids {format_ids(ids, SUMMARY_ITEMS)}" if ids else "no trajectories"
+        return f"interrupted: the buffer {buffer} holds {held}; nothing half-written"
+    if target is not None:
+        if _state(target) == before:
+            if before is None:
+                return f"interrupted: nothing was written to {target}"
+            return f"interrupted: {target} is left as it was"
+        return f"interrupted: {target} had been written in full"
+    return "interrupted: nothing was written"  # every writer names an OUT or a --buffer
+
+
+def _detail_environment(leaf: Any) -> None:
+    """With -v, name each option whose value came from an RBTOOL_* variable (once each)."""
+    contexts = []
+    while leaf is not None:
+        contexts.append(leaf)
+        leaf = leaf.parent
+    named: set[str] = set()
+    for ctx in reversed(contexts):
+        for param in ctx.command.params:
+            source = ctx.get_parameter_source(param.name)
+            variable = param.envvar
+            if source is None or source.name != "ENVIRONMENT" or not isinstance(variable, str):
+                continue
+            if variable not in named:
+                named.add(variable)
+                detail(f"{max(param.opts, key=len)} from {variable}={os.environ.get(variable, '')}")
+
+
+def _guarded(callback: Any) -> Any:
+    """Wrap a command's function: one line on Ctrl-C saying what was kept (exit 130), and the
+    time taken with -v."""
+    import functools
+    import time
+
+    @functools.wraps(callback)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        ctx = _running.get("leaf")
+        target, buffer = _targets(ctx) if ctx is not None else (None, None)
+        before = None if target is None else _state(target)
+        index_before = None if buffer is None else _state(buffer / "trajectory_index.json")
+        if ctx is not None:
+            _detail_environment(ctx)
+        started = time.perf_counter()
+        try:
+            result = callback(*args, **kwargs)
+        except KeyboardInterrupt:
+            line = interrupted_line(target, before, buffer, index_before)
+            err.print(line, markup=False, highlight=False)
+            raise typer.Exit(130) from None
+        if ctx is not None:
+            detail(f"{ctx.command_path}: done in {time.perf_counter() - started:.2f} s")
+        return result
+
+    run._rbtool_guarded = True  # type: ignore[attr-defined]
+    return run

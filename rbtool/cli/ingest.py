@@ -12,13 +12,14 @@ from rbtool.cli._common import (
     FormatOpt,
     JsonOpt,
     PrettyOpt,
-    err,
     files_line,
     format_ids,
     key_values,
+    note,
     out,
     print_json,
     progress_bar,
+    progress_line,
     refuse_output_mix,
     show_progress,
 )
@@ -83,7 +84,8 @@ def ingest(
     natural order (t2 before t10). Loose files are copied (--link links them), the files of
     buffer and checkpoint directories are hard-linked (--copy copies them); a reflink
     (copy-on-write) is used wherever the file system can. After each published batch a line
-    `added trajectory ids FIRST-LAST` goes to stderr.
+    `added trajectory ids FIRST-LAST` goes to stderr (not beside a progress bar; none with -q
+    or --no-progress). Ctrl-C stops after the last published batch and says which ids it holds.
     """
     refuse_output_mix(json, pretty=pretty)
     from rbtool.errors import UsageError
@@ -93,10 +95,10 @@ def ingest(
         raise UsageError("--link and --copy exclude each other; give one of them")
 
     def on_wait(holder: str) -> None:
-        err.print(f"waiting for {buffer} (locked by {holder})", markup=False)
+        note(f"waiting for {buffer} (locked by {holder})")
 
     def on_published(ids: list[int]) -> None:
-        err.print(f"added trajectory ids {id_range(ids)}", markup=False)
+        progress_line(f"added trajectory ids {id_range(ids)}", enabled)
 
     enabled = show_progress(json)
     total = _count_items(sources) if enabled else None

@@ -19,13 +19,14 @@ from rbtool.cli._common import (
     JsonOpt,
     PrettyOpt,
     StrictOpt,
-    err,
     files_line,
     format_ids,
     key_values,
+    note,
     out,
     print_json,
     progress_bar,
+    progress_line,
     refuse_output_mix,
     refuse_overlap,
     show_progress,
@@ -252,7 +253,7 @@ def import_lerobot(
 
     A dataset rbtool exported comes back as the checkpoint it was (into a new buffer directory,
     with its own ids). After each published batch a line `added trajectory ids FIRST-LAST` goes
-    to stderr.
+    to stderr (not beside a progress bar; none with -q or --no-progress).
     """
     refuse_output_mix(json, pretty=pretty)
     from rbtool.errors import RbtoolError
@@ -264,11 +265,11 @@ def import_lerobot(
     mapping = parse_field_map(field_map or [], "--map")
 
     def on_wait(holder: str) -> None:
-        err.print(f"waiting for {buffer} (locked by {holder})", markup=False)
+        note(f"waiting for {buffer} (locked by {holder})")
 
     def on_published(ids: list[int]) -> None:
         first, last = ids[0], ids[-1]
-        err.print(f"added trajectory ids {first if first == last else f'{first}-{last}'}", markup=False)
+        progress_line(f"added trajectory ids {first if first == last else f'{first}-{last}'}", enabled)
 
     enabled = show_progress(json)
     total = None
