@@ -50,11 +50,29 @@ def checkpoint_dirs(path: str | os.PathLike[str]) -> list[Path]:
         return [root]
     ranks = rank_dirs(root)
     if not ranks:
-        raise CheckpointError(
-            f"{root}: neither a checkpoint (no metadata.json, trajectory_index.json or trajectory files) "
-            "nor a folder of rank_* checkpoints"
-        )
+        raise CheckpointError(_not_a_checkpoint(root))
     return ranks
+
+
+def _not_a_checkpoint(root: Path) -> str:
+    """Why `root` is no checkpoint; when it holds checkpoints (a parent of several), which to give."""
+    try:
+        with os.scandir(root) as it:
+            children = sorted(e.name for e in it if e.is_dir() and not e.name.startswith("."))
+    except OSError:
+        children = []
+    held = [name for name in children if is_checkpoint_dir(root / name)]
+    if held:
+        shown = ", ".join(held[:5]) + (f", ... ({len(held)} in all)" if len(held) > 5 else "")
+        return (
+            f"{root}: not a checkpoint but a folder holding {len(held)} checkpoint "
+            f"{'directory' if len(held) == 1 else 'directories'} ({shown}), not named rank_*; "
+            f"give one of them, e.g. {root / held[0]}"
+        )
+    return (
+        f"{root}: neither a checkpoint (no metadata.json, trajectory_index.json or trajectory files) "
+        "nor a folder of rank_* checkpoints"
+    )
 
 
 def is_rank_tree(path: str | os.PathLike[str]) -> bool:

@@ -1180,7 +1180,11 @@ def check_json(directory: str | os.PathLike[str]) -> IndexCheck:
 
     path = Path(directory)
     if not path.is_dir():
-        raise CheckpointError(f"{path}: not a directory" if path.exists() else f"{path}: no such directory")
+        raise CheckpointError(
+            f"{path}: not a directory; give a checkpoint or buffer directory"
+            if path.exists()
+            else f"{path}: no such file or directory"
+        )
     found: list[Problem] = []
     raw_meta = parse_json_file(path / METADATA_FILE, "metadata_missing", "metadata_unreadable", found)
     meta, meta_problems = check_metadata(raw_meta)

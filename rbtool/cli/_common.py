@@ -119,6 +119,11 @@ class Group(TyperGroup):
             warnings.showwarning = show_warning
             try:
                 return super().invoke(ctx)
+            except typer.BadParameter as exc:  # the parser's own words about a value, made plain
+                from rbtool.cli._errors import plain_option_error
+
+                plain_option_error(exc)
+                raise
             except RbtoolError as exc:
                 print_error(str(exc) + option_hint(exc, ctx.meta.get(_COMMAND)))
                 raise typer.Exit(exit_status(exc)) from None

@@ -228,6 +228,7 @@ def summarised(doc: dict[str, Any], limit: int | None) -> dict[str, Any]:
     )
     files = doc["files"] = dict(doc["files"])
     bound(files, "missing_ids", limit, ranges="missing_id_ranges")
+    bound(files, "not_files", limit)
     doc["trajectories"] = table_head(doc["trajectories"], limit)
     bound(doc, "model_weights", limit)
     data = doc["data"]
@@ -273,6 +274,11 @@ def render(doc: dict[str, Any], con: Console, every: bool = False) -> None:
             line += (
                 f"  [yellow]{files['missing']} missing (ids {shown}{more}): left out of the window[/yellow]"
             )
+        odd = files.get("not_files") or []
+        if odd:
+            what = ", ".join(f"id {o['trajectory_id']} is {o['is']}" for o in head(odd, MISSING_SHOWN))
+            more = f" ... {left_out(odd, MISSING_SHOWN)} more" if left_out(odd, MISSING_SHOWN) else ""
+            line += f"  [yellow]{len(odd)} not a regular file ({what}{more}): left out of the window[/yellow]"
         con.print(line)
     else:
         con.print(f"files: not opened (--index-only); recorded sizes {size(files['bytes'])}")
@@ -305,12 +311,17 @@ def trajectory_table(doc: dict[str, Any], every: bool = False) -> Table:
     )
     probs = rows["draw_probability"]
     top = max(probs, default=0.0)
+    odd = {o["trajectory_id"]: o["is"] for o in doc["files"].get("not_files") or []}
     for pos in shown_positions(len(rows["id"]), every):
         if pos is None:
             table.add_row("…", "", f"{len(rows['id']) - 2 * HEAD_ROWS} more", "", "", "", "")
             continue
         exists = rows["exists"]
-        state = size(rows["file_bytes"][pos]) if exists is None or exists[pos] else "[red]missing[/red]"
+        state = (
+            size(rows["file_bytes"][pos])
+            if exists is None or exists[pos]
+            else f"[red]{odd.get(int(rows['id'][pos]), 'missing')}[/red]"
+        )
         table.add_row(
             str(rows["id"][pos]),
             f"{rows['T'][pos]}x{rows['B'][pos]}",
