@@ -21,6 +21,7 @@ from rbtool.cli._common import (
     refuse_output_mix,
     show_progress,
 )
+from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
 
 
 def id_range(ids: list[int]) -> str:
@@ -72,6 +73,7 @@ def ingest(
         ),
     ] = False,
     copy: CopyOpt = False,
+    dry_run: DryRunOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
 ) -> None:
@@ -110,6 +112,7 @@ def ingest(
             recursive=recursive,
             allow_duplicates=allow_duplicates,
             link=True if link else False if copy else None,
+            dry_run=dry_run,
         )
 
     index = result.index
@@ -125,11 +128,15 @@ def ingest(
         "removed_leftovers": result.removed_leftovers,
         "duplicates": result.duplicates,
         "skipped": [s.as_json() for s in result.skipped],
+        "dry_run": dry_run,
     }
+    if dry_run:
+        doc["files"] = None
     if json:
         print_json(doc, pretty)
         return
-    table = Table(title=f"ingest into {result.buffer}", show_header=False, title_justify="left")
+    title = f"{'would ingest' if dry_run else 'ingest'} into {result.buffer}"
+    table = Table(title=title, show_header=False, title_justify="left")
     table.add_column("key", style="bold")
     table.add_column("value")
     ids = result.added_ids
@@ -138,7 +145,8 @@ def ingest(
     table.add_row("total samples", str(doc["total_samples"]))
     table.add_row("trajectory counter", str(doc["trajectory_counter"]))
     table.add_row("format", doc["trajectory_format"])
-    table.add_row("files", files_line(doc["files"]))
+    if not dry_run:
+        table.add_row("files", files_line(doc["files"]))
     if result.removed_leftovers:
         table.add_row("removed leftovers", ", ".join(result.removed_leftovers))
     if result.skipped:
@@ -149,3 +157,5 @@ def ingest(
         out.print(f"skipped {skipped.path}: {skipped.reason}", markup=False)
     if len(result.skipped) > shown:
         out.print(f"... and {len(result.skipped) - shown} more skipped (--json lists them all)", markup=False)
+    if dry_run:
+        dry_run_note(result.buffer, f"{trajectories(len(ids))} added")

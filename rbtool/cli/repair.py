@@ -29,6 +29,7 @@ from rbtool.cli._common import (
     show_progress,
     summary_limit,
 )
+from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
 
 
 def repair(
@@ -48,6 +49,7 @@ def repair(
     ],
     force: ForceOpt = False,
     copy: CopyOpt = False,
+    dry_run: DryRunOpt = False,
     jobs: JobsOpt = None,
     all_items: AllOpt = False,
     json: JsonOpt = False,
@@ -63,10 +65,15 @@ def repair(
 
     # The library refuses an OUT equal to, inside or containing PATH (a usage error, exit 2).
     with progress_bar("checking trajectory files", None, show_progress(json)) as advance:
-        result = run_repair(path, target, overwrite=force, progress=advance, link=not copy, jobs=jobs)
+        result = run_repair(
+            path, target, overwrite=force, progress=advance, link=not copy, jobs=jobs, dry_run=dry_run
+        )
     limit = summary_limit(all_items)
     if json:
         doc = result.as_json()
+        doc["dry_run"] = dry_run
+        if dry_run:
+            doc["files"] = None
         for ckpt_doc in doc["checkpoints"]:
             bound(ckpt_doc, "trajectory_id_list", limit, ranges="trajectory_id_ranges")
             for key in ("dropped", "ignored", "fixed"):
@@ -76,7 +83,9 @@ def repair(
     shown = None if all_items else SUMMARY_ITEMS
     for ckpt in result.checkpoints:
         table = Table(
-            title=Text(f"repaired {ckpt.source} -> {ckpt.out}"), show_header=False, title_justify="left"
+            title=Text(f"{'would repair' if dry_run else 'repaired'} {ckpt.source} -> {ckpt.out}"),
+            show_header=False,
+            title_justify="left",
         )
         table.add_column("key", style="bold")
         table.add_column("value")
@@ -106,7 +115,11 @@ def repair(
         if hidden:
             table.add_row("...", f"{', '.join(hidden)} more; --all lists them")
         out.print(table)
-    out.print(f"files: {files_line(result.report.as_json())}", markup=False)
+    if dry_run:
+        kept = sum(c.index.size for c in result.checkpoints)
+        dry_run_note(target, f"{len(result.checkpoints)} checkpoint(s), {trajectories(kept)} kept")
+    else:
+        out.print(f"files: {files_line(result.report.as_json())}", markup=False)
     read = result.throughput
     out.print(
         f"read {read.bytes_read} bytes in {read.seconds:.2f} s "
