@@ -34,6 +34,7 @@ from rbtool.cli._common import (
     state_table,
     summary_limit,
 )
+from rbtool.cli._window import DEFAULT_WINDOW, window_line
 from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
 
 if TYPE_CHECKING:
@@ -46,8 +47,6 @@ checkpoint_app = typer.Typer(
     no_args_is_help=True,
     rich_markup_mode=None,
 )
-
-DEFAULT_WINDOW = 100  # the buffer's default sample_window_size
 
 
 class SaveMode(str, enum.Enum):
@@ -118,7 +117,8 @@ def save(
             raise typer.BadParameter("auto-save mode takes exactly one buffer directory", param_hint="SOURCE")
         if seed is not None:
             raise typer.BadParameter("applies to --mode in-memory only", param_hint="--seed")
-        own_format = open_view(sources[0], check_files=False).index.trajectory_format
+        own = open_view(sources[0], check_files=False).index
+        own_format, listed = own.trajectory_format, own.id_list
         if fmt is not None and fmt != own_format:
             raise typer.BadParameter(
                 f"a buffer with auto_save on saves its own files; {sources[0]} holds {own_format} files",
@@ -147,6 +147,7 @@ def save(
                 link=not copy,
                 dry_run=dry_run,
             )
+        listed = list(range(index.trajectory_counter))  # an in-memory buffer numbers them 0..n-1
 
     doc: dict[str, Any] = {
         "mode": chosen.value,
@@ -163,6 +164,7 @@ def save(
         return
     title = f"{'would save' if dry_run else 'saved'} {target} ({chosen.value}, window {window})"
     out.print(state_table(title, [("checkpoint", doc)], None if all_items else SUMMARY_ITEMS))
+    out.print(window_line(window, index.id_list, listed), markup=False)
     if dry_run:
         dry_run_note(target, f"{trajectories(index.size)}, format {doc['trajectory_format']}")
     else:

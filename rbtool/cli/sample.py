@@ -32,6 +32,7 @@ from rbtool.cli._common import (
     show_progress,
     summary_limit,
 )
+from rbtool.cli._window import DEFAULT_WINDOW, window_line
 from rbtool.cli._writing import DryRunOpt, dry_run_note
 
 DEFAULT_SEED = 1234  # the buffer's default, used when the checkpoint records no seed
@@ -96,7 +97,7 @@ def sample(
     num_chunks: Annotated[
         int, typer.Option("--num-chunks", min=1, help="Rows to draw (clamped to the window).")
     ],
-    window: WindowOpt = 0,
+    window: WindowOpt = DEFAULT_WINDOW,
     strategy: StrategyOpt = Strategy.uniform,
     k: KOpt = None,
     temperature: TemperatureOpt = 1.0,
@@ -201,7 +202,7 @@ def sample(
         bound(doc, "missing_ids", summary_limit(all_items))
         print_json(doc, pretty)
     else:
-        render(doc)
+        render({**doc, "window_ids": window_ids, "listed_ids": index.id_list})
 
 
 def render(doc: dict[str, Any]) -> None:
@@ -214,6 +215,7 @@ def render(doc: dict[str, Any]) -> None:
     )
     if doc["num_chunks"] < doc["requested_chunks"]:
         out.print(f"[yellow]clamped from {doc['requested_chunks']} to the window's samples[/yellow]")
+    out.print(window_line(doc["window"], doc["window_ids"], doc["listed_ids"]), markup=False)
     if doc["missing_ids"]:
         out.print(f"[yellow]left out {len(doc['missing_ids'])} trajectories whose files are missing[/yellow]")
 

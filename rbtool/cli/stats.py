@@ -38,6 +38,7 @@ from rbtool.cli._common import (
     show_progress,
     summary_limit,
 )
+from rbtool.cli._window import DEFAULT_WINDOW, window_line
 
 SPARK = "▁▂▃▄▅▆▇█"
 EIGHTHS = " ▏▎▍▌▋▊▉█"
@@ -133,7 +134,7 @@ def dist_row(label: str, doc: dict[str, Any]) -> list[str | Text]:
 # ------------------------------------------------------------------ the command
 def stats(
     path: ExistingPath,
-    window: WindowOpt = 0,
+    window: WindowOpt = DEFAULT_WINDOW,
     index_only: Annotated[
         bool,
         typer.Option("--index-only", help="Read only the two JSON files (no trajectory file is opened)."),
@@ -282,9 +283,15 @@ def render(doc: dict[str, Any], con: Console, every: bool = False) -> None:
         con.print(line)
     else:
         con.print(f"files: not opened (--index-only); recorded sizes {size(files['bytes'])}")
-    which = "all" if win["requested"] == 0 else f"last {win['requested']}"
+    import numpy as np
+
+    rows = doc["trajectories"]
+    every_id = np.asarray(rows["id"], dtype=np.int64)
+    listed = every_id if rows["exists"] is None else every_id[np.asarray(rows["exists"], dtype=bool)]
+    kept = every_id[np.asarray(rows["in_window"], dtype=bool)]
+    con.print(window_line(win["requested"], kept, listed), markup=False)
     lo, hi = win["probability_min"], win["probability_max"]
-    line = f"window {which}: {win['trajectories']} trajectories, {win['samples']} samples"
+    line = f"window: {win['trajectories']} trajectories, {win['samples']} samples"
     if lo is not None:
         line += f", p(draw) {num(lo)} each" if lo == hi else f", p(draw) {num(lo)}..{num(hi)} per trajectory"
     con.print(line)
