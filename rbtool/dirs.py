@@ -50,12 +50,17 @@ def checkpoint_dirs(path: str | os.PathLike[str]) -> list[Path]:
         return [root]
     ranks = rank_dirs(root)
     if not ranks:
-        raise CheckpointError(_not_a_checkpoint(root))
+        raise CheckpointError(
+            parent_of_checkpoints(root)
+            or f"{root}: neither a checkpoint (no metadata.json, trajectory_index.json or trajectory "
+            "files) nor a folder of rank_* checkpoints"
+        )
     return ranks
 
 
-def _not_a_checkpoint(root: Path) -> str:
-    """Why `root` is no checkpoint; when it holds checkpoints (a parent of several), which to give."""
+def parent_of_checkpoints(root: Path) -> str | None:
+    """When `root` is no checkpoint but holds checkpoints that are not rank_* directories (a parent
+    of several runs), the message that names them and the path to give; else None."""
     try:
         with os.scandir(root) as it:
             children = sorted(e.name for e in it if e.is_dir() and not e.name.startswith("."))
@@ -69,10 +74,7 @@ def _not_a_checkpoint(root: Path) -> str:
             f"{'directory' if len(held) == 1 else 'directories'} ({shown}), not named rank_*; "
             f"give one of them, e.g. {root / held[0]}"
         )
-    return (
-        f"{root}: neither a checkpoint (no metadata.json, trajectory_index.json or trajectory files) "
-        "nor a folder of rank_* checkpoints"
-    )
+    return None
 
 
 def is_rank_tree(path: str | os.PathLike[str]) -> bool:

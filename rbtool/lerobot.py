@@ -38,7 +38,7 @@ from rbtool import trajfile
 from rbtool.dirs import open_checkpoint, open_view
 from rbtool.errors import CheckpointError, RbtoolError, UsageError
 from rbtool.format import check_weights_id
-from rbtool.fsutil import fsync_dir, new_staging_dir, write_bytes_atomic
+from rbtool.fsutil import fsync_dir, make_parents, new_staging_dir, write_bytes_atomic
 from rbtool.index import Index, init_buffer_dir, read_index
 from rbtool.layout import DONE_LIKE, done_extra_rows, drop_bootstrap_rows, with_stored_defaults
 from rbtool.writer import BufferWriter, WriteReport, new_entry
@@ -1416,6 +1416,8 @@ class LeRobotSource:
         self.root = Path(root)
         info_path = self.root / INFO_FILE
         if not info_path.is_file():
+            if not self.root.exists():
+                raise CheckpointError(f"{self.root}: no such file or directory")
             raise CheckpointError(f"{self.root}: not a LeRobot dataset (no {INFO_FILE})")
         try:
             self.info = orjson.loads(info_path.read_bytes())
@@ -1725,13 +1727,13 @@ def _target(
     if trajectory_format is not None and trajectory_format not in ("pt", "pkl"):
         raise UsageError(f"format must be 'pt' or 'pkl', got {trajectory_format!r}")
     if directory.exists() and not directory.is_dir():
-        raise UsageError(f"{directory}: exists and is not a directory")
+        raise UsageError(f"{directory}: exists and is not a directory; choose a directory path")
     created = None
     for path in (directory, *directory.parents):
         if path.exists():
             break
         created = path
-    directory.parent.mkdir(parents=True, exist_ok=True)
+    make_parents(directory)
     init_buffer_dir(directory, Index(trajectory_format=trajectory_format or "pt"))
     try:
         with BufferWriter(directory, wait=True, on_wait=on_wait) as writer:
