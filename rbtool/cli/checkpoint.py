@@ -237,9 +237,7 @@ def load(
     elif copy:
         raise typer.BadParameter("applies only with --buffer", param_hint="--copy")
     elif dry_run:
-        raise typer.BadParameter(
-            "applies only with --buffer (nothing else is written)", param_hint="--dry-run"
-        )
+        raise typer.BadParameter("applies only with --buffer (nothing else writes)", param_hint="--dry-run")
 
     # The library checks --world-size and --rank (both or neither, rank in range) before it
     # reads anything; without --rank every rank's block is shown.

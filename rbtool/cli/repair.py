@@ -115,14 +115,14 @@ def repair(
         if hidden:
             table.add_row("...", f"{', '.join(hidden)} more; --all lists them")
         out.print(table)
-    if dry_run:
-        kept = sum(c.index.size for c in result.checkpoints)
-        dry_run_note(target, f"{len(result.checkpoints)} checkpoint(s), {trajectories(kept)} kept")
-    else:
-        out.print(f"files: {files_line(result.report.as_json())}", markup=False)
     read = result.throughput
     out.print(
         f"read {read.bytes_read} bytes in {read.seconds:.2f} s "
         f"({(read.bytes_per_second or 0) / 1e6:.1f} MB/s, {read.jobs} job{'s' if read.jobs != 1 else ''})",
         markup=False,
     )
+    if dry_run:
+        kept = sum(c.index.size for c in result.checkpoints)
+        dry_run_note(target, f"{len(result.checkpoints)} checkpoint(s), {trajectories(kept)} kept")
+    else:
+        out.print(f"files: {files_line(result.report.as_json())}", markup=False)
