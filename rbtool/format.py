@@ -825,7 +825,7 @@ def read_file(path: Path, missing: str, unreadable: str, found: list[Problem]) -
         # (a FIFO, a device such as /dev/zero) is refused before a byte is read
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
-        found.append(problem(missing, f"{name}: does not exist", file=name))
+        found.append(problem(missing, f"{name}: no such file or directory", file=name))
         return None
     except OSError as exc:
         found.append(problem(unreadable, one_line(f"{name}: cannot read ({exc.strerror})"), file=name))
@@ -901,12 +901,12 @@ class IndexCheck:
         return next((p for p in self.problems if p.severity == ERROR), None)
 
     def raise_first(self) -> None:
-        """Raise the first error as a CheckpointError naming the directory (what loaders do)."""
-        from rbtool.errors import CheckpointError
+        """Raise the first error as a DamagedCheckpointError naming the directory (what loaders do)."""
+        from rbtool.errors import DamagedCheckpointError
 
         first = self.first_error()
         if first is not None:
-            raise CheckpointError(f"{self.directory}{os.sep}{first.message}")
+            raise DamagedCheckpointError(f"{self.directory}{os.sep}{first.message}", str(self.directory))
 
     def listed_entries(self) -> list[Any]:
         """The entry of each listed id, in list order (needs entries_ok)."""

@@ -392,3 +392,48 @@ def test_stats_says_what_a_listed_name_is_when_it_is_no_file(
     assert human.exit_code == 0, human.stderr
     text = " ".join(human.stdout.split())
     assert f"1 not a regular file (id 3 is {what})" in text and "missing" not in text
+
+
+# ------------------------------------------------------------ the fix that exists
+@pytest.mark.parametrize("name", ["stats", "checkpoint-load", "sample", "shard"])
+def test_a_damaged_index_names_the_repair_that_rebuilds_it(
+    rlinf_copy, tmp_path: Path, columns: int, name: str
+) -> None:
+    ckpt = rlinf_copy("autosave_pt/autosave")
+    (ckpt / "trajectory_index.json").write_text("{not json")
+    argv = {
+        "stats": ["stats", ckpt],
+        "checkpoint-load": ["checkpoint", "load", ckpt],
+        "sample": ["sample", ckpt, "--num-chunks", "2"],
+        "shard": ["shard", ckpt, "-n", "2", "-o", tmp_path / "o"],
+    }[name]
+    result = run(*argv)
+    assert_one_error(result)
+    line = result.stderr.strip()
+    assert line.startswith(f"Error: {ckpt / 'trajectory_index.json'}: invalid JSON")
+    assert line.endswith(
+        f"; `rbtool repair {ckpt} --out OUT` rebuilds the metadata and index from the trajectory files"
+    )
+
+
+def test_a_damaged_trajectory_file_names_verify_and_repair(rlinf_copy, columns: int) -> None:
+    ckpt = rlinf_copy("autosave_pt/autosave")
+    (target,) = ckpt.glob("trajectory_2_*.pt")
+    _damage("truncated", target)
+    result = run("sample", ckpt, "--num-chunks", "64")
+    assert_one_error(result)
+    assert result.stderr.strip().endswith(
+        f"; `rbtool verify --deep {ckpt}` lists every damaged file, "
+        f"`rbtool repair {ckpt} --out OUT` writes a checkpoint without them"
+    )
+
+
+def test_no_repair_hint_where_repair_cannot_mend_it(tmp_path: Path, columns: int) -> None:
+    loose = tmp_path / "t.pt"
+    loose.write_bytes(b"")
+    result = run("ingest", loose, "--buffer", tmp_path / "buf")  # a loose file, not a checkpoint's
+    assert_one_error(result)
+    assert (
+        result.stderr.strip()
+        == f"Error: {loose}: empty (0 bytes); the file was never written or was cut to nothing"
+    )

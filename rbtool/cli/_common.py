@@ -125,7 +125,10 @@ class Group(TyperGroup):
                 plain_option_error(exc)
                 raise
             except RbtoolError as exc:
-                print_error(str(exc) + option_hint(exc, ctx.meta.get(_COMMAND)))
+                from rbtool.cli._errors import fix_hint
+
+                command = ctx.meta.get(_COMMAND)
+                print_error(str(exc) + option_hint(exc, command) + fix_hint(exc, command))
                 raise typer.Exit(exit_status(exc)) from None
             except OSError as exc:  # the library maps these itself; this is the last net
                 from rbtool.fsutil import os_error

@@ -13,6 +13,8 @@ from typing import Any
 
 import typer
 
+from rbtool.errors import DamagedCheckpointError, TrajectoryFileError
+
 # Typer's own choice check: "'TopK' is not one of 'uniform', 'topk'."
 _NOT_ONE_OF = re.compile(r"(?P<value>'.*') is not one of (?P<choices>.*)\.$")
 
@@ -75,3 +77,37 @@ def plain_option_error(exc: typer.BadParameter) -> None:
     message = plain_message(found[0])
     if message is not None:
         exc.message = message
+
+
+# Commands that report damage themselves (verify lists it, repair drops it): no hint there.
+_REPORTS_DAMAGE = {"verify", "repair"}
+# Commands whose trajectory files come from a checkpoint (ingest and checkpoint save may read
+# loose files, which repair cannot mend).
+_READS_CHECKPOINT_FILES = {"sample", "stats", "diff", "convert", "export", "filter", "merge", "reshard"}
+
+
+def fix_hint(exc: Exception, command: Any) -> str:
+    """`; <the command that mends it>` for damage a command can only refuse, else ''."""
+    name = getattr(command, "name", None)
+    if name is None or name in _REPORTS_DAMAGE:
+        return ""
+    if isinstance(exc, DamagedCheckpointError):
+        where = exc.directory or "PATH"
+        return (
+            f"; `rbtool repair {where} --out OUT` rebuilds the metadata and index from the trajectory files"
+        )
+    if isinstance(exc, TrajectoryFileError) and name in _READS_CHECKPOINT_FILES:
+        where = _checkpoint_of(str(exc))
+        return (
+            f"; `rbtool verify --deep {where}` lists every damaged file, "
+            f"`rbtool repair {where} --out OUT` writes a checkpoint without them"
+        )
+    return ""
+
+
+def _checkpoint_of(message: str) -> str:
+    """The directory of the file a trajectory-file error names first (`PATH` if it names none)."""
+    from pathlib import Path
+
+    named = Path(message.split(": ", 1)[0])
+    return str(named.parent) if named.parent.is_dir() and named.suffix in (".pt", ".pkl") else "PATH"
