@@ -1170,6 +1170,17 @@ def _check_legacy(result: IndexCheck) -> None:
         )
 
 
+def not_a_file(mode: int) -> str:
+    """What a name that is no regular file is, from its st_mode: `a directory`, `a FIFO`, ..."""
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "a socket or other special file"
+
+
 def check_json(directory: str | os.PathLike[str]) -> IndexCheck:
     """Read and check a directory's metadata and index: the one validator of both files.
 

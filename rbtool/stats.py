@@ -28,7 +28,7 @@ from rbtool.errors import (
     TrajectoryFileError,
     UsageError,
 )
-from rbtool.format import IndexCheck, check_json, escapes, trajectory_file_name
+from rbtool.format import IndexCheck, check_json, escapes, not_a_file, trajectory_file_name
 from rbtool.index import Index, read_index
 from rbtool.passes import Throughput, Timer, check_jobs, run_pass
 
@@ -265,17 +265,12 @@ def weights_groups(table: IndexTable, in_window: np.ndarray) -> list[dict[str, A
 
 # What file_sizes returns for a listed name that is there but no regular file (-1: missing).
 NOT_A_FILE = {-2: "a directory", -3: "a FIFO", -4: "a device", -5: "a socket or other special file"}
+_NOT_A_FILE_CODE = {what: code for code, what in NOT_A_FILE.items()}
 
 
 def not_a_file_code(mode: int) -> int:
     """file_sizes' code for what a listed name is when it is not a regular file."""
-    if stat.S_ISDIR(mode):
-        return -2
-    if stat.S_ISFIFO(mode):
-        return -3
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return -4
-    return -5
+    return _NOT_A_FILE_CODE[not_a_file(mode)]
 
 
 def file_sizes(

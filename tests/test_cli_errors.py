@@ -437,3 +437,24 @@ def test_no_repair_hint_where_repair_cannot_mend_it(tmp_path: Path, columns: int
         result.stderr.strip()
         == f"Error: {loose}: empty (0 bytes); the file was never written or was cut to nothing"
     )
+
+
+@pytest.mark.parametrize(
+    ("make", "what"),
+    [(os.mkfifo, "a FIFO"), (os.mkdir, "a directory")],
+    ids=["fifo", "directory"],
+)
+def test_verify_says_what_a_listed_name_is_when_it_is_no_file(
+    rlinf_copy, columns: int, make: Callable[[Path], None], what: str
+) -> None:
+    ckpt = rlinf_copy("autosave_pt/autosave")
+    (target,) = ckpt.glob("trajectory_3_*.pt")
+    target.unlink()
+    make(target)
+    result = run("verify", ckpt, "--json")
+    assert result.exit_code == 1
+    (problem,) = [
+        p for c in json.loads(result.stdout)["checkpoints"] for p in c["problems"] if p["trajectory_id"]
+    ]
+    assert problem["code"] == "file_missing"
+    assert problem["message"] == f"{target.name}: listed trajectory 3 has no file: the name is {what}"
