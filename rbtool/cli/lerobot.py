@@ -26,6 +26,7 @@ from rbtool.cli._common import (
     refuse_overlap,
     show_progress,
 )
+from rbtool.cli._writing import DryRunOpt, dry_run_note
 
 import_app = typer.Typer(
     cls=Group,
@@ -127,6 +128,7 @@ def export(
     ] = 1000,
     strict: StrictOpt = True,
     force: ForceOpt = False,
+    dry_run: DryRunOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
 ) -> None:
@@ -165,6 +167,7 @@ def export(
             chunks_size=chunks_size,
             overwrite=force,
             progress=advance,
+            dry_run=dry_run,
         )
     fields = {feature: field for feature, field in result.columns.items()}
     doc: dict[str, Any] = {
@@ -185,7 +188,11 @@ def export(
         "video_files": result.video_files,
         "episode_files": result.episode_files,
         "bytes": result.bytes,
+        "dry_run": dry_run,
     }
+    if dry_run:  # files are only known once written
+        for key in ("data_files", "video_files", "episode_files", "bytes"):
+            doc[key] = None
     if json:
         print_json(doc, pretty)
         return
@@ -193,13 +200,17 @@ def export(
         ("trajectories", str(result.trajectories)),
         ("episodes", str(result.episodes)),
         ("frames", str(result.frames)),
-        (
-            "files",
-            f"{result.data_files} data, {result.video_files} video, "
-            f"{result.episode_files} episode metadata, {result.bytes} bytes",
-        ),
     ]
-    out.print(_key_value_table(f"export {result.source} to LeRobot {CODEBASE_VERSION} {result.out}", rows))
+    if not dry_run:
+        rows.append(
+            (
+                "files",
+                f"{result.data_files} data, {result.video_files} video, "
+                f"{result.episode_files} episode metadata, {result.bytes} bytes",
+            )
+        )
+    verb = "would export" if dry_run else "export"
+    out.print(_key_value_table(f"{verb} {result.source} to LeRobot {CODEBASE_VERSION} {result.out}", rows))
     table = Table(title="features", title_justify="left")
     for column in ("feature", "dtype", "shape", "buffer field"):
         table.add_column(column)
@@ -208,6 +219,8 @@ def export(
     out.print(table)
     if result.sidecar_fields:
         out.print(f"kept whole in the sidecar: {', '.join(result.sidecar_fields)}", markup=False)
+    if dry_run:
+        dry_run_note(result.out, f"{result.episodes} episodes, {result.frames} frames")
 
 
 # ------------------------------------------------------------------------ import
@@ -249,6 +262,7 @@ def import_lerobot(
         ),
     ] = None,
     trajectory_format: FormatOpt = None,
+    dry_run: DryRunOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
 ) -> None:
@@ -295,6 +309,7 @@ def import_lerobot(
                 on_wait=on_wait,
                 progress=advance,
                 on_published=on_published,
+                dry_run=dry_run,
             )
     except RbtoolError as exc:
         raise _unmappable(exc) from None
@@ -316,7 +331,8 @@ def import_lerobot(
         "total_samples": index.total_samples,
         "trajectory_counter": index.trajectory_counter,
         "trajectory_format": index.trajectory_format,
-        "files": result.report.as_json(),
+        "dry_run": dry_run,
+        "files": None if dry_run else result.report.as_json(),
     }
     if json:
         print_json(doc, pretty)
@@ -337,14 +353,16 @@ def import_lerobot(
         ("total samples", str(index.total_samples)),
         ("trajectory counter", str(index.trajectory_counter)),
         ("format", index.trajectory_format),
-        ("files", files_line(doc["files"])),
+        *([] if dry_run else [("files", files_line(doc["files"]))]),
     ]
     if result.dropped:
         rows.append(("dropped", ", ".join(result.dropped)))
-    out.print(_key_value_table(f"import into {result.buffer}", rows))
+    out.print(_key_value_table(f"{'would import' if dry_run else 'import'} into {result.buffer}", rows))
     table = Table(title="fields", title_justify="left")
     table.add_column("feature")
     table.add_column("buffer field")
     for feature, f in result.fields.items():
         table.add_row(feature, f)
     out.print(table)
+    if dry_run:
+        dry_run_note(result.buffer, f"{len(ids)} trajectories added")
