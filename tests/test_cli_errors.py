@@ -458,3 +458,18 @@ def test_verify_says_what_a_listed_name_is_when_it_is_no_file(
     ]
     assert problem["code"] == "file_missing"
     assert problem["message"] == f"{target.name}: listed trajectory 3 has no file: the name is {what}"
+
+
+OVERLAPPING = [n for n in _writers(Path("x"), Path("y")) if n != "ingest"]
+
+
+@pytest.mark.parametrize("name", OVERLAPPING)
+def test_an_output_inside_the_input_is_refused_in_the_same_words(rlinf_copy, columns: int, name: str) -> None:
+    ckpt = rlinf_copy("autosave_pt/autosave")
+    before = sorted(p.name for p in ckpt.iterdir())
+    out = ckpt / "inside"
+    result = run(*_writers(ckpt, out)[name])
+    assert result.exit_code == 2 and result.stdout == ""
+    (line,) = [ln for ln in result.stderr.splitlines() if ln.startswith("Error: ")]
+    assert line.endswith(f"{out} overlaps the input {ckpt}; choose a path outside it"), line
+    assert sorted(p.name for p in ckpt.iterdir()) == before

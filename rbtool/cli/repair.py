@@ -26,6 +26,7 @@ from rbtool.cli._common import (
     print_json,
     progress_bar,
     refuse_output_mix,
+    refuse_overlap,
     show_progress,
     summary_limit,
 )
@@ -63,7 +64,7 @@ def repair(
     refuse_output_mix(json, pretty=pretty)
     from rbtool.repair import repair as run_repair
 
-    # The library refuses an OUT equal to, inside or containing PATH (a usage error, exit 2).
+    refuse_overlap(target, [path], "--out")  # as every writer words it (the library refuses it too)
     with progress_bar("checking trajectory files", None, show_progress(json)) as advance:
         result = run_repair(
             path, target, overwrite=force, progress=advance, link=not copy, jobs=jobs, dry_run=dry_run

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -29,6 +28,7 @@ from rbtool.cli._common import (
     progress_bar,
     refuse_k_without_topk,
     refuse_output_mix,
+    refuse_overlap,
     show_progress,
     summary_limit,
 )
@@ -40,14 +40,6 @@ SHOWN_DRAWS = 16  # draws listed one per row in the human view
 # What sample's progress bar names, in order.
 SAMPLE_PHASES = ("reading the index", "loading the window", "drawing", "saving the batch")
 SIDE_BY_SIDE_WIDTH = 110  # fields and draws tables side by side from this terminal width on
-
-
-def refuse_out_inside(out_path: Path, directory: Path) -> None:
-    """Refuse writing the batch into the checkpoint: inputs are never changed."""
-    target = Path(os.path.realpath(out_path))
-    source = Path(os.path.realpath(directory))
-    if target == source or source in target.parents:
-        raise typer.BadParameter(f"{out_path} lies inside the checkpoint {directory}", param_hint="--out")
 
 
 def save_batch(batch: dict[str, Any], path: Path, *, force: bool, dry_run: bool) -> int:
@@ -132,7 +124,7 @@ def sample(
     refuse_output_mix(json, pretty=pretty)
     refuse_k_without_topk(strategy, k)
     if out_path is not None:
-        refuse_out_inside(out_path, path)
+        refuse_overlap(out_path, [path], "--out")  # the batch never goes into the checkpoint
     else:
         for flag, given in (("--force", force), ("--dry-run", dry_run)):
             if given:
