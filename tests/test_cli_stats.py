@@ -135,6 +135,8 @@ def test_index_only_needs_only_the_json(tmp_path: Path) -> None:
         "missing_ids_left_out": None,
         "missing_id_ranges": None,
         "missing_id_ranges_left_out": None,
+        "not_files": None,
+        "not_files_left_out": None,
         "bytes": None,
         "bytes_known_for": 0,
     }

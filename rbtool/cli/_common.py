@@ -154,8 +154,16 @@ class Group(TyperGroup):
             warnings.showwarning = show_warning
             try:
                 return super().invoke(ctx)
+            except typer.BadParameter as exc:  # the parser's own words about a value, made plain
+                from rbtool.cli._errors import plain_option_error
+
+                plain_option_error(exc)
+                raise
             except RbtoolError as exc:
-                print_error(str(exc) + option_hint(exc, ctx.meta.get(_COMMAND)))
+                from rbtool.cli._errors import fix_hint
+
+                command = ctx.meta.get(_COMMAND)
+                print_error(str(exc) + option_hint(exc, command) + fix_hint(exc, command))
                 raise typer.Exit(exit_status(exc)) from None
             except OSError as exc:  # the library maps these itself; this is the last net
                 from rbtool.fsutil import os_error

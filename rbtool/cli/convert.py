@@ -30,6 +30,7 @@ from rbtool.cli._common import (
     state_table,
     summary_limit,
 )
+from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
 
 
 def convert(
@@ -47,6 +48,7 @@ def convert(
         ),
     ] = False,
     copy: CopyOpt = False,
+    dry_run: DryRunOpt = False,
     all_items: AllOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
@@ -56,7 +58,7 @@ def convert(
     from rbtool import conversion
 
     refuse_overlap(target, [source], "--out")
-    with progress_bar("converting", None, show_progress(json)) as advance:
+    with progress_bar("converting", None, show_progress(json) and not dry_run) as advance:
         result = conversion.convert(
             source,
             target,
@@ -66,6 +68,7 @@ def convert(
             overwrite=force,
             progress=advance,
             link=not copy,
+            dry_run=dry_run,
         )
     checkpoints: list[dict[str, Any]] = [
         {"path": str(target if rel == "." else target / rel), **index.state()}
@@ -80,7 +83,8 @@ def convert(
         "seconds": round(result.throughput.seconds, 6),
         "bytes_per_second": result.throughput.bytes_per_second,
         "checkpoints": checkpoints,
-        "files": result.report.as_json(),
+        "dry_run": dry_run,
+        "files": None if dry_run else result.report.as_json(),
     }
     if json:
         print_json(
@@ -89,11 +93,16 @@ def convert(
         return
     out.print(
         state_table(
-            f"{source} converted to {doc['trajectory_format']} into {target} ({count(doc['jobs'], 'job')})",
+            f"{source} {'would be ' if dry_run else ''}converted to {doc['trajectory_format']} into {target} "
+            f"({count(doc['jobs'], 'job')})",
             [(Path(c["path"]).name, c) for c in checkpoints],
             None if all_items else SUMMARY_ITEMS,
         )
     )
+    if dry_run:
+        total = sum(c["size"] for c in checkpoints)
+        dry_run_note(target, f"{trajectories(total)} in {doc['trajectory_format']}")
+        return
     out.print(f"files: {files_line(doc['files'])}")
     rate = (doc["bytes_per_second"] or 0) / 1e6
     out.print(

@@ -23,6 +23,7 @@ from rbtool.cli._common import (
     refuse_output_mix,
     show_progress,
 )
+from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
 
 
 def id_range(ids: list[int]) -> str:
@@ -74,6 +75,7 @@ def ingest(
         ),
     ] = False,
     copy: CopyOpt = False,
+    dry_run: DryRunOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
 ) -> None:
@@ -113,6 +115,7 @@ def ingest(
             recursive=recursive,
             allow_duplicates=allow_duplicates,
             link=True if link else False if copy else None,
+            dry_run=dry_run,
         )
 
     index = result.index
@@ -128,7 +131,10 @@ def ingest(
         "removed_leftovers": result.removed_leftovers,
         "duplicates": result.duplicates,
         "skipped": [s.as_json() for s in result.skipped],
+        "dry_run": dry_run,
     }
+    if dry_run:
+        doc["files"] = None
     if json:
         print_json(doc, pretty)
         return
@@ -139,16 +145,19 @@ def ingest(
         ("total samples", f"{doc['total_samples']}"),
         ("trajectory counter", f"{doc['trajectory_counter']}"),
         ("format", doc["trajectory_format"]),
-        ("files", files_line(doc["files"])),
     ]
+    if not dry_run:
+        rows.append(("files", files_line(doc["files"])))
     if result.removed_leftovers:
         rows.append(("removed leftovers", ", ".join(result.removed_leftovers)))
     if result.skipped:
         rows.append(("skipped", f"{len(result.skipped)} ({result.duplicates} already in the buffer)"))
-    out.print(key_values(f"ingest into {result.buffer}", rows))
+    out.print(key_values(f"{'would ingest' if dry_run else 'ingest'} into {result.buffer}", rows))
     shown = 20
     for skipped in result.skipped[:shown]:
         out.print(f"skipped {skipped.path}: {skipped.reason}", markup=False)
     if len(result.skipped) > shown:
         more = len(result.skipped) - shown
         out.print(f"... and {more} more skipped (--json lists them all)", markup=False)
+    if dry_run:
+        dry_run_note(result.buffer, f"{trajectories(len(ids))} added")

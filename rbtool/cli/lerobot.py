@@ -32,6 +32,7 @@ from rbtool.cli._common import (
     show_progress,
     size,
 )
+from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
 
 import_app = typer.Typer(
     cls=Group,
@@ -124,6 +125,7 @@ def export(
     ] = 1000,
     strict: StrictOpt = True,
     force: ForceOpt = False,
+    dry_run: DryRunOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
 ) -> None:
@@ -162,6 +164,7 @@ def export(
             chunks_size=chunks_size,
             overwrite=force,
             progress=advance,
+            dry_run=dry_run,
         )
     fields = {feature: field for feature, field in result.columns.items()}
     doc: dict[str, Any] = {
@@ -182,7 +185,11 @@ def export(
         "video_files": result.video_files,
         "episode_files": result.episode_files,
         "bytes": result.bytes,
+        "dry_run": dry_run,
     }
+    if dry_run:  # files are only known once written
+        for key in ("data_files", "video_files", "episode_files", "bytes"):
+            doc[key] = None
     if json:
         print_json(doc, pretty)
         return
@@ -190,13 +197,17 @@ def export(
         ("trajectories", f"{result.trajectories}"),
         ("episodes", f"{result.episodes}"),
         ("frames", f"{result.frames}"),
-        (
-            "files",
-            f"{result.data_files} data, {result.video_files} video, "
-            f"{result.episode_files} episode metadata, {size(result.bytes)}",
-        ),
     ]
-    out.print(key_values(f"export {result.source} to LeRobot {CODEBASE_VERSION} {result.out}", rows))
+    if not dry_run:
+        rows.append(
+            (
+                "files",
+                f"{result.data_files} data, {result.video_files} video, "
+                f"{result.episode_files} episode metadata, {size(result.bytes)}",
+            )
+        )
+    verb = "would export" if dry_run else "export"
+    out.print(key_values(f"{verb} {result.source} to LeRobot {CODEBASE_VERSION} {result.out}", rows))
     columns = [Column("feature"), Column("dtype"), Column("shape"), Column("buffer field", wrap=True)]
     features = [
         [Text(item["name"]), item["dtype"], str(item["shape"]), Text(item["field"] or "")]
@@ -205,6 +216,8 @@ def export(
     out.print(Fitted(columns, features, title="features"))
     if result.sidecar_fields:
         out.print(f"kept whole in the sidecar: {', '.join(result.sidecar_fields)}", markup=False)
+    if dry_run:
+        dry_run_note(result.out, f"{result.episodes} episodes, {result.frames} frames")
 
 
 # ------------------------------------------------------------------------ import
@@ -246,6 +259,7 @@ def import_lerobot(
         ),
     ] = None,
     trajectory_format: FormatOpt = None,
+    dry_run: DryRunOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
 ) -> None:
@@ -292,6 +306,7 @@ def import_lerobot(
                 on_wait=on_wait,
                 progress=advance,
                 on_published=on_published,
+                dry_run=dry_run,
             )
     except RbtoolError as exc:
         raise _unmappable(exc) from None
@@ -313,7 +328,8 @@ def import_lerobot(
         "total_samples": index.total_samples,
         "trajectory_counter": index.trajectory_counter,
         "trajectory_format": index.trajectory_format,
-        "files": result.report.as_json(),
+        "dry_run": dry_run,
+        "files": None if dry_run else result.report.as_json(),
     }
     if json:
         print_json(doc, pretty)
@@ -334,10 +350,12 @@ def import_lerobot(
         ("total samples", f"{index.total_samples}"),
         ("trajectory counter", f"{index.trajectory_counter}"),
         ("format", index.trajectory_format),
-        ("files", files_line(doc["files"])),
+        *([] if dry_run else [("files", files_line(doc["files"]))]),
     ]
     if result.dropped:
         rows.append(("dropped", ", ".join(result.dropped)))
-    out.print(key_values(f"import into {result.buffer}", rows))
+    out.print(key_values(f"{'would import' if dry_run else 'import'} into {result.buffer}", rows))
     mapped = [[Text(feature), Text(f)] for feature, f in result.fields.items()]
     out.print(Fitted([Column("feature"), Column("buffer field")], mapped, title="fields"))
+    if dry_run:
+        dry_run_note(result.buffer, f"{trajectories(len(ids))} added")

@@ -27,10 +27,12 @@ from rbtool.cli._common import (
     print_json,
     progress_bar,
     refuse_output_mix,
+    refuse_overlap,
     show_progress,
     size,
     summary_limit,
 )
+from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
 
 
 def repair(
@@ -50,6 +52,7 @@ def repair(
     ],
     force: ForceOpt = False,
     copy: CopyOpt = False,
+    dry_run: DryRunOpt = False,
     jobs: JobsOpt = None,
     all_items: AllOpt = False,
     json: JsonOpt = False,
@@ -63,12 +66,17 @@ def repair(
     refuse_output_mix(json, pretty=pretty)
     from rbtool.repair import repair as run_repair
 
-    # The library refuses an OUT equal to, inside or containing PATH (a usage error, exit 2).
+    refuse_overlap(target, [path], "--out")  # as every writer words it (the library refuses it too)
     with progress_bar("checking trajectory files", None, show_progress(json)) as advance:
-        result = run_repair(path, target, overwrite=force, progress=advance, link=not copy, jobs=jobs)
+        result = run_repair(
+            path, target, overwrite=force, progress=advance, link=not copy, jobs=jobs, dry_run=dry_run
+        )
     limit = summary_limit(all_items)
     if json:
         doc = result.as_json()
+        doc["dry_run"] = dry_run
+        if dry_run:
+            doc["files"] = None
         for ckpt_doc in doc["checkpoints"]:
             bound(ckpt_doc, "trajectory_id_list", limit, ranges="trajectory_id_ranges")
             for key in ("dropped", "ignored", "fixed"):
@@ -101,11 +109,16 @@ def repair(
         ]
         if hidden:
             rows.append(("...", f"{', '.join(hidden)} more; --all lists them"))
-        out.print(key_values(f"repaired {ckpt.source} -> {ckpt.out}", rows))
-    out.print(f"files: {files_line(result.report.as_json())}", markup=False)
+        title = f"{'would repair' if dry_run else 'repaired'} {ckpt.source} -> {ckpt.out}"
+        out.print(key_values(title, rows))
     read = result.throughput
     out.print(
         f"read {size(read.bytes_read)} in {read.seconds:.2f} s "
         f"({(read.bytes_per_second or 0) / 1e6:.1f} MB/s, {count(read.jobs, 'job')})",
         markup=False,
     )
+    if dry_run:
+        kept = sum(c.index.size for c in result.checkpoints)
+        dry_run_note(target, f"{count(len(result.checkpoints), 'checkpoint')}, {trajectories(kept)} kept")
+    else:
+        out.print(f"files: {files_line(result.report.as_json())}", markup=False)

@@ -33,6 +33,7 @@ from rbtool.cli._common import (
     size,
     summary_limit,
 )
+from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
 
 
 class Balance(str, enum.Enum):
@@ -56,7 +57,7 @@ def reshard(
             "about equal total samples. Both keep list order.",
         ),
     ] = Balance.by_count,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
+    dry_run: DryRunOpt = False,
     strict: StrictOpt = True,
     force: RanksForceOpt = False,
     copy: CopyOpt = False,
@@ -127,6 +128,6 @@ def reshard(
             "mapping in each rank's merge_map.json"
         )
     if dry_run:
-        out.print("dry run: nothing written")
+        dry_run_note(target, f"{world_size} rank directories, {trajectories(sum(r['size'] for r in ranks))}")
     else:
         out.print(f"files: {files_line(doc['files'])}")

@@ -45,6 +45,7 @@ from rbtool.cli._common import (
     summary_limit,
     unique_prefixes,
 )
+from rbtool.cli._window import DEFAULT_WINDOW, window_line
 
 SPARK = "▁▂▃▄▅▆▇█"
 EIGHTHS = " ▏▎▍▌▋▊▉█"
@@ -114,7 +115,7 @@ def dist_row(label: str, doc: dict[str, Any]) -> list[str | Text]:
 # ------------------------------------------------------------------ the command
 def stats(
     paths: PathsArg,
-    window: WindowOpt = 0,
+    window: WindowOpt = DEFAULT_WINDOW,
     index_only: Annotated[
         bool,
         typer.Option("--index-only", help="Read only the two JSON files (no trajectory file is opened)."),
@@ -246,6 +247,7 @@ def summarised(doc: dict[str, Any], limit: int | None) -> dict[str, Any]:
     )
     files = doc["files"] = dict(doc["files"])
     bound(files, "missing_ids", limit, ranges="missing_id_ranges")
+    bound(files, "not_files", limit)
     doc["trajectories"] = table_head(doc["trajectories"], limit)
     bound(doc, "model_weights", limit)
     data = doc["data"]
@@ -293,13 +295,24 @@ def render(doc: dict[str, Any], con: Console, every: bool = False, wide: bool = 
                 f"  [yellow]{files['missing']} missing (ids {id_runs(files['missing_ids'], limit)}): "
                 "left out of the window[/yellow]"
             )
+        odd = files.get("not_files") or []
+        if odd:
+            what = ", ".join(f"id {o['trajectory_id']} is {o['is']}" for o in head(odd, MISSING_SHOWN))
+            more = f" ... {left_out(odd, MISSING_SHOWN)} more" if left_out(odd, MISSING_SHOWN) else ""
+            line += f"  [yellow]{len(odd)} not a regular file ({what}{more}): left out of the window[/yellow]"
         con.print(line)
     else:
         con.print(f"files: not opened (--index-only); recorded sizes {size(files['bytes'])}")
-    which = "all" if win["requested"] == 0 else f"last {win['requested']}"
+    import numpy as np
+
+    rows = doc["trajectories"]
+    every_id = np.asarray(rows["id"], dtype=np.int64)
+    listed = every_id if rows["exists"] is None else every_id[np.asarray(rows["exists"], dtype=bool)]
+    kept = every_id[np.asarray(rows["in_window"], dtype=bool)]
+    con.print(window_line(win["requested"], kept, listed), markup=False)
     lo, hi = win["probability_min"], win["probability_max"]
     line = (
-        f"window {which}: {count(win['trajectories'], 'trajectory', 'trajectories')}, "
+        f"window: {count(win['trajectories'], 'trajectory', 'trajectories')}, "
         f"{count(win['samples'], 'sample')}"
     )
     if lo is not None:
@@ -344,12 +357,17 @@ def trajectory_table(
     probs = rows["draw_probability"]
     top = float(np.max(probs)) if len(probs) else 0.0
     cells: list[list[str | Text]] = []
+    odd = {o["trajectory_id"]: o["is"] for o in doc["files"].get("not_files") or []}
     for pos in shown_positions(len(rows["id"]), every):
         if pos is None:
             cells.append(["…", "", f"{len(rows['id']) - 2 * HEAD_ROWS} more", "", "", "", ""])
             continue
         exists = rows["exists"]
-        state = size(rows["file_bytes"][pos]) if exists is None or exists[pos] else "[red]missing[/red]"
+        state = (
+            size(rows["file_bytes"][pos])
+            if exists is None or exists[pos]
+            else f"[red]{odd.get(int(rows['id'][pos]), 'missing')}[/red]"
+        )
         weights_id = rows["model_weights_id"][pos]
         cells.append(
             [
