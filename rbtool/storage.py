@@ -34,6 +34,8 @@ from rbtool.layout import (
     drop_bootstrap_rows,
 )
 from rbtool.ptheader import SMALL_FILE_BYTES, TensorSpec, UnusualLayout, iter_specs, open_regular, read_header
+from rbtool.rowmap import RowMap
+from rbtool.rowmap import available as rowmap_available
 
 if TYPE_CHECKING:
     import numpy as np
@@ -411,11 +413,12 @@ class RawTrajectory:
     `fields` maps each sampled field held in `data` to (where its first row starts, E
     bootstrap rows): of a small file its sampled fields are held, packed; of a larger one its
     fields with small rows are, and those with large rows are `disk` fields, read row by row with pread
-    (FileRows over the flat rows, E). gather() copies `row bytes` from `start + stored row *
+    (FileRows over the flat rows, E), or gathered from the file mapped in a RowMap when the
+    buffer maps rows. gather() copies `row bytes` from `start + stored row *
     row bytes`, valid for the C-contiguous fields admitted.
     """
 
-    __slots__ = ("b", "data", "disk", "fields", "t")
+    __slots__ = ("b", "data", "disk", "fields", "file", "t")
 
     def __init__(
         self,
@@ -424,6 +427,7 @@ class RawTrajectory:
         b: int,
         fields: dict[FieldPath, tuple[int, int]],
         disk: dict[FieldPath, tuple[FileRows, int]] | None = None,
+        file: tuple[int, FileHandle, int, dict[FieldPath, tuple[int, int]]] | None = None,
     ) -> None:
         import numpy as np
 
@@ -431,6 +435,9 @@ class RawTrajectory:
         self.data = np.frombuffer(data, dtype=np.uint8)
         self.fields = fields
         self.disk = disk or {}
+        # with disk fields: (trajectory id, its file, the bytes its header needs, where each
+        # sampled field starts in the file and its E, shared by files of one header)
+        self.file = file
 
 
 # One sampled field of a header: (path, spec, E bootstrap rows).
@@ -505,7 +512,15 @@ class TrajectoryStore:
     `max_open`. Methods that change the maps take `lock` (shared with the writer thread).
     """
 
-    def __init__(self, *, max_open: int, extra_fields: bool, lock: threading.RLock) -> None:
+    def __init__(
+        self,
+        *,
+        max_open: int,
+        extra_fields: bool,
+        lock: threading.RLock,
+        row_map: bool = False,
+        row_map_budget: int | None = None,
+    ) -> None:
         self.max_open = max_open
         self.extra_fields = extra_fields
         self.lock = lock
@@ -524,13 +539,24 @@ class TrajectoryStore:
         # (header id, t, b) -> (header, its layout, the bytes it needs, RawTrajectory.fields)
         self._raw_layouts: dict[
             tuple[int, int, int],
-            tuple[dict[str, Any], RawLayout, int, dict[FieldPath, tuple[int, int]], list[tuple[int, int]]],
+            tuple[
+                dict[str, Any],
+                RawLayout,
+                int,
+                dict[FieldPath, tuple[int, int]],
+                list[tuple[int, int]],
+                dict[FieldPath, tuple[int, int]],
+            ],
         ] = {}
         # small files held as bytes (RawTrajectory), and the ids known not to be held so
         self.raws: OrderedDict[int, RawTrajectory] = OrderedDict()
         self._raw_lock = threading.Lock()  # the held bytes are filled by several readers at once
         self.raw_bytes = 0
         self.not_raw: set[int] = set()
+        # large rows of held files, mapped side by side (None: read with pread)
+        self.rowmap: RowMap | None = None
+        if row_map and rowmap_available():
+            self.rowmap = RowMap(row_map_budget)
 
     def holds(self, tid: int) -> bool:
         return tid in self.memory or tid in self.files
@@ -562,6 +588,8 @@ class TrajectoryStore:
             self.recorded.discard(tid)
             self.headers.pop(tid, None)
             self._drop_raw(tid)
+            if self.rowmap is not None:
+                self.rowmap.release(tid)
             pinned = self.pins.pop(tid, None)
             if pinned is not None:
                 pinned.close()
@@ -584,6 +612,8 @@ class TrajectoryStore:
             self.raws.clear()
             self.raw_bytes = 0
             self.not_raw.clear()
+            if self.rowmap is not None:
+                self.rowmap.close()
             for pinned in self.pins.values():
                 pinned.close()
             self.pins.clear()
@@ -707,7 +737,8 @@ class TrajectoryStore:
                     pieces.append((spec.data_start, spec.data_start + size))
                     fields[field_path] = (at, extra)
                     at += size
-                known = (header, layout, header_extent(header), fields, pieces)
+                table = {field_path: (spec.data_start, extra) for field_path, spec, extra in layout}
+                known = (header, layout, header_extent(header), fields, pieces, table)
                 self._raw_layouts[(id(header), t, b)] = known
             self.check_recorded(tid, self._header_signature(header), path)
             if data is not None:
@@ -715,7 +746,7 @@ class TrajectoryStore:
                     raise TrajectoryFileError(f"{path}: truncated (a tensor's data is cut short)")
                 raw = RawTrajectory(b"".join([data[a:z] for a, z in known[4]]), t, b, known[3])
             else:
-                raw = self._packed(path, pinned, t, b, known[1])
+                raw = self._packed(path, pinned, t, b, known[1], (tid, known[2], known[5]))
         except UnusualLayout:
             self.not_raw.add(tid)
             return None
@@ -735,10 +766,17 @@ class TrajectoryStore:
         return raw
 
     def _packed(
-        self, path: Path, pinned: PinnedFile | None, t: int, b: int, layout: RawLayout
+        self,
+        path: Path,
+        pinned: PinnedFile | None,
+        t: int,
+        b: int,
+        layout: RawLayout,
+        file: tuple[int, int, dict[FieldPath, tuple[int, int]]],
     ) -> RawTrajectory:
         """A large file as a RawTrajectory: fields with small rows read and packed, the others
-        left on disk."""
+        left on disk. `file` is (trajectory id, the bytes the header needs, the field table), for
+        mapping it."""
         import torch
 
         handle = FileHandle(path, pinned)
@@ -766,7 +804,7 @@ class TrajectoryStore:
             fields[field_path] = (at, extra)
             at += size
         handle.close()
-        return RawTrajectory(packed, t, b, fields, disk)
+        return RawTrajectory(packed, t, b, fields, disk, (file[0], handle, file[1], file[2]))
 
     def read_headers(
         self, trajectories: Sequence[tuple[int, int, int]], progress: Callable[[int], None] | None = None
@@ -1110,15 +1148,17 @@ def gather(
     view_of: Callable[[int], FlatView],
     cached: dict[FieldPath, torch.Tensor] | CachedRows | None = None,
     raw_of: Callable[[int], RawTrajectory | None] | None = None,
+    rowmap: RowMap | None = None,
 ) -> dict[str, Any]:
     """Build the batch, copying only the drawn rows.
 
     Draws covered by `cached` (a RowCache's run, or a window_cache covering the whole window)
     cost one index_select per field. Draws from small files held as bytes (`raw_of`) cost one
-    gather of bytes per field over all of them. The others are grouped by trajectory; each
-    (trajectory, field) pair costs one index_select (or one read per row for fields left on
-    disk) written into its rows of the output. The index arithmetic is done in numpy: on a few hundred
-    numbers torch's thread pool costs more than the work.
+    gather of bytes per field over all of them (their large rows one pread per row, or with
+    `rowmap` one index_select per field over the mapped files). The others are grouped by
+    trajectory; each (trajectory, field) pair costs one index_select (or one read per row for
+    fields left on disk) written into its rows of the output. The index arithmetic is done in
+    numpy: on a few hundred numbers torch's thread pool costs more than the work.
     """
     import numpy as np
     import torch
@@ -1142,7 +1182,7 @@ def gather(
     def group(key: str) -> _Group:
         if key not in groups:
             selection = every if key == "every" else uncovered
-            groups[key] = _Group(selection, positions, local, draw.window_ids, view_of, raw_of)
+            groups[key] = _Group(selection, positions, local, draw.window_ids, view_of, raw_of, rowmap)
         return groups[key]
 
     out: dict[FieldPath, torch.Tensor] = {}
@@ -1160,6 +1200,8 @@ def gather(
         else:
             group("every").fill(path, target)
         out[path] = target
+    if rowmap is not None:
+        rowmap.after_batch()
     return nest({path: out[path] for path in schema})
 
 
@@ -1175,6 +1217,7 @@ class _Group:
         window_ids: Sequence[int],
         view_of: Callable[[int], FlatView],
         raw_of: Callable[[int], RawTrajectory | None] | None,
+        rowmap: RowMap | None = None,
     ) -> None:
         import numpy as np
 
@@ -1188,7 +1231,7 @@ class _Group:
                 kept = [r for r in raws if r is not None]
                 slot = np.cumsum(held) - 1  # unique position -> index in kept
                 chosen = selection[mask]
-                self.parts.append(_RawRows(chosen, slot[inverse[mask]], local[chosen], kept))
+                self.parts.append(_RawRows(chosen, slot[inverse[mask]], local[chosen], kept, rowmap))
                 selection = selection[~mask]
         if selection.size:
             self.parts.append(_ViewRows(selection, positions, local, window_ids, view_of))
@@ -1199,24 +1242,58 @@ class _Group:
 
 
 class _RawRows:
-    """Draws from files held as bytes: one byte gather per field over all of them."""
+    """Draws from files held as bytes: one byte gather per field over all of them.
 
-    def __init__(self, dest: Any, slots: Any, local: Any, raws: list[RawTrajectory]) -> None:
+    With a row map, when every drawn file can be mapped, every field of them (small rows
+    too) is one index_select over the map, and their held bytes are not concatenated.
+    """
+
+    def __init__(
+        self, dest: Any, slots: Any, local: Any, raws: list[RawTrajectory], rowmap: RowMap | None = None
+    ) -> None:
         import numpy as np
 
         self.dest, self.slots, self.local, self.raws = dest, slots, local, raws
-        sizes = np.array([r.data.size for r in raws], dtype=np.int64)
-        self.file_start = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        self.data = np.concatenate([r.data for r in raws]) if len(raws) > 1 else raws[0].data
+        self.rowmap = rowmap
         self._tb: tuple[Any, Any] | None = None
-        # the draws of each raw (in draw order), and the raws sharing one field table
-        order = np.argsort(slots, kind="stable")
-        cuts = np.flatnonzero(np.diff(slots[order])) + 1
-        self.draws_of = np.split(order, cuts)
+        self._data: tuple[Any, Any] | None = None
+        self._draws_of: list[Any] | None = None
+        # where each raw's file starts in the row map (None: not every one is mapped)
+        self.mapped = self._map_all() if rowmap is not None else None
+        # the raws sharing one field table (tables are shared by files of one header)
         layouts: dict[int, tuple[dict[FieldPath, tuple[int, int]], list[int]]] = {}
         for k, raw in enumerate(raws):
-            layouts.setdefault(id(raw.fields), (raw.fields, []))[1].append(k)
+            table = raw.fields if self.mapped is None else raw.file[3]  # type: ignore[index]
+            layouts.setdefault(id(table), (table, []))[1].append(k)
         self.layouts = [(fields, np.array(ks, dtype=np.int64)) for fields, ks in layouts.values()]
+
+    def _map_all(self) -> Any:
+        if any(raw.file is None for raw in self.raws):
+            return None
+        return self._mapped_starts(range(len(self.raws)))
+
+    @property
+    def data(self) -> tuple[Any, Any]:
+        """The held bytes of every raw, concatenated, and where each raw's bytes start."""
+        import numpy as np
+
+        if self._data is None:
+            raws = self.raws
+            sizes = np.array([r.data.size for r in raws], dtype=np.int64)
+            start = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+            self._data = (np.concatenate([r.data for r in raws]) if len(raws) > 1 else raws[0].data, start)
+        return self._data
+
+    @property
+    def draws_of(self) -> list[Any]:
+        """The draws of each raw, in draw order."""
+        import numpy as np
+
+        if self._draws_of is None:
+            order = np.argsort(self.slots, kind="stable")
+            cuts = np.flatnonzero(np.diff(self.slots[order])) + 1
+            self._draws_of = np.split(order, cuts)
+        return self._draws_of
 
     def _rows(self, extras: Any) -> Any:
         """Stored rows of each draw for a field with per-draw bootstrap rows `extras`."""
@@ -1231,6 +1308,20 @@ class _RawRows:
             )
         return done_rows(self.local, self._tb[0], self._tb[1], extras)
 
+    def _gather_mapped(self, chosen: Any, byte: Any, row_bytes: int, target: Any) -> None:
+        """Rows of `row_bytes` starting at map bytes `byte` into rows `dest[chosen]` of `target`."""
+        import torch
+
+        assert self.rowmap is not None
+        view, index = self.rowmap.rows(row_bytes, byte)
+        flat = target.view(torch.uint8).reshape(target.shape[0], row_bytes)
+        if chosen.size == target.shape[0]:  # every row of the batch: written in place
+            torch.index_select(view, 0, torch.from_numpy(index), out=flat)
+        else:
+            flat.index_copy_(
+                0, torch.from_numpy(self.dest[chosen]), view.index_select(0, torch.from_numpy(index))
+            )
+
     def fill(self, path: FieldPath, target: Any) -> None:
         import numpy as np
         import torch
@@ -1241,6 +1332,13 @@ class _RawRows:
         count = len(self.raws)
         starts = np.zeros(count, dtype=np.int64)
         extras = np.zeros(count, dtype=np.int64)
+        if self.mapped is not None:  # every field of every raw from the map
+            for table, ks in self.layouts:
+                starts[ks], extras[ks] = table[path]
+            rows = self._rows(extras[self.slots])
+            byte = (self.mapped + starts)[self.slots] + rows * row_bytes
+            self._gather_mapped(np.arange(self.dest.size), byte, row_bytes, target)
+            return
         held = np.zeros(count, dtype=bool)
         for fields, ks in self.layouts:
             entry = fields.get(path)
@@ -1251,15 +1349,26 @@ class _RawRows:
             extras[k] = self.raws[k].disk[path][1]
         rows = self._rows(extras[self.slots])
         out = target.view(torch.uint8).reshape(target.shape[0], row_bytes).numpy()
+        data, file_start = self.data
         if not others:
-            first = (self.file_start + starts)[self.slots] + rows * row_bytes
-            out[self.dest] = self.data[first[:, None] + np.arange(row_bytes, dtype=np.int64)]
+            first = (file_start + starts)[self.slots] + rows * row_bytes
+            out[self.dest] = data[first[:, None] + np.arange(row_bytes, dtype=np.int64)]
             return
         in_data = held[self.slots]
         if in_data.any():
             chosen = np.flatnonzero(in_data)
-            first = (self.file_start + starts)[self.slots[chosen]] + rows[chosen] * row_bytes
-            out[self.dest[chosen]] = self.data[first[:, None] + np.arange(row_bytes, dtype=np.int64)]
+            first = (file_start + starts)[self.slots[chosen]] + rows[chosen] * row_bytes
+            out[self.dest[chosen]] = data[first[:, None] + np.arange(row_bytes, dtype=np.int64)]
+        if self.rowmap is not None:
+            mapped = self._mapped_starts(others)
+            if mapped is not None:
+                chosen = np.flatnonzero(~in_data)
+                where = np.zeros(count, dtype=np.int64)  # raw -> where its field starts in the map
+                where[others] = mapped + np.array([self.raws[k].disk[path][0].offset for k in others])
+                self._gather_mapped(
+                    chosen, where[self.slots[chosen]] + rows[chosen] * row_bytes, row_bytes, target
+                )
+                return
         reads: list[tuple[FileRows, int, int]] = []  # fields with large rows: (file, stored row, output row)
         for k in others:
             mine = self.draws_of[k]
@@ -1268,6 +1377,34 @@ class _RawRows:
                 zip([rows_of] * mine.size, rows[mine].tolist(), self.dest[mine].tolist(), strict=True)
             )
         read_rows(reads, target)
+
+    def _mapped_starts(self, ks: Sequence[int]) -> Any:
+        """Where the file of each raw in `ks` starts in the row map (mapped as needed), or None
+        when one cannot be mapped (held in memory only, or shorter than its header says: the
+        pread path reports it)."""
+        import numpy as np
+
+        rowmap = self.rowmap
+        assert rowmap is not None
+        while True:
+            moves = rowmap.moves
+            starts = np.empty(len(ks), dtype=np.int64)
+            for j, k in enumerate(ks):
+                file = self.raws[k].file
+                if file is None:
+                    return None
+                key, handle, extent, _ = file
+                slot = rowmap.slots.get(key)
+                if slot is None:
+                    fd = handle.fd()
+                    size = os.fstat(fd).st_size
+                    if size < extent:
+                        return None
+                    starts[j] = rowmap.offset(key, fd, size)
+                else:
+                    starts[j] = slot[0]
+            if rowmap.moves == moves:  # no mapping moved while these were worked out
+                return starts
 
 
 class _ViewRows:
