@@ -27,6 +27,8 @@ import math
 import mmap
 import os
 import sys
+import threading
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from rbtool.errors import RbtoolError
@@ -106,6 +108,11 @@ class RowMap:
         self.drops = 0  # times resident pages were dropped to stay under the budget
         self._views: dict[tuple[int, int], torch.Tensor] = {}
         self._resident_base: int | None = None
+        # A gather holds `lock` from the first mapping to the last row copied, so nothing is
+        # unmapped or moved under it; releases asked for meanwhile (by another thread, which
+        # may hold the store's lock) wait in `_released` until the next gather begins.
+        self.lock = threading.RLock()
+        self._released: deque[int] = deque()
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -152,14 +159,20 @@ class RowMap:
         return self.end - length
 
     def release(self, key: int) -> None:
-        """Unmap a file: its slot goes back to the reservation (not reused until the next move)."""
-        slot = self.slots.pop(key, None)
-        if slot is None:
-            return
-        offset, length = slot
-        flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED
-        _check(self.libc.mmap(self.base + offset, length, _PROT_NONE, flags, -1, 0), "unmap a file")
-        self.live -= length
+        """Unmap a file when the next gather begins (any thread may ask, without the lock)."""
+        self._released.append(key)
+
+    def settle(self) -> None:
+        """Unmap the files released since the last gather: their slots go back to the
+        reservation (not reused until the next move). Called with `lock` held."""
+        while self._released:
+            slot = self.slots.pop(self._released.popleft(), None)
+            if slot is None:
+                continue
+            offset, length = slot
+            flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED
+            _check(self.libc.mmap(self.base + offset, length, _PROT_NONE, flags, -1, 0), "unmap a file")
+            self.live -= length
 
     def rows(self, row_bytes: int, starts: Any) -> tuple[torch.Tensor, Any]:
         """A strided view of rows of `row_bytes` and the index of each row starting at `starts`."""
@@ -191,7 +204,9 @@ class RowMap:
             self.close()
 
     def close(self) -> None:
+        """Unmap everything; only when no gather can be running (or from __del__)."""
         self._views.clear()
+        self._released.clear()
         if self.reserved:
             self.libc.munmap(self.base, self.reserved)
         self.base = self.reserved = self.end = self.live = 0

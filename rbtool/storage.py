@@ -613,7 +613,8 @@ class TrajectoryStore:
             self.raw_bytes = 0
             self.not_raw.clear()
             if self.rowmap is not None:
-                self.rowmap.close()
+                # a gather may still be reading the old map: it is unmapped when let go
+                self.rowmap = RowMap(self.rowmap.budget)
             for pinned in self.pins.values():
                 pinned.close()
             self.pins.clear()
@@ -1160,6 +1161,23 @@ def gather(
     fields left on disk) written into its rows of the output. The index arithmetic is done in
     numpy: on a few hundred numbers torch's thread pool costs more than the work.
     """
+    if rowmap is None:
+        return _gather(draw, schema, view_of, cached, raw_of, None)
+    with rowmap.lock:  # nothing is unmapped or moved while this batch reads the map
+        rowmap.settle()
+        batch = _gather(draw, schema, view_of, cached, raw_of, rowmap)
+        rowmap.after_batch()
+    return batch
+
+
+def _gather(
+    draw: Draw,
+    schema: Schema,
+    view_of: Callable[[int], FlatView],
+    cached: dict[FieldPath, torch.Tensor] | CachedRows | None,
+    raw_of: Callable[[int], RawTrajectory | None] | None,
+    rowmap: RowMap | None,
+) -> dict[str, Any]:
     import numpy as np
     import torch
 
@@ -1200,8 +1218,6 @@ def gather(
         else:
             group("every").fill(path, target)
         out[path] = target
-    if rowmap is not None:
-        rowmap.after_batch()
     return nest({path: out[path] for path in schema})
 
 

@@ -8,6 +8,7 @@ the window, moved when the range fills up, and their pages dropped past a budget
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 from conftest import make_traj
 
 from rbtool import TrajectoryReplayBuffer, rowmap
-from rbtool.errors import TrajectoryFileError, UsageError
+from rbtool.errors import RbtoolError, TrajectoryFileError, UsageError
 from rbtool.ptheader import SMALL_FILE_BYTES
 from rbtool.rowmap import RowMap
 
@@ -106,8 +107,42 @@ def test_files_leaving_the_window_are_unmapped_and_new_ones_mapped(tmp_path: Pat
     added = [make_traj(t=8, b=4, seed=40 + i, image=IMAGE) for i in range(2)]
     plain.add_trajectories(added)
     fast.add_trajectories(added)
-    assert sorted(the_map(fast).slots) == [4]
     assert_same(plain.sample(200), fast.sample(200))  # file 4 from the map, the added from memory
+    assert sorted(the_map(fast).slots) == [4]  # unmapped when the next batch began
+    assert the_map(fast).live == the_map(fast).slots[4][1]
+
+
+def test_files_evicted_by_another_thread_while_batches_are_read(tmp_path: Path) -> None:
+    ckpt = make_checkpoint(tmp_path / "ckpt", 8)
+    fast = TrajectoryReplayBuffer(seed=4, sample_window_size=6, map_rows=True)
+    fast.load_checkpoint(ckpt)
+    fast.sample(64)
+    failures: list[BaseException] = []
+    batches: list[dict[str, Any]] = []
+
+    def sample() -> None:
+        for _ in range(30):
+            try:
+                batches.append(fast.sample(128))
+            except RbtoolError as exc:
+                # the buffer does not order a sample against a concurrent add (with either
+                # path, a trajectory evicted after the draw is no longer held); what matters
+                # here is that no batch reads a file unmapped under it
+                if "neither in memory nor on disk" not in str(exc):
+                    failures.append(exc)
+            except BaseException as exc:  # reported below, in the test's thread
+                failures.append(exc)
+
+    reader = threading.Thread(target=sample)
+    reader.start()
+    for i in range(6):  # each add evicts one mapped file from the front of the window
+        fast.add_trajectories([make_traj(t=8, b=4, seed=80 + i, image=IMAGE)])
+    reader.join()
+    assert not failures, failures
+    assert batches and all(flat(b)["curr_obs.main_images"].shape[0] == 128 for b in batches)
+    fast.sample(16)
+    held = set(fast._store.files)
+    assert set(the_map(fast).slots) <= held
 
 
 def test_a_window_that_shrinks_and_grows_again_reads_the_same_rows(tmp_path: Path) -> None:
@@ -200,6 +235,9 @@ def test_rowmap_maps_releases_and_moves_files(tmp_path: Path, monkeypatch: pytes
             mapped.offset(key, fds[key], len(contents[key]))
         assert mapped.moves == 1 and mapped.slots[1][0] == 2 * rowmap.PAGE  # slots are whole pages
         mapped.release(0)
+        assert 0 in mapped.slots  # released when the next gather settles the map
+        mapped.settle()
+        assert 0 not in mapped.slots and mapped.live == rowmap.PAGE
         assert read(1, 0, 64) == contents[1]
         mapped.offset(2, fds[2], len(contents[2]))  # no room left: the live mappings move
         assert mapped.moves == 2 and list(mapped.slots) == [1, 2] and mapped.slots[1][0] == 0
