@@ -716,10 +716,11 @@ class TrajectoryStore:
         with self.lock:
             path = self.files.get(tid)
             pinned = self.pins.get(tid)
-            in_memory = tid in self.memory
-        if path is None or in_memory or path.suffix != ".pt":
-            self.not_raw.add(tid)
-            return None
+            if path is None or tid in self.memory or path.suffix != ".pt":
+                # noted under the lock: written() (the writer thread) clears the note when
+                # the trajectory's file is complete, and must not be overtaken by it
+                self.not_raw.add(tid)
+                return None
         read_path = pinned.read_path if pinned is not None else path
         try:
             data = _read_small(read_path)
