@@ -418,7 +418,7 @@ class RawTrajectory:
     row bytes`, valid for the C-contiguous fields admitted.
     """
 
-    __slots__ = ("b", "data", "disk", "fields", "file", "t")
+    __slots__ = ("at", "b", "block", "data", "disk", "fields", "file", "t")
 
     def __init__(
         self,
@@ -433,6 +433,9 @@ class RawTrajectory:
 
         self.t, self.b = t, b
         self.data = np.frombuffer(data, dtype=np.uint8)
+        # once held by a store, `data` is bytes `[at, at + size)` of a HeldBlocks block
+        self.block: HeldBlock | None = None
+        self.at = 0
         self.fields = fields
         self.disk = disk or {}
         # with disk fields: (trajectory id, its file, the bytes its header needs, where each
@@ -478,6 +481,90 @@ def header_extent(header: dict[str, Any]) -> int:
 
 # Small files held as bytes for sampling, least recently used dropped first beyond this.
 RAW_CACHE_MAX_BYTES = 384 << 20
+# The held bytes are packed into blocks of this size (bytes larger than this get a block of
+# their own): a batch gathers from each block its draws reach, so fewer, larger blocks mean
+# fewer gathers per field.
+HELD_BLOCK_BYTES = 64 << 20
+
+
+class HeldBlock:
+    """One block of held bytes: `buf[:used]` written, `live` of them still held."""
+
+    __slots__ = ("buf", "live", "raws", "used")
+
+    def __init__(self, size: int) -> None:
+        import numpy as np
+
+        self.buf = np.empty(size, dtype=np.uint8)  # pages are touched only as bytes are written
+        self.used = self.live = 0
+        self.raws: dict[int, RawTrajectory] = {}  # id -> the held raws whose bytes are here
+
+
+class HeldBlocks:
+    """The bytes of the RawTrajectories a store holds, packed one after the other in a few blocks.
+
+    A batch gathers its drawn rows from the blocks in place (one gather per field per block
+    its draws reach), instead of concatenating the drawn files' bytes first. Bytes are only
+    ever appended (to the last block); a block other than the last whose live bytes fall to
+    half of what it holds has them moved to the last block and is let go, so the blocks hold
+    at most about twice the live bytes, and no byte is moved more often than one is freed.
+    A batch that still reads a block let go (or a raw dropped meanwhile) keeps its memory
+    alive through its own references: nothing it reads is ever overwritten.
+    Not thread-safe: the store calls it under its lock for held bytes.
+    """
+
+    def __init__(self, block_bytes: int | None = None) -> None:
+        self.block_bytes = HELD_BLOCK_BYTES if block_bytes is None else block_bytes
+        self.blocks: list[HeldBlock] = []
+        self.moved = 0  # bytes moved out of blocks let go
+
+    def put(self, raw: RawTrajectory) -> None:
+        """Copy `raw`'s bytes into the last block (a new one when they do not fit) and point it there."""
+        size = raw.data.size
+        if not size:
+            return  # nothing to read in place (every sampled field of it is in its file)
+        while True:
+            last = self.blocks[-1] if self.blocks else None
+            if last is not None and last.used + size <= last.buf.size:
+                break
+            self.blocks.append(HeldBlock(max(self.block_bytes, size)))
+            if last is not None:
+                self._settle(last)  # no longer the last: held to the bound from now on
+        at = last.used
+        last.buf[at : at + size] = raw.data
+        raw.data, raw.block, raw.at = last.buf[at : at + size], last, at
+        last.used += size
+        last.live += size
+        last.raws[id(raw)] = raw
+
+    def free(self, raw: RawTrajectory) -> None:
+        """`raw` is no longer held: its bytes are dead (its own `data` still reads them)."""
+        block = raw.block
+        if block is None or block.raws.pop(id(raw), None) is None:
+            return
+        block.live -= raw.data.size
+        if not block.live:
+            self.blocks.remove(block)
+        elif block is not self.blocks[-1]:
+            self._settle(block)
+
+    def _settle(self, block: HeldBlock) -> None:
+        """A block other than the last holding half its bytes dead or more: its live bytes
+        move to the last block, and it is let go."""
+        if 2 * block.live > block.used:
+            return
+        self.blocks.remove(block)
+        for moved in list(block.raws.values()):
+            self.moved += moved.data.size
+            self.put(moved)
+
+    def clear(self) -> None:
+        self.blocks = []
+
+    @property
+    def reserved(self) -> int:
+        """Bytes of the blocks' written parts (live and dead)."""
+        return sum(block.used for block in self.blocks)
 
 
 def open_trajectory(path: Path, pin: PinnedFile | None = None) -> tuple[dict[str, Any], TrajectoryInfo]:
@@ -552,6 +639,7 @@ class TrajectoryStore:
         self.raws: OrderedDict[int, RawTrajectory] = OrderedDict()
         self._raw_lock = threading.Lock()  # the held bytes are filled by several readers at once
         self.raw_bytes = 0
+        self.held = HeldBlocks()
         self.not_raw: set[int] = set()
         # large rows of held files, mapped side by side (None: read with pread)
         self.rowmap: RowMap | None = None
@@ -609,8 +697,10 @@ class TrajectoryStore:
             self.signatures.clear()
             self.recorded.clear()
             self.headers.clear()
-            self.raws.clear()
-            self.raw_bytes = 0
+            with self._raw_lock:
+                self.raws.clear()
+                self.held.clear()
+                self.raw_bytes = 0
             self.not_raw.clear()
             if self.rowmap is not None:
                 # a gather may still be reading the old map: it is unmapped when let go
@@ -695,6 +785,7 @@ class TrajectoryStore:
             raw = self.raws.pop(tid, None)
             if raw is not None:
                 self.raw_bytes -= raw.data.size
+                self.held.free(raw)
             self.not_raw.discard(tid)
 
     def written(self, tid: int, path: Path) -> None:
@@ -759,12 +850,16 @@ class TrajectoryStore:
             raise TrajectoryFileError(message) from None
         with self._raw_lock:
             self.headers.setdefault(tid, header)
-            if tid not in self.raws:
-                self.raws[tid] = raw
-                self.raw_bytes += raw.data.size
+            held = self.raws.get(tid)
+            if held is not None:  # another reader held it first
+                return held
+            self.held.put(raw)
+            self.raws[tid] = raw
+            self.raw_bytes += raw.data.size
             while self.raw_bytes > RAW_CACHE_MAX_BYTES and len(self.raws) > 1:
                 _, dropped = self.raws.popitem(last=False)
                 self.raw_bytes -= dropped.data.size
+                self.held.free(dropped)
         return raw
 
     def _packed(
@@ -1156,7 +1251,7 @@ def gather(
 
     Draws covered by `cached` (a RowCache's run, or a window_cache covering the whole window)
     cost one index_select per field. Draws from small files held as bytes (`raw_of`) cost one
-    gather of bytes per field over all of them (their large rows one pread per row, or with
+    gather of rows per field per block of held bytes they reach (their large rows one pread per row, or with
     `rowmap` one index_select per field over the mapped files). The others are grouped by
     trajectory; each (trajectory, field) pair costs one index_select (or one read per row for
     fields left on disk) written into its rows of the output. The index arithmetic is done in
@@ -1259,10 +1354,11 @@ class _Group:
 
 
 class _RawRows:
-    """Draws from files held as bytes: one byte gather per field over all of them.
+    """Draws from files held as bytes: one gather of rows per field per block of held bytes
+    (HeldBlocks) that the draws reach, read in place.
 
     With a row map, when every drawn file can be mapped, every field of them (small rows
-    too) is one index_select over the map, and their held bytes are not concatenated.
+    too) is one index_select over the map.
     """
 
     def __init__(
@@ -1273,7 +1369,7 @@ class _RawRows:
         self.dest, self.slots, self.local, self.raws = dest, slots, local, raws
         self.rowmap = rowmap
         self._tb: tuple[Any, Any] | None = None
-        self._data: tuple[Any, Any] | None = None
+        self._data: tuple[list[Any], Any, Any] | None = None
         self._draws_of: list[Any] | None = None
         # where each raw's file starts in the row map (None: not every one is mapped)
         self.mapped = self._map_all() if rowmap is not None else None
@@ -1290,16 +1386,46 @@ class _RawRows:
         return self._mapped_starts(range(len(self.raws)))
 
     @property
-    def data(self) -> tuple[Any, Any]:
-        """The held bytes of every raw, concatenated, and where each raw's bytes start."""
+    def data(self) -> tuple[list[Any], Any, Any]:
+        """Where the held bytes are, read in place: the blocks the raws' bytes are in, where
+        each raw's bytes start in its block, and which block each raw's bytes are in."""
         import numpy as np
 
         if self._data is None:
-            raws = self.raws
-            sizes = np.array([r.data.size for r in raws], dtype=np.int64)
-            start = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-            self._data = (np.concatenate([r.data for r in raws]) if len(raws) > 1 else raws[0].data, start)
+            blocks: list[Any] = []
+            where: dict[int, int] = {}  # id(block buffer) -> index in blocks
+            block_of = np.empty(len(self.raws), dtype=np.int64)
+            start = np.empty(len(self.raws), dtype=np.int64)
+            for k, raw in enumerate(self.raws):
+                buf, at = (raw.data, 0) if raw.block is None else (raw.block.buf, raw.at)
+                j = where.get(id(buf))
+                if j is None:
+                    j = where[id(buf)] = len(blocks)
+                    blocks.append(buf)
+                block_of[k], start[k] = j, at
+            self._data = (blocks, start, block_of)
         return self._data
+
+    def _copy_held(self, out: Any, first: Any, row_bytes: int, chosen: Any = None) -> None:
+        """Rows of `row_bytes` starting at bytes `first` of each draw's block into rows
+        `dest` of `out` (of the draws `chosen` only, when given: `first` is then theirs)."""
+        import numpy as np
+        from numpy.lib.stride_tricks import as_strided
+
+        blocks, _, block_of = self.data
+        dest = self.dest if chosen is None else self.dest[chosen]
+
+        def rows_of(buf: Any) -> Any:  # row i: bytes [i, i + row_bytes) of the block, no copy
+            return as_strided(buf, (max(buf.size - row_bytes + 1, 0), row_bytes), (1, 1), writeable=False)
+
+        if len(blocks) == 1:
+            out[dest] = rows_of(blocks[0])[first]
+            return
+        of_draw = block_of[self.slots if chosen is None else self.slots[chosen]]
+        for j, buf in enumerate(blocks):
+            mine = np.flatnonzero(of_draw == j)
+            if mine.size:
+                out[dest[mine]] = rows_of(buf)[first[mine]]
 
     @property
     def draws_of(self) -> list[Any]:
@@ -1366,16 +1492,15 @@ class _RawRows:
             extras[k] = self.raws[k].disk[path][1]
         rows = self._rows(extras[self.slots])
         out = target.view(torch.uint8).reshape(target.shape[0], row_bytes).numpy()
-        data, file_start = self.data
+        file_start = self.data[1]
         if not others:
-            first = (file_start + starts)[self.slots] + rows * row_bytes
-            out[self.dest] = data[first[:, None] + np.arange(row_bytes, dtype=np.int64)]
+            self._copy_held(out, (file_start + starts)[self.slots] + rows * row_bytes, row_bytes)
             return
         in_data = held[self.slots]
         if in_data.any():
             chosen = np.flatnonzero(in_data)
             first = (file_start + starts)[self.slots[chosen]] + rows[chosen] * row_bytes
-            out[self.dest[chosen]] = data[first[:, None] + np.arange(row_bytes, dtype=np.int64)]
+            self._copy_held(out, first, row_bytes, chosen)
         if self.rowmap is not None:
             mapped = self._mapped_starts(others)
             if mapped is not None:
