@@ -141,26 +141,25 @@ READ_PROBE = 16
 READ_SLOW_S = 40e-6
 
 
-def read_rows(reads: list[tuple[FileRows, int, int]], out: Any) -> None:
-    """Read (file rows, stored row, output row) into rows of the contiguous tensor `out`."""
+def read_rows(
+    fds: Any, offsets: Any, dests: Any, size: int, out: Any, where: Callable[[int], tuple[Path, int]]
+) -> None:
+    """pread `size` bytes at `offsets[j]` of descriptor `fds[j]` into row `dests[j]` of the
+    contiguous tensor `out`, for every j; `where(j)` names the file and stored row of a read
+    that comes up short."""
     import torch
 
-    if not reads:
+    if not len(fds) or size == 0:
         return
-    size = reads[0][0].row_bytes
     buffer = memoryview(out.view(torch.uint8).numpy()).cast("B")
-    # descriptors are taken here, in one thread (the descriptor cache is not shared safely)
-    plan = [
-        (rows.owner.fd(), rows.offset + row * size, dest, rows.owner.path, row) for rows, row, dest in reads
-    ]
+    plan = list(zip(fds.tolist(), offsets.tolist(), dests.tolist(), range(len(fds)), strict=True))
 
-    def run(part: list[tuple[int, int, int, Path, int]]) -> None:
-        for fd, offset, dest, path, row in part:
+    def run(part: list[tuple[int, int, int, int]]) -> None:
+        for fd, offset, dest, j in part:
             if os.preadv(fd, [buffer[dest * size : (dest + 1) * size]], offset) != size:
+                path, row = where(j)
                 raise TrajectoryFileError(f"{path}: truncated (row {row} of a field is cut short)")
 
-    if size == 0:
-        return
     if len(plan) < READ_PARALLEL_MIN:
         run(plan)
         return
@@ -490,7 +489,7 @@ HELD_BLOCK_BYTES = 64 << 20
 class HeldBlock:
     """One block of held bytes: `buf[:used]` written, `live` of them still held."""
 
-    __slots__ = ("buf", "live", "raws", "used")
+    __slots__ = ("buf", "live", "raws", "used", "views")
 
     def __init__(self, size: int) -> None:
         import numpy as np
@@ -498,6 +497,15 @@ class HeldBlock:
         self.buf = np.empty(size, dtype=np.uint8)  # pages are touched only as bytes are written
         self.used = self.live = 0
         self.raws: dict[int, RawTrajectory] = {}  # id -> the held raws whose bytes are here
+        self.views: dict[int, Any] = {}  # row bytes -> overlapping_rows(buf, row bytes)
+
+
+def overlapping_rows(buf: Any, row_bytes: int) -> Any:
+    """A read-only `[n, row_bytes]` view of a uint8 array whose row i is bytes `[i, i + row_bytes)`:
+    indexing it with start bytes gathers rows of any alignment, one copy per row."""
+    from numpy.lib.stride_tricks import as_strided
+
+    return as_strided(buf, (max(buf.size - row_bytes + 1, 0), row_bytes), (1, 1), writeable=False)
 
 
 class HeldBlocks:
@@ -635,6 +643,8 @@ class TrajectoryStore:
                 dict[FieldPath, tuple[int, int]],
             ],
         ] = {}
+        # id(layout) -> (layout, the packed-field table of a large file of that layout)
+        self._packed_tables: dict[int, tuple[RawLayout, dict[FieldPath, tuple[int, int]]]] = {}
         # small files held as bytes (RawTrajectory), and the ids known not to be held so
         self.raws: OrderedDict[int, RawTrajectory] = OrderedDict()
         self._raw_lock = threading.Lock()  # the held bytes are filled by several readers at once
@@ -901,6 +911,15 @@ class TrajectoryStore:
             fields[field_path] = (at, extra)
             at += size
         handle.close()
+        # the table follows from the layout alone: files of one layout share it, so a batch
+        # looks each field up once per layout, not once per drawn file
+        shared = self._packed_tables.get(id(layout))
+        if shared is not None and shared[0] is layout:
+            fields = shared[1]
+        else:
+            if len(self._packed_tables) >= 4096:
+                self._packed_tables.clear()
+            self._packed_tables[id(layout)] = (layout, fields)
         return RawTrajectory(packed, t, b, fields, disk, (file[0], handle, file[1], file[2]))
 
     def read_headers(
@@ -1370,7 +1389,6 @@ class _RawRows:
         self.rowmap = rowmap
         self._tb: tuple[Any, Any] | None = None
         self._data: tuple[list[Any], Any, Any] | None = None
-        self._draws_of: list[Any] | None = None
         # where each raw's file starts in the row map (None: not every one is mapped)
         self.mapped = self._map_all() if rowmap is not None else None
         # the raws sharing one field table (tables are shared by files of one header)
@@ -1392,16 +1410,16 @@ class _RawRows:
         import numpy as np
 
         if self._data is None:
-            blocks: list[Any] = []
-            where: dict[int, int] = {}  # id(block buffer) -> index in blocks
+            blocks: list[Any] = []  # HeldBlocks, or the bytes of a raw not in one
+            where: dict[int, int] = {}  # id(block) -> index in blocks
             block_of = np.empty(len(self.raws), dtype=np.int64)
             start = np.empty(len(self.raws), dtype=np.int64)
             for k, raw in enumerate(self.raws):
-                buf, at = (raw.data, 0) if raw.block is None else (raw.block.buf, raw.at)
-                j = where.get(id(buf))
+                block, at = (raw.data, 0) if raw.block is None else (raw.block, raw.at)
+                j = where.get(id(block))
                 if j is None:
-                    j = where[id(buf)] = len(blocks)
-                    blocks.append(buf)
+                    j = where[id(block)] = len(blocks)
+                    blocks.append(block)
                 block_of[k], start[k] = j, at
             self._data = (blocks, start, block_of)
         return self._data
@@ -1410,13 +1428,17 @@ class _RawRows:
         """Rows of `row_bytes` starting at bytes `first` of each draw's block into rows
         `dest` of `out` (of the draws `chosen` only, when given: `first` is then theirs)."""
         import numpy as np
-        from numpy.lib.stride_tricks import as_strided
 
         blocks, _, block_of = self.data
         dest = self.dest if chosen is None else self.dest[chosen]
 
-        def rows_of(buf: Any) -> Any:  # row i: bytes [i, i + row_bytes) of the block, no copy
-            return as_strided(buf, (max(buf.size - row_bytes + 1, 0), row_bytes), (1, 1), writeable=False)
+        def rows_of(block: Any) -> Any:
+            if not isinstance(block, HeldBlock):
+                return overlapping_rows(block, row_bytes)
+            view = block.views.get(row_bytes)
+            if view is None:
+                view = block.views[row_bytes] = overlapping_rows(block.buf, row_bytes)
+            return view
 
         if len(blocks) == 1:
             out[dest] = rows_of(blocks[0])[first]
@@ -1426,17 +1448,6 @@ class _RawRows:
             mine = np.flatnonzero(of_draw == j)
             if mine.size:
                 out[dest[mine]] = rows_of(buf)[first[mine]]
-
-    @property
-    def draws_of(self) -> list[Any]:
-        """The draws of each raw, in draw order."""
-        import numpy as np
-
-        if self._draws_of is None:
-            order = np.argsort(self.slots, kind="stable")
-            cuts = np.flatnonzero(np.diff(self.slots[order])) + 1
-            self._draws_of = np.split(order, cuts)
-        return self._draws_of
 
     def _rows(self, extras: Any) -> Any:
         """Stored rows of each draw for a field with per-draw bootstrap rows `extras`."""
@@ -1488,8 +1499,8 @@ class _RawRows:
             if entry is not None:
                 starts[ks], extras[ks], held[ks] = entry[0], entry[1], True
         others = np.flatnonzero(~held).tolist()
-        for k in others:
-            extras[k] = self.raws[k].disk[path][1]
+        disk = [self.raws[k].disk[path] for k in others]  # (file rows, E) of each raw not holding it
+        extras[others] = [extra for _, extra in disk]
         rows = self._rows(extras[self.slots])
         out = target.view(torch.uint8).reshape(target.shape[0], row_bytes).numpy()
         file_start = self.data[1]
@@ -1511,14 +1522,20 @@ class _RawRows:
                     chosen, where[self.slots[chosen]] + rows[chosen] * row_bytes, row_bytes, target
                 )
                 return
-        reads: list[tuple[FileRows, int, int]] = []  # fields with large rows: (file, stored row, output row)
-        for k in others:
-            mine = self.draws_of[k]
-            rows_of = self.raws[k].disk[path][0]
-            reads.extend(
-                zip([rows_of] * mine.size, rows[mine].tolist(), self.dest[mine].tolist(), strict=True)
-            )
-        read_rows(reads, target)
+        # fields with large rows: one pread per draw, at its file's field start + row * row bytes
+        # (descriptors taken here, in one thread: the descriptor cache is not shared safely)
+        fds = np.zeros(count, dtype=np.int64)
+        field_start = np.zeros(count, dtype=np.int64)
+        fds[others] = [rows_of.owner.fd() for rows_of, _ in disk]
+        field_start[others] = [rows_of.offset for rows_of, _ in disk]
+        chosen = np.flatnonzero(~in_data)
+        slots, stored = self.slots[chosen], rows[chosen]
+
+        def named(j: int) -> tuple[Path, int]:
+            return self.raws[int(slots[j])].disk[path][0].owner.path, int(stored[j])
+
+        offsets = field_start[slots] + stored * row_bytes
+        read_rows(fds[slots], offsets, self.dest[chosen], row_bytes, target, named)
 
     def _mapped_starts(self, ks: Sequence[int]) -> Any:
         """Where the file of each raw in `ks` starts in the row map (mapped as needed), or None
