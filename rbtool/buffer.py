@@ -181,8 +181,9 @@ class TrajectoryReplayBuffer:
         With auto_save off only held trajectories can be sampled: after the window shrank
         and grew again, the window is the last `sample_window_size` of those still held.
         """
-        lo, hi = self._window_range()
-        return self._index.id_list[lo:hi]
+        with self._lock:  # not half-way through an add in another thread
+            lo, hi = self._window_range()
+            return self._index.id_list[lo:hi]
 
     def _window_range(self) -> tuple[int, int]:
         """The window as positions `[lo, hi)` of the id list.

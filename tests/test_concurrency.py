@@ -183,6 +183,7 @@ def test_a_sample_while_another_thread_adds_sees_the_window_before_or_after_the_
     buffer.load_checkpoint(ckpt)
     buffer.sample(32)  # the loaded window is opened (and mapped) before the adds begin
     seen: list[tuple[list[int], dict[str, Any]]] = []
+    listed: list[list[int]] = []  # window_ids() asked between samples
     failures: list[BaseException] = []
     adding = threading.Event()
     adding.set()
@@ -192,6 +193,7 @@ def test_a_sample_while_another_thread_adds_sees_the_window_before_or_after_the_
             while adding.is_set() or len(seen) < 4:
                 draw, batch = buffer.sample_with_draw(96)
                 seen.append((list(draw.window_ids), batch))
+                listed.append(buffer.window_ids())
         except BaseException as exc:  # reported below, in the test's thread
             failures.append(exc)
 
@@ -211,7 +213,7 @@ def test_a_sample_while_another_thread_adds_sees_the_window_before_or_after_the_
     boundaries = [loaded + per_add * n for n in range(adds + 1)]
     ends = [ids[-1] + 1 for ids, _ in seen]
     assert ends == sorted(ends)
-    for ids, _ in seen:
+    for ids in [ids for ids, _ in seen] + listed:
         assert ids[-1] + 1 in boundaries and ids == list(range(ids[-1] + 1 - window, ids[-1] + 1))
 
     # and is bit for bit the batch one thread draws with the same seed at that boundary
