@@ -1526,16 +1526,23 @@ class _RawRows:
         # (descriptors taken here, in one thread: the descriptor cache is not shared safely)
         fds = np.zeros(count, dtype=np.int64)
         field_start = np.zeros(count, dtype=np.int64)
-        fds[others] = [rows_of.owner.fd() for rows_of, _ in disk]
         field_start[others] = [rows_of.offset for rows_of, _ in disk]
         chosen = np.flatnonzero(~in_data)
         slots, stored = self.slots[chosen], rows[chosen]
-
-        def named(j: int) -> tuple[Path, int]:
-            return self.raws[int(slots[j])].disk[path][0].owner.path, int(stored[j])
-
         offsets = field_start[slots] + stored * row_bytes
-        read_rows(fds[slots], offsets, self.dest[chosen], row_bytes, target, named)
+        # The descriptors of the files read together must all stay open until their reads are
+        # done: the cache closes its least recently used past MAX_OPEN_FDS (and the number of
+        # a closed one is handed to the next file opened), so files are read in runs of half that.
+        at_once = max(1, MAX_OPEN_FDS // 2)
+        for first in range(0, len(others), at_once):
+            part = others[first : first + at_once]
+            fds[part] = [rows_of.owner.fd() for rows_of, _ in disk[first : first + at_once]]
+            mine = np.arange(slots.size) if len(part) == len(others) else np.flatnonzero(np.isin(slots, part))
+
+            def named(j: int, mine: Any = mine) -> tuple[Path, int]:
+                return self.raws[int(slots[mine[j]])].disk[path][0].owner.path, int(stored[mine[j]])
+
+            read_rows(fds[slots[mine]], offsets[mine], self.dest[chosen[mine]], row_bytes, target, named)
 
     def _mapped_starts(self, ks: Sequence[int]) -> Any:
         """Where the file of each raw in `ks` starts in the row map (mapped as needed), or None
