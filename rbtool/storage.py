@@ -34,6 +34,8 @@ from rbtool.layout import (
     drop_bootstrap_rows,
 )
 from rbtool.ptheader import SMALL_FILE_BYTES, TensorSpec, UnusualLayout, iter_specs, open_regular, read_header
+from rbtool.rowmap import RowMap
+from rbtool.rowmap import available as rowmap_available
 
 if TYPE_CHECKING:
     import numpy as np
@@ -139,26 +141,25 @@ READ_PROBE = 16
 READ_SLOW_S = 40e-6
 
 
-def read_rows(reads: list[tuple[FileRows, int, int]], out: Any) -> None:
-    """Read (file rows, stored row, output row) into rows of the contiguous tensor `out`."""
+def read_rows(
+    fds: Any, offsets: Any, dests: Any, size: int, out: Any, where: Callable[[int], tuple[Path, int]]
+) -> None:
+    """pread `size` bytes at `offsets[j]` of descriptor `fds[j]` into row `dests[j]` of the
+    contiguous tensor `out`, for every j; `where(j)` names the file and stored row of a read
+    that comes up short."""
     import torch
 
-    if not reads:
+    if not len(fds) or size == 0:
         return
-    size = reads[0][0].row_bytes
     buffer = memoryview(out.view(torch.uint8).numpy()).cast("B")
-    # descriptors are taken here, in one thread (the descriptor cache is not shared safely)
-    plan = [
-        (rows.owner.fd(), rows.offset + row * size, dest, rows.owner.path, row) for rows, row, dest in reads
-    ]
+    plan = list(zip(fds.tolist(), offsets.tolist(), dests.tolist(), range(len(fds)), strict=True))
 
-    def run(part: list[tuple[int, int, int, Path, int]]) -> None:
-        for fd, offset, dest, path, row in part:
+    def run(part: list[tuple[int, int, int, int]]) -> None:
+        for fd, offset, dest, j in part:
             if os.preadv(fd, [buffer[dest * size : (dest + 1) * size]], offset) != size:
+                path, row = where(j)
                 raise TrajectoryFileError(f"{path}: truncated (row {row} of a field is cut short)")
 
-    if size == 0:
-        return
     if len(plan) < READ_PARALLEL_MIN:
         run(plan)
         return
@@ -411,11 +412,12 @@ class RawTrajectory:
     `fields` maps each sampled field held in `data` to (where its first row starts, E
     bootstrap rows): of a small file its sampled fields are held, packed; of a larger one its
     fields with small rows are, and those with large rows are `disk` fields, read row by row with pread
-    (FileRows over the flat rows, E). gather() copies `row bytes` from `start + stored row *
+    (FileRows over the flat rows, E), or gathered from the file mapped in a RowMap when the
+    buffer maps rows. gather() copies `row bytes` from `start + stored row *
     row bytes`, valid for the C-contiguous fields admitted.
     """
 
-    __slots__ = ("b", "data", "disk", "fields", "t")
+    __slots__ = ("at", "b", "block", "data", "disk", "fields", "file", "t")
 
     def __init__(
         self,
@@ -424,13 +426,20 @@ class RawTrajectory:
         b: int,
         fields: dict[FieldPath, tuple[int, int]],
         disk: dict[FieldPath, tuple[FileRows, int]] | None = None,
+        file: tuple[int, FileHandle, int, dict[FieldPath, tuple[int, int]]] | None = None,
     ) -> None:
         import numpy as np
 
         self.t, self.b = t, b
         self.data = np.frombuffer(data, dtype=np.uint8)
+        # once held by a store, `data` is bytes `[at, at + size)` of a HeldBlocks block
+        self.block: HeldBlock | None = None
+        self.at = 0
         self.fields = fields
         self.disk = disk or {}
+        # with disk fields: (trajectory id, its file, the bytes its header needs, where each
+        # sampled field starts in the file and its E, shared by files of one header)
+        self.file = file
 
 
 # One sampled field of a header: (path, spec, E bootstrap rows).
@@ -471,6 +480,99 @@ def header_extent(header: dict[str, Any]) -> int:
 
 # Small files held as bytes for sampling, least recently used dropped first beyond this.
 RAW_CACHE_MAX_BYTES = 384 << 20
+# The held bytes are packed into blocks of this size (bytes larger than this get a block of
+# their own): a batch gathers from each block its draws reach, so fewer, larger blocks mean
+# fewer gathers per field.
+HELD_BLOCK_BYTES = 64 << 20
+
+
+class HeldBlock:
+    """One block of held bytes: `buf[:used]` written, `live` of them still held."""
+
+    __slots__ = ("buf", "live", "raws", "used", "views")
+
+    def __init__(self, size: int) -> None:
+        import numpy as np
+
+        self.buf = np.empty(size, dtype=np.uint8)  # pages are touched only as bytes are written
+        self.used = self.live = 0
+        self.raws: dict[int, RawTrajectory] = {}  # id -> the held raws whose bytes are here
+        self.views: dict[int, Any] = {}  # row bytes -> overlapping_rows(buf, row bytes)
+
+
+def overlapping_rows(buf: Any, row_bytes: int) -> Any:
+    """A read-only `[n, row_bytes]` view of a uint8 array whose row i is bytes `[i, i + row_bytes)`:
+    indexing it with start bytes gathers rows of any alignment, one copy per row."""
+    from numpy.lib.stride_tricks import as_strided
+
+    return as_strided(buf, (max(buf.size - row_bytes + 1, 0), row_bytes), (1, 1), writeable=False)
+
+
+class HeldBlocks:
+    """The bytes of the RawTrajectories a store holds, packed one after the other in a few blocks.
+
+    A batch gathers its drawn rows from the blocks in place (one gather per field per block
+    its draws reach), instead of concatenating the drawn files' bytes first. Bytes are only
+    ever appended (to the last block); a block other than the last whose live bytes fall to
+    half of what it holds has them moved to the last block and is let go, so the blocks hold
+    at most about twice the live bytes, and no byte is moved more often than one is freed.
+    A batch that still reads a block let go (or a raw dropped meanwhile) keeps its memory
+    alive through its own references: nothing it reads is ever overwritten.
+    Not thread-safe: the store calls it under its lock for held bytes.
+    """
+
+    def __init__(self, block_bytes: int | None = None) -> None:
+        self.block_bytes = HELD_BLOCK_BYTES if block_bytes is None else block_bytes
+        self.blocks: list[HeldBlock] = []
+        self.moved = 0  # bytes moved out of blocks let go
+
+    def put(self, raw: RawTrajectory) -> None:
+        """Copy `raw`'s bytes into the last block (a new one when they do not fit) and point it there."""
+        size = raw.data.size
+        if not size:
+            return  # nothing to read in place (every sampled field of it is in its file)
+        while True:
+            last = self.blocks[-1] if self.blocks else None
+            if last is not None and last.used + size <= last.buf.size:
+                break
+            self.blocks.append(HeldBlock(max(self.block_bytes, size)))
+            if last is not None:
+                self._settle(last)  # no longer the last: held to the bound from now on
+        at = last.used
+        last.buf[at : at + size] = raw.data
+        raw.data, raw.block, raw.at = last.buf[at : at + size], last, at
+        last.used += size
+        last.live += size
+        last.raws[id(raw)] = raw
+
+    def free(self, raw: RawTrajectory) -> None:
+        """`raw` is no longer held: its bytes are dead (its own `data` still reads them)."""
+        block = raw.block
+        if block is None or block.raws.pop(id(raw), None) is None:
+            return
+        block.live -= raw.data.size
+        if not block.live:
+            self.blocks.remove(block)
+        elif block is not self.blocks[-1]:
+            self._settle(block)
+
+    def _settle(self, block: HeldBlock) -> None:
+        """A block other than the last holding half its bytes dead or more: its live bytes
+        move to the last block, and it is let go."""
+        if 2 * block.live > block.used:
+            return
+        self.blocks.remove(block)
+        for moved in list(block.raws.values()):
+            self.moved += moved.data.size
+            self.put(moved)
+
+    def clear(self) -> None:
+        self.blocks = []
+
+    @property
+    def reserved(self) -> int:
+        """Bytes of the blocks' written parts (live and dead)."""
+        return sum(block.used for block in self.blocks)
 
 
 def open_trajectory(path: Path, pin: PinnedFile | None = None) -> tuple[dict[str, Any], TrajectoryInfo]:
@@ -505,7 +607,15 @@ class TrajectoryStore:
     `max_open`. Methods that change the maps take `lock` (shared with the writer thread).
     """
 
-    def __init__(self, *, max_open: int, extra_fields: bool, lock: threading.RLock) -> None:
+    def __init__(
+        self,
+        *,
+        max_open: int,
+        extra_fields: bool,
+        lock: threading.RLock,
+        row_map: bool = False,
+        row_map_budget: int | None = None,
+    ) -> None:
         self.max_open = max_open
         self.extra_fields = extra_fields
         self.lock = lock
@@ -524,13 +634,27 @@ class TrajectoryStore:
         # (header id, t, b) -> (header, its layout, the bytes it needs, RawTrajectory.fields)
         self._raw_layouts: dict[
             tuple[int, int, int],
-            tuple[dict[str, Any], RawLayout, int, dict[FieldPath, tuple[int, int]], list[tuple[int, int]]],
+            tuple[
+                dict[str, Any],
+                RawLayout,
+                int,
+                dict[FieldPath, tuple[int, int]],
+                list[tuple[int, int]],
+                dict[FieldPath, tuple[int, int]],
+            ],
         ] = {}
+        # id(layout) -> (layout, the packed-field table of a large file of that layout)
+        self._packed_tables: dict[int, tuple[RawLayout, dict[FieldPath, tuple[int, int]]]] = {}
         # small files held as bytes (RawTrajectory), and the ids known not to be held so
         self.raws: OrderedDict[int, RawTrajectory] = OrderedDict()
         self._raw_lock = threading.Lock()  # the held bytes are filled by several readers at once
         self.raw_bytes = 0
+        self.held = HeldBlocks()
         self.not_raw: set[int] = set()
+        # large rows of held files, mapped side by side (None: read with pread)
+        self.rowmap: RowMap | None = None
+        if row_map and rowmap_available():
+            self.rowmap = RowMap(row_map_budget)
 
     def holds(self, tid: int) -> bool:
         return tid in self.memory or tid in self.files
@@ -562,6 +686,8 @@ class TrajectoryStore:
             self.recorded.discard(tid)
             self.headers.pop(tid, None)
             self._drop_raw(tid)
+            if self.rowmap is not None:
+                self.rowmap.release(tid)
             pinned = self.pins.pop(tid, None)
             if pinned is not None:
                 pinned.close()
@@ -581,9 +707,14 @@ class TrajectoryStore:
             self.signatures.clear()
             self.recorded.clear()
             self.headers.clear()
-            self.raws.clear()
-            self.raw_bytes = 0
+            with self._raw_lock:
+                self.raws.clear()
+                self.held.clear()
+                self.raw_bytes = 0
             self.not_raw.clear()
+            if self.rowmap is not None:
+                # a gather may still be reading the old map: it is unmapped when let go
+                self.rowmap = RowMap(self.rowmap.budget)
             for pinned in self.pins.values():
                 pinned.close()
             self.pins.clear()
@@ -664,6 +795,7 @@ class TrajectoryStore:
             raw = self.raws.pop(tid, None)
             if raw is not None:
                 self.raw_bytes -= raw.data.size
+                self.held.free(raw)
             self.not_raw.discard(tid)
 
     def written(self, tid: int, path: Path) -> None:
@@ -685,10 +817,11 @@ class TrajectoryStore:
         with self.lock:
             path = self.files.get(tid)
             pinned = self.pins.get(tid)
-            in_memory = tid in self.memory
-        if path is None or in_memory or path.suffix != ".pt":
-            self.not_raw.add(tid)
-            return None
+            if path is None or tid in self.memory or path.suffix != ".pt":
+                # noted under the lock: written() (the writer thread) clears the note when
+                # the trajectory's file is complete, and must not be overtaken by it
+                self.not_raw.add(tid)
+                return None
         read_path = pinned.read_path if pinned is not None else path
         try:
             data = _read_small(read_path)
@@ -707,7 +840,8 @@ class TrajectoryStore:
                     pieces.append((spec.data_start, spec.data_start + size))
                     fields[field_path] = (at, extra)
                     at += size
-                known = (header, layout, header_extent(header), fields, pieces)
+                table = {field_path: (spec.data_start, extra) for field_path, spec, extra in layout}
+                known = (header, layout, header_extent(header), fields, pieces, table)
                 self._raw_layouts[(id(header), t, b)] = known
             self.check_recorded(tid, self._header_signature(header), path)
             if data is not None:
@@ -715,7 +849,7 @@ class TrajectoryStore:
                     raise TrajectoryFileError(f"{path}: truncated (a tensor's data is cut short)")
                 raw = RawTrajectory(b"".join([data[a:z] for a, z in known[4]]), t, b, known[3])
             else:
-                raw = self._packed(path, pinned, t, b, known[1])
+                raw = self._packed(path, pinned, t, b, known[1], (tid, known[2], known[5]))
         except UnusualLayout:
             self.not_raw.add(tid)
             return None
@@ -726,19 +860,30 @@ class TrajectoryStore:
             raise TrajectoryFileError(message) from None
         with self._raw_lock:
             self.headers.setdefault(tid, header)
-            if tid not in self.raws:
-                self.raws[tid] = raw
-                self.raw_bytes += raw.data.size
+            held = self.raws.get(tid)
+            if held is not None:  # another reader held it first
+                return held
+            self.held.put(raw)
+            self.raws[tid] = raw
+            self.raw_bytes += raw.data.size
             while self.raw_bytes > RAW_CACHE_MAX_BYTES and len(self.raws) > 1:
                 _, dropped = self.raws.popitem(last=False)
                 self.raw_bytes -= dropped.data.size
+                self.held.free(dropped)
         return raw
 
     def _packed(
-        self, path: Path, pinned: PinnedFile | None, t: int, b: int, layout: RawLayout
+        self,
+        path: Path,
+        pinned: PinnedFile | None,
+        t: int,
+        b: int,
+        layout: RawLayout,
+        file: tuple[int, int, dict[FieldPath, tuple[int, int]]],
     ) -> RawTrajectory:
         """A large file as a RawTrajectory: fields with small rows read and packed, the others
-        left on disk."""
+        left on disk. `file` is (trajectory id, the bytes the header needs, the field table), for
+        mapping it."""
         import torch
 
         handle = FileHandle(path, pinned)
@@ -766,7 +911,16 @@ class TrajectoryStore:
             fields[field_path] = (at, extra)
             at += size
         handle.close()
-        return RawTrajectory(packed, t, b, fields, disk)
+        # the table follows from the layout alone: files of one layout share it, so a batch
+        # looks each field up once per layout, not once per drawn file
+        shared = self._packed_tables.get(id(layout))
+        if shared is not None and shared[0] is layout:
+            fields = shared[1]
+        else:
+            if len(self._packed_tables) >= 4096:
+                self._packed_tables.clear()
+            self._packed_tables[id(layout)] = (layout, fields)
+        return RawTrajectory(packed, t, b, fields, disk, (file[0], handle, file[1], file[2]))
 
     def read_headers(
         self, trajectories: Sequence[tuple[int, int, int]], progress: Callable[[int], None] | None = None
@@ -1110,16 +1264,35 @@ def gather(
     view_of: Callable[[int], FlatView],
     cached: dict[FieldPath, torch.Tensor] | CachedRows | None = None,
     raw_of: Callable[[int], RawTrajectory | None] | None = None,
+    rowmap: RowMap | None = None,
 ) -> dict[str, Any]:
     """Build the batch, copying only the drawn rows.
 
     Draws covered by `cached` (a RowCache's run, or a window_cache covering the whole window)
     cost one index_select per field. Draws from small files held as bytes (`raw_of`) cost one
-    gather of bytes per field over all of them. The others are grouped by trajectory; each
-    (trajectory, field) pair costs one index_select (or one read per row for fields left on
-    disk) written into its rows of the output. The index arithmetic is done in numpy: on a few hundred
-    numbers torch's thread pool costs more than the work.
+    gather of rows per field per block of held bytes they reach (their large rows one pread per row, or with
+    `rowmap` one index_select per field over the mapped files). The others are grouped by
+    trajectory; each (trajectory, field) pair costs one index_select (or one read per row for
+    fields left on disk) written into its rows of the output. The index arithmetic is done in
+    numpy: on a few hundred numbers torch's thread pool costs more than the work.
     """
+    if rowmap is None:
+        return _gather(draw, schema, view_of, cached, raw_of, None)
+    with rowmap.lock:  # nothing is unmapped or moved while this batch reads the map
+        rowmap.settle()
+        batch = _gather(draw, schema, view_of, cached, raw_of, rowmap)
+        rowmap.after_batch()
+    return batch
+
+
+def _gather(
+    draw: Draw,
+    schema: Schema,
+    view_of: Callable[[int], FlatView],
+    cached: dict[FieldPath, torch.Tensor] | CachedRows | None,
+    raw_of: Callable[[int], RawTrajectory | None] | None,
+    rowmap: RowMap | None,
+) -> dict[str, Any]:
     import numpy as np
     import torch
 
@@ -1142,7 +1315,7 @@ def gather(
     def group(key: str) -> _Group:
         if key not in groups:
             selection = every if key == "every" else uncovered
-            groups[key] = _Group(selection, positions, local, draw.window_ids, view_of, raw_of)
+            groups[key] = _Group(selection, positions, local, draw.window_ids, view_of, raw_of, rowmap)
         return groups[key]
 
     out: dict[FieldPath, torch.Tensor] = {}
@@ -1175,6 +1348,7 @@ class _Group:
         window_ids: Sequence[int],
         view_of: Callable[[int], FlatView],
         raw_of: Callable[[int], RawTrajectory | None] | None,
+        rowmap: RowMap | None = None,
     ) -> None:
         import numpy as np
 
@@ -1188,7 +1362,7 @@ class _Group:
                 kept = [r for r in raws if r is not None]
                 slot = np.cumsum(held) - 1  # unique position -> index in kept
                 chosen = selection[mask]
-                self.parts.append(_RawRows(chosen, slot[inverse[mask]], local[chosen], kept))
+                self.parts.append(_RawRows(chosen, slot[inverse[mask]], local[chosen], kept, rowmap))
                 selection = selection[~mask]
         if selection.size:
             self.parts.append(_ViewRows(selection, positions, local, window_ids, view_of))
@@ -1199,24 +1373,81 @@ class _Group:
 
 
 class _RawRows:
-    """Draws from files held as bytes: one byte gather per field over all of them."""
+    """Draws from files held as bytes: one gather of rows per field per block of held bytes
+    (HeldBlocks) that the draws reach, read in place.
 
-    def __init__(self, dest: Any, slots: Any, local: Any, raws: list[RawTrajectory]) -> None:
+    With a row map, when every drawn file can be mapped, every field of them (small rows
+    too) is one index_select over the map.
+    """
+
+    def __init__(
+        self, dest: Any, slots: Any, local: Any, raws: list[RawTrajectory], rowmap: RowMap | None = None
+    ) -> None:
         import numpy as np
 
         self.dest, self.slots, self.local, self.raws = dest, slots, local, raws
-        sizes = np.array([r.data.size for r in raws], dtype=np.int64)
-        self.file_start = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        self.data = np.concatenate([r.data for r in raws]) if len(raws) > 1 else raws[0].data
+        self.rowmap = rowmap
         self._tb: tuple[Any, Any] | None = None
-        # the draws of each raw (in draw order), and the raws sharing one field table
-        order = np.argsort(slots, kind="stable")
-        cuts = np.flatnonzero(np.diff(slots[order])) + 1
-        self.draws_of = np.split(order, cuts)
+        self._data: tuple[list[Any], Any, Any] | None = None
+        # where each raw's file starts in the row map (None: not every one is mapped)
+        self.mapped = self._map_all() if rowmap is not None else None
+        # the raws sharing one field table (tables are shared by files of one header)
         layouts: dict[int, tuple[dict[FieldPath, tuple[int, int]], list[int]]] = {}
         for k, raw in enumerate(raws):
-            layouts.setdefault(id(raw.fields), (raw.fields, []))[1].append(k)
+            table = raw.fields if self.mapped is None else raw.file[3]  # type: ignore[index]
+            layouts.setdefault(id(table), (table, []))[1].append(k)
         self.layouts = [(fields, np.array(ks, dtype=np.int64)) for fields, ks in layouts.values()]
+
+    def _map_all(self) -> Any:
+        if any(raw.file is None for raw in self.raws):
+            return None
+        return self._mapped_starts(range(len(self.raws)))
+
+    @property
+    def data(self) -> tuple[list[Any], Any, Any]:
+        """Where the held bytes are, read in place: the blocks the raws' bytes are in, where
+        each raw's bytes start in its block, and which block each raw's bytes are in."""
+        import numpy as np
+
+        if self._data is None:
+            blocks: list[Any] = []  # HeldBlocks, or the bytes of a raw not in one
+            where: dict[int, int] = {}  # id(block) -> index in blocks
+            block_of = np.empty(len(self.raws), dtype=np.int64)
+            start = np.empty(len(self.raws), dtype=np.int64)
+            for k, raw in enumerate(self.raws):
+                block, at = (raw.data, 0) if raw.block is None else (raw.block, raw.at)
+                j = where.get(id(block))
+                if j is None:
+                    j = where[id(block)] = len(blocks)
+                    blocks.append(block)
+                block_of[k], start[k] = j, at
+            self._data = (blocks, start, block_of)
+        return self._data
+
+    def _copy_held(self, out: Any, first: Any, row_bytes: int, chosen: Any = None) -> None:
+        """Rows of `row_bytes` starting at bytes `first` of each draw's block into rows
+        `dest` of `out` (of the draws `chosen` only, when given: `first` is then theirs)."""
+        import numpy as np
+
+        blocks, _, block_of = self.data
+        dest = self.dest if chosen is None else self.dest[chosen]
+
+        def rows_of(block: Any) -> Any:
+            if not isinstance(block, HeldBlock):
+                return overlapping_rows(block, row_bytes)
+            view = block.views.get(row_bytes)
+            if view is None:
+                view = block.views[row_bytes] = overlapping_rows(block.buf, row_bytes)
+            return view
+
+        if len(blocks) == 1:
+            out[dest] = rows_of(blocks[0])[first]
+            return
+        of_draw = block_of[self.slots if chosen is None else self.slots[chosen]]
+        for j, buf in enumerate(blocks):
+            mine = np.flatnonzero(of_draw == j)
+            if mine.size:
+                out[dest[mine]] = rows_of(buf)[first[mine]]
 
     def _rows(self, extras: Any) -> Any:
         """Stored rows of each draw for a field with per-draw bootstrap rows `extras`."""
@@ -1231,6 +1462,20 @@ class _RawRows:
             )
         return done_rows(self.local, self._tb[0], self._tb[1], extras)
 
+    def _gather_mapped(self, chosen: Any, byte: Any, row_bytes: int, target: Any) -> None:
+        """Rows of `row_bytes` starting at map bytes `byte` into rows `dest[chosen]` of `target`."""
+        import torch
+
+        assert self.rowmap is not None
+        view, index = self.rowmap.rows(row_bytes, byte)
+        flat = target.view(torch.uint8).reshape(target.shape[0], row_bytes)
+        if chosen.size == target.shape[0]:  # every row of the batch: written in place
+            torch.index_select(view, 0, torch.from_numpy(index), out=flat)
+        else:
+            flat.index_copy_(
+                0, torch.from_numpy(self.dest[chosen]), view.index_select(0, torch.from_numpy(index))
+            )
+
     def fill(self, path: FieldPath, target: Any) -> None:
         import numpy as np
         import torch
@@ -1241,33 +1486,91 @@ class _RawRows:
         count = len(self.raws)
         starts = np.zeros(count, dtype=np.int64)
         extras = np.zeros(count, dtype=np.int64)
+        if self.mapped is not None:  # every field of every raw from the map
+            for table, ks in self.layouts:
+                starts[ks], extras[ks] = table[path]
+            rows = self._rows(extras[self.slots])
+            byte = (self.mapped + starts)[self.slots] + rows * row_bytes
+            self._gather_mapped(np.arange(self.dest.size), byte, row_bytes, target)
+            return
         held = np.zeros(count, dtype=bool)
         for fields, ks in self.layouts:
             entry = fields.get(path)
             if entry is not None:
                 starts[ks], extras[ks], held[ks] = entry[0], entry[1], True
         others = np.flatnonzero(~held).tolist()
-        for k in others:
-            extras[k] = self.raws[k].disk[path][1]
+        disk = [self.raws[k].disk[path] for k in others]  # (file rows, E) of each raw not holding it
+        extras[others] = [extra for _, extra in disk]
         rows = self._rows(extras[self.slots])
         out = target.view(torch.uint8).reshape(target.shape[0], row_bytes).numpy()
+        file_start = self.data[1]
         if not others:
-            first = (self.file_start + starts)[self.slots] + rows * row_bytes
-            out[self.dest] = self.data[first[:, None] + np.arange(row_bytes, dtype=np.int64)]
+            self._copy_held(out, (file_start + starts)[self.slots] + rows * row_bytes, row_bytes)
             return
         in_data = held[self.slots]
         if in_data.any():
             chosen = np.flatnonzero(in_data)
-            first = (self.file_start + starts)[self.slots[chosen]] + rows[chosen] * row_bytes
-            out[self.dest[chosen]] = self.data[first[:, None] + np.arange(row_bytes, dtype=np.int64)]
-        reads: list[tuple[FileRows, int, int]] = []  # fields with large rows: (file, stored row, output row)
-        for k in others:
-            mine = self.draws_of[k]
-            rows_of = self.raws[k].disk[path][0]
-            reads.extend(
-                zip([rows_of] * mine.size, rows[mine].tolist(), self.dest[mine].tolist(), strict=True)
-            )
-        read_rows(reads, target)
+            first = (file_start + starts)[self.slots[chosen]] + rows[chosen] * row_bytes
+            self._copy_held(out, first, row_bytes, chosen)
+        if self.rowmap is not None:
+            mapped = self._mapped_starts(others)
+            if mapped is not None:
+                chosen = np.flatnonzero(~in_data)
+                where = np.zeros(count, dtype=np.int64)  # raw -> where its field starts in the map
+                where[others] = mapped + np.array([self.raws[k].disk[path][0].offset for k in others])
+                self._gather_mapped(
+                    chosen, where[self.slots[chosen]] + rows[chosen] * row_bytes, row_bytes, target
+                )
+                return
+        # fields with large rows: one pread per draw, at its file's field start + row * row bytes
+        # (descriptors taken here, in one thread: the descriptor cache is not shared safely)
+        fds = np.zeros(count, dtype=np.int64)
+        field_start = np.zeros(count, dtype=np.int64)
+        field_start[others] = [rows_of.offset for rows_of, _ in disk]
+        chosen = np.flatnonzero(~in_data)
+        slots, stored = self.slots[chosen], rows[chosen]
+        offsets = field_start[slots] + stored * row_bytes
+        # The descriptors of the files read together must all stay open until their reads are
+        # done: the cache closes its least recently used past MAX_OPEN_FDS (and the number of
+        # a closed one is handed to the next file opened), so files are read in runs of half that.
+        at_once = max(1, MAX_OPEN_FDS // 2)
+        for first in range(0, len(others), at_once):
+            part = others[first : first + at_once]
+            fds[part] = [rows_of.owner.fd() for rows_of, _ in disk[first : first + at_once]]
+            mine = np.arange(slots.size) if len(part) == len(others) else np.flatnonzero(np.isin(slots, part))
+
+            def named(j: int, mine: Any = mine) -> tuple[Path, int]:
+                return self.raws[int(slots[mine[j]])].disk[path][0].owner.path, int(stored[mine[j]])
+
+            read_rows(fds[slots[mine]], offsets[mine], self.dest[chosen[mine]], row_bytes, target, named)
+
+    def _mapped_starts(self, ks: Sequence[int]) -> Any:
+        """Where the file of each raw in `ks` starts in the row map (mapped as needed), or None
+        when one cannot be mapped (held in memory only, or shorter than its header says: the
+        pread path reports it)."""
+        import numpy as np
+
+        rowmap = self.rowmap
+        assert rowmap is not None
+        while True:
+            moves = rowmap.moves
+            starts = np.empty(len(ks), dtype=np.int64)
+            for j, k in enumerate(ks):
+                file = self.raws[k].file
+                if file is None:
+                    return None
+                key, handle, extent, _ = file
+                slot = rowmap.slots.get(key)
+                if slot is None:
+                    fd = handle.fd()
+                    size = os.fstat(fd).st_size
+                    if size < extent:
+                        return None
+                    starts[j] = rowmap.offset(key, fd, size)
+                else:
+                    starts[j] = slot[0]
+            if rowmap.moves == moves:  # no mapping moved while these were worked out
+                return starts
 
 
 class _ViewRows:

@@ -205,6 +205,14 @@ def test_torchrl_reports_every_figure_or_says_why_not(tmp_path: Path) -> None:
     for key in ("rbtool_s", "torchrl_s", "ratio", "rbtool_memcpy_fraction", "torchrl_memcpy_fraction"):
         assert positive(doc[key]), key
     assert doc["met"] in (True, False)
+    # one process per side, each with its own time, first call and memory
+    assert set(doc["sides"]) == {"torchrl", *doc["settings"]} and doc["goal_setting"] in doc["settings"]
+    assert doc["settings"]["default"] == {} and doc["settings"][doc["goal_setting"]] == {"map_rows": True}
+    for name, side in doc["sides"].items():
+        for key in ("median_s", "first_sample_s", "memcpy_fraction", "peak_rss_bytes", "rss_anon_bytes"):
+            assert positive(side[key]), (name, key)
+    assert doc["rbtool_s"] == doc["sides"][doc["goal_setting"]]["median_s"]
+    assert positive(doc["rbtool_default_s"]) and positive(doc["default_ratio"])
     assert not any(p.name.startswith("torchrl_") for p in tmp_path.iterdir())  # its storage is removed
 
 

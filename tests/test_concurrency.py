@@ -1,17 +1,21 @@
-"""Two `rbtool ingest` processes into one buffer directory at once: one waits, nothing collides or is lost."""
+"""Concurrent use: two `rbtool ingest` processes into one buffer directory at once (one waits,
+nothing collides or is lost), and a buffer sampled in one thread while another adds."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 from conftest import make_traj
 
-from rbtool import ingest, trajfile
+from rbtool import TrajectoryReplayBuffer, ingest, trajfile
 from rbtool.fsutil import DirLock
 from rbtool.index import read_index
 from rbtool.verify import verify_checkpoint
@@ -131,3 +135,98 @@ def test_two_ingests_creating_the_same_buffer_at_once(tmp_path: Path) -> None:
     assert later_ids[0] == 60
     for line in later_stderr.splitlines():
         assert line.startswith(("waiting for ", "added trajectory ids ")), line
+
+
+# ---------------------------------------------------------------- sampling while adding
+IMAGE = 48  # 6,912-byte image rows: large files, whose image rows are read from the file
+
+
+def large_checkpoint(path: Path, count: int) -> Path:
+    source = TrajectoryReplayBuffer(seed=5, sample_window_size=0)
+    source.add_trajectories([make_traj(t=8, b=4, seed=i, image=IMAGE) for i in range(count)])
+    source.save_checkpoint(path)
+    source.close()
+    return path
+
+
+def flat_batch(batch: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for key, value in batch.items():
+        if isinstance(value, dict):
+            out.update(flat_batch(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+@pytest.mark.parametrize("map_rows", [False, True], ids=["pread", "map_rows"])
+@pytest.mark.parametrize("auto_save", [False, True], ids=["in_memory", "auto_save"])
+def test_a_sample_while_another_thread_adds_sees_the_window_before_or_after_the_add(
+    tmp_path: Path, auto_save: bool, map_rows: bool
+) -> None:
+    """Every batch drawn during adds is the one a single thread gets at one of the add boundaries.
+
+    The checkpoint's files leave the window (auto_save off: they are no longer held) while
+    batches are drawn from them, added trajectories move from memory to their files (auto_save
+    on), and the sampled rows of added trajectories are cached as they are added.
+    """
+    loaded, window, per_add, adds = 8, 6, 2, 12
+    ckpt = large_checkpoint(tmp_path / "ckpt", loaded)
+    added = [
+        [make_traj(t=8, b=4, seed=100 + per_add * n + j, image=IMAGE) for j in range(per_add)]
+        for n in range(adds)
+    ]
+    auto = str(tmp_path / "auto") if auto_save else ""
+    buffer = TrajectoryReplayBuffer(
+        seed=9, sample_window_size=window, auto_save=auto_save, auto_save_path=auto, map_rows=map_rows
+    )
+    buffer.load_checkpoint(ckpt)
+    buffer.sample(32)  # the loaded window is opened (and mapped) before the adds begin
+    seen: list[tuple[list[int], dict[str, Any]]] = []
+    listed: list[list[int]] = []  # window_ids() asked between samples
+    failures: list[BaseException] = []
+    adding = threading.Event()
+    adding.set()
+
+    def sample() -> None:
+        try:
+            while adding.is_set() or len(seen) < 4:
+                draw, batch = buffer.sample_with_draw(96)
+                seen.append((list(draw.window_ids), batch))
+                listed.append(buffer.window_ids())
+        except BaseException as exc:  # reported below, in the test's thread
+            failures.append(exc)
+
+    reader = threading.Thread(target=sample)
+    reader.start()
+    try:
+        for trajectories in added:
+            buffer.add_trajectories(trajectories)
+            time.sleep(0.002)  # let the sampler draw between adds too
+    finally:
+        adding.clear()
+        reader.join()
+    buffer.close()
+    assert not failures, failures
+
+    # each batch saw the window at one add boundary, and the boundaries only move forward
+    boundaries = [loaded + per_add * n for n in range(adds + 1)]
+    ends = [ids[-1] + 1 for ids, _ in seen]
+    assert ends == sorted(ends)
+    for ids in [ids for ids, _ in seen] + listed:
+        assert ids[-1] + 1 in boundaries and ids == list(range(ids[-1] + 1 - window, ids[-1] + 1))
+
+    # and is bit for bit the batch one thread draws with the same seed at that boundary
+    replay = TrajectoryReplayBuffer(seed=9, sample_window_size=window)
+    replay.load_checkpoint(ckpt)
+    replay.sample(32)
+    done = 0
+    for ids, batch in seen:
+        while replay.trajectory_counter < ids[-1] + 1:
+            replay.add_trajectories(added[done])
+            done += 1
+        expected, got = flat_batch(replay.sample(96)), flat_batch(batch)
+        assert list(expected) == list(got)
+        for key in expected:
+            assert torch.equal(expected[key], got[key]), key
+    replay.close()

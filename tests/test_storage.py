@@ -408,3 +408,36 @@ def test_window_cache_concatenates_held_fields_in_window_order() -> None:
     for p in schema:
         want = torch.cat([eager_flat(trajs[3], 3)[p], eager_flat(trajs[5], 2)[p]])
         assert torch.equal(cache[p], want), p
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 900), st.booleans()), min_size=1, max_size=60))
+def test_held_blocks_keep_every_held_byte_and_at_most_twice_the_live_bytes(
+    steps: list[tuple[int, bool]],
+) -> None:
+    """Bytes put, some freed as others come: the held (and the freed) raws read their own
+    bytes, wherever their block moved them, and the blocks stay within their bound."""
+    held = storage.HeldBlocks(block_bytes=1000)
+    rng = np.random.default_rng(len(steps))
+    live: list[tuple[storage.RawTrajectory, bytes]] = []
+    freed: list[tuple[storage.RawTrajectory, bytes]] = []
+    for size, free_one in steps:
+        data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        raw = storage.RawTrajectory(data, 1, 1, {})
+        held.put(raw)
+        live.append((raw, data))
+        if free_one and len(live) > 1:
+            gone = live.pop(int(rng.integers(0, len(live))))
+            held.free(gone[0])
+            freed.append(gone)
+        for raw, data in live + freed:
+            assert raw.data.tobytes() == data
+        for raw, data in live:
+            if not data:  # nothing to read in place
+                assert raw.block is None
+                continue
+            assert raw.block is not None and raw.block in held.blocks
+            assert raw.block.buf[raw.at : raw.at + len(raw.data)].tobytes() == raw.data.tobytes()
+        live_bytes = sum(len(data) for _, data in live)
+        assert sum(block.live for block in held.blocks) == live_bytes
+        assert held.reserved <= 2 * live_bytes + 1000

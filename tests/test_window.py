@@ -343,3 +343,62 @@ def test_rows_read_by_threads_are_those_read_in_order(
     buffer.load_checkpoint(tmp_path / "c")
     with pytest.raises(TrajectoryFileError, match="trajectory_4_"):
         buffer.sample(200)
+
+
+def test_held_bytes_spread_over_many_blocks_give_the_from_scratch_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small files held in blocks of a few files each, the oldest dropped past a budget of ten
+    files (blocks emptied and let go, the rest moved) while batches read them in place."""
+    from rbtool import storage
+
+    trajs = {i: make_traj(t=4, b=2, seed=i, image=4 + i % 2) for i in range(30)}
+    writer = TrajectoryReplayBuffer(sample_window_size=0)
+    writer.add_trajectories([trajs[i] for i in range(30)])
+    writer.save_checkpoint(tmp_path / "c")
+    one = max(p.stat().st_size for p in (tmp_path / "c").glob("*.pt"))
+    monkeypatch.setattr(storage, "HELD_BLOCK_BYTES", 3 * one)
+    monkeypatch.setattr(storage, "RAW_CACHE_MAX_BYTES", 10 * one)
+    buffer = TrajectoryReplayBuffer(seed=3, sample_window_size=20)
+    buffer.load_checkpoint(tmp_path / "c")
+    held = buffer._store.held
+    for n in range(12):
+        draw, batch = buffer.sample_with_draw(64)
+        got, expected = flat_batch(batch), expected_batch(trajs, draw)
+        assert got.keys() == expected.keys()
+        for path in expected:
+            assert torch.equal(got[path], expected[path]), path
+        if n % 3 == 2:  # the window moves on: its front is dropped, and its bytes with it
+            added = {len(trajs): make_traj(t=4, b=2, seed=len(trajs), image=4)}
+            trajs.update(added)
+            buffer.add_trajectories(list(added.values()))
+        assert held.reserved <= 2 * buffer._store.raw_bytes + held.block_bytes
+    assert len(held.blocks) > 1 and held.moved > 0
+
+
+def test_a_batch_drawing_from_more_files_than_the_descriptor_cache_keeps_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """auto_save on: files are read by name, through the bounded descriptor cache. A batch whose
+    draws reach more large files than it keeps open reads each row from its own file (a
+    descriptor closed by the cache, its number maybe reused, is never read)."""
+    from rbtool import storage
+
+    monkeypatch.setattr(storage, "MAX_OPEN_FDS", 16)
+    monkeypatch.setattr(storage, "SMALL_FILE_BYTES", 0)  # image rows stay in their files
+    trajs = {i: make_traj(t=3, b=2, seed=i, image=32) for i in range(60)}
+    writer = TrajectoryReplayBuffer(sample_window_size=0)
+    writer.add_trajectories([trajs[i] for i in range(60)])
+    writer.save_checkpoint(tmp_path / "c")
+    buffer = TrajectoryReplayBuffer(
+        seed=3, sample_window_size=0, auto_save=True, auto_save_path=str(tmp_path / "auto")
+    )
+    buffer.load_checkpoint(tmp_path / "c")
+    for _ in range(3):
+        draw, batch = buffer.sample_with_draw(300)
+        assert len(set(draw.trajectory_ids)) > 16
+        got, expected = flat_batch(batch), expected_batch(trajs, draw)
+        assert got.keys() == expected.keys()
+        for path in expected:
+            assert torch.equal(got[path], expected[path]), path
+    buffer.close()
