@@ -8,6 +8,8 @@ the library. Library errors become exit statuses in one place, `_common.Group.in
 
 from __future__ import annotations
 
+import os
+
 import typer
 
 from rbtool.cli import (
@@ -66,5 +68,19 @@ app.command()(version.version)
 
 
 def main() -> None:
-    """Console-script entry point, also run by `python -m rbtool`."""
-    app()
+    """Console-script entry point, also run by `python -m rbtool`.
+
+    Under torchrun, ranks other than 0 print nothing on stdout: every rank builds the same
+    report (rbtool.ranks), rank 0 prints it.
+    """
+    if os.environ.get("RANK", "0") != "0" and os.environ.get("WORLD_SIZE"):
+        from rbtool.ranks import from_env, silenced_stdout
+
+        try:
+            world = from_env()
+        except Exception:  # the command reports a bad torchrun environment itself
+            world = None
+        with silenced_stdout(world):
+            app()
+    else:
+        app()

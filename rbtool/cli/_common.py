@@ -167,6 +167,16 @@ JobsOpt = Annotated[
         show_default=False,
     ),
 ]
+JournalOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--journal",
+        help="Record each file read in DIR as it is done; a rerun with the same DIR skips the recorded "
+        "files whose files are unchanged (resume after a crash or a lost rank).",
+        metavar="DIR",
+        show_default=False,
+    ),
+]
 CopyOpt = Annotated[
     bool,
     typer.Option(

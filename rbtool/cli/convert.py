@@ -12,6 +12,7 @@ from rbtool.cli._common import (
     AllOpt,
     CopyOpt,
     JobsOpt,
+    JournalOpt,
     JsonOpt,
     PrettyOpt,
     SourceArg,
@@ -37,6 +38,7 @@ def convert(
         TrajectoryFormat, typer.Option("--format", help="The format to write every trajectory file in.")
     ],
     jobs: JobsOpt = None,
+    journal: JournalOpt = None,
     strict: StrictOpt = True,
     force: Annotated[
         bool,
@@ -64,6 +66,7 @@ def convert(
             overwrite=force,
             progress=advance,
             link=not copy,
+            journal=journal,
         )
     checkpoints: list[dict[str, Any]] = [
         {"path": str(target if rel == "." else target / rel), **index.state()}

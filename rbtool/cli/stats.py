@@ -15,6 +15,7 @@ from rbtool.cli._common import (
     AllOpt,
     ExistingPath,
     JobsOpt,
+    JournalOpt,
     JsonlOpt,
     JsonOpt,
     KOpt,
@@ -150,6 +151,7 @@ def stats(
     temperature: TemperatureOpt = 1.0,
     seed: SeedOpt = None,
     jobs: JobsOpt = None,
+    journal: JournalOpt = None,
     all_items: AllOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
@@ -186,6 +188,7 @@ def stats(
             draws=draws,
             progress=advance,
             jobs=jobs,
+            journal=journal,
             as_json=False,  # numpy columns and lazy file names: cut or streamed below
             read_data=not jsonl,  # JSON Lines list the trajectories, not the data statistics
         )

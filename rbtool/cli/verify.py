@@ -14,6 +14,7 @@ from rich.text import Text
 from rbtool.cli._common import (
     AllOpt,
     JobsOpt,
+    JournalOpt,
     JsonlOpt,
     JsonOpt,
     PrettyOpt,
@@ -137,6 +138,7 @@ def verify(
         ),
     ] = False,
     jobs: JobsOpt = None,
+    journal: JournalOpt = None,
     all_items: AllOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
@@ -148,12 +150,18 @@ def verify(
     interrupted writer left) and warnings (differing field schemas) do not fail it.
     """
     refuse_output_mix(json, jsonl, pretty)
+    if journal is not None and not deep:
+        raise typer.BadParameter(
+            "the quick check reads no trajectory file: add --deep", param_hint="--journal"
+        )
     from rbtool.errors import CheckpointError
     from rbtool.verify import verify as run_verify
 
     enabled = show_progress(json or jsonl)
     with progress_bar("checking index files and listings", None, enabled) as advance:
-        result = run_verify(path, deep=deep, progress=advance if enabled else None, jobs=jobs)
+        result = run_verify(
+            path, deep=deep, progress=advance if enabled else None, jobs=jobs, journal=journal
+        )
     if jsonl:
         print_jsonl(problem_rows(result.checkpoints))
     elif json:

@@ -1,0 +1,345 @@
+"""Deep passes over torchrun ranks, and the journals they resume from (rbtool.ranks).
+
+The end-to-end tests start real `torchrun --standalone --nproc_per_node=2` runs (gloo on CPU)
+and compare their report with one process's; a rank is lost mid-run through the test-only
+RBTOOL_TEST_EXIT_RANK / RBTOOL_TEST_EXIT_AFTER hook (the rank leaves once it has journaled
+that many files), and the rerun from the journal must give the same report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import FIXTURES, make_traj, run
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rbtool import ranks
+from rbtool.format import Problem
+from rbtool.ranks import Journal, JournalError, home_rank, open_journal, plan, ranked_pass
+from rbtool.stats import EpisodeTally, FieldRow, TrajectoryData
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+needs_torchrun = pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed")
+TIMING_KEYS = ("seconds", "bytes_per_second", "jobs")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ranks.TORCHRUN_VARS}
+    env["PYTHONPATH"] = str(ROOT)
+    env.update(extra)
+    return env
+
+
+def single(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    """One process, as without torchrun."""
+    return subprocess.run(
+        [sys.executable, "-m", "rbtool", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
+
+
+def torchrun(*args: str | Path, **extra: str) -> subprocess.CompletedProcess[str]:
+    """The same command on two ranks."""
+    argv = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "rbtool", *map(str, args)]
+    return subprocess.run(argv, capture_output=True, text=True, env=_env(**extra), timeout=180)
+
+
+def untimed(doc: dict[str, Any], *where: str) -> dict[str, Any]:
+    """`doc` without the keys that differ between runs (timings, throughput, worker counts)."""
+    for part in [doc, *(doc[w] for w in where)]:
+        for key in TIMING_KEYS:
+            part.pop(key, None)
+    return doc
+
+
+@pytest.fixture(scope="module")
+def ckpt200(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint of 200 small trajectories of varied sizes (rbtool's own writer)."""
+    from rbtool import TrajectoryReplayBuffer
+
+    path = tmp_path_factory.mktemp("c200") / "ckpt"
+    buf = TrajectoryReplayBuffer(seed=7, sample_window_size=0)
+    buf.add_trajectories([make_traj(t=2 + i % 3, b=2, seed=i, image=2 + i % 5) for i in range(200)])
+    buf.save_checkpoint(path)
+    buf.close()
+    return path
+
+
+def journal_lines(directory: Path) -> int:
+    return sum(len(p.read_bytes().splitlines()) - 1 for p in directory.glob("*.jsonl"))
+
+
+# ------------------------------------------------------------------ the plan
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 10_000), max_size=60),
+    st.integers(1, 6),
+    st.lists(st.one_of(st.none(), st.integers(0, 7)), max_size=60),
+)
+def test_the_plan_is_byte_balanced_within_the_largest_file(
+    weights: list[int], world: int, homes: list
+) -> None:
+    homes = (homes + [None] * len(weights))[: len(weights)]
+    owner = plan(weights, world, homes)
+    assert owner == plan(weights, world, homes)  # deterministic
+    assert all(0 <= r < world for r in owner)
+    cost = [max(1, w) for w in weights]  # a file counts at least one byte
+    loads = [sum(w for w, r in zip(cost, owner, strict=True) if r == k) for k in range(world)]
+    assert max(loads) - min(loads) <= max(cost, default=0)
+
+
+def test_the_plan_keeps_files_on_their_rank_when_the_balance_allows() -> None:
+    # a rank tree of 2 ranks, 10 files each, of similar sizes: every file stays home
+    weights = [1000 + (i * 37) % 50 for i in range(20)]
+    homes = [0] * 10 + [1] * 10
+    assert plan(weights, 2, homes) == homes
+    # all on rank 0's disk: balance wins, half of the bytes go to rank 1 anyway
+    owner = plan([100] * 10, 2, [0] * 10)
+    assert owner.count(0) == owner.count(1) == 5
+
+
+def test_files_of_no_weight_are_spread_by_count() -> None:
+    assert sorted(plan([0] * 9, 3)) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+
+
+def test_home_rank_is_the_nearest_rank_directory() -> None:
+    assert home_rank(Path("run/rank_3/trajectory_0_.pt")) == 3
+    assert home_rank(Path("rank_1/sub/rank_12/x.pt")) == 12
+    assert home_rank(Path("ckpt/trajectory_0_.pt")) is None
+    assert home_rank(Path("rank_x/t.pt")) is None
+
+
+def test_the_torchrun_environment() -> None:
+    env = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    assert ranks.from_env(env) is None  # no rendezvous address: not torchrun
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    assert ranks.from_env(env) == ranks.World(1, 4, 1, 2)
+    assert ranks.rank_jobs(3, ranks.World(1, 4, 1, 2)) == 3
+    assert ranks.rank_jobs(None, ranks.World(0, 4, 0, 4)) >= 1
+    with pytest.raises(ranks.UsageError):
+        ranks.from_env(env | {"RANK": "4"})
+
+
+# ------------------------------------------------------------------ journals
+def test_results_round_trip_through_the_journal_encoding() -> None:
+    types = {t.__name__: t for t in (TrajectoryData, FieldRow, EpisodeTally, Problem)}
+    data = TrajectoryData(
+        [FieldRow("actions", "float32", (7,), 0, 224), FieldRow("ids", "int64", None, 0, 8)],
+        np.array([[0.1, -2.5], [np.nan, np.inf]]),
+        EpisodeTally(np.array([3], np.int64), np.array([1.5]), np.array([True]), np.array([1], np.int8), 2),
+        None,
+        4096,
+    )
+    value = (
+        [Problem("file_corrupt", "error", 3, "t.pt", "t.pt: bad")],
+        {"a": "float32"},
+        12,
+        np.float64(0.5),
+    )
+    for original in (data, value):
+        back = ranks._decode(orjson_round(ranks._encode(original, types)), types)
+        assert repr(back) == repr(original)
+    assert back[3].dtype == np.float64
+    with pytest.raises(JournalError):
+        ranks._encode(object(), types)
+
+
+def orjson_round(doc: Any) -> Any:
+    import orjson
+
+    return orjson.loads(orjson.dumps(doc))
+
+
+CALLS: list[int] = []
+
+
+def _square(task: tuple[str, int]) -> int:
+    CALLS.append(task[1])
+    if os.environ.get("RBTOOL_TEST_FAIL_AT") == str(task[1]):
+        raise ranks.RbtoolError(f"{task[0]}: failed on purpose")
+    return task[1] ** 2
+
+
+def test_a_journaled_pass_resumes_and_redoes_changed_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files = []
+    for i in range(6):
+        f = tmp_path / f"f{i}"
+        f.write_bytes(b"x" * (i + 1))
+        files.append(f)
+    tasks = [(str(f), i) for i, f in enumerate(files)]
+    journal = open_journal(tmp_path / "j", {"command": "test", "input": "x"})
+    assert journal is not None
+
+    def go() -> list[int]:
+        return ranked_pass(_square, tasks, jobs=1, journal=journal, files=lambda t: (Path(t[0]),))
+
+    CALLS.clear()
+    monkeypatch.setenv("RBTOOL_TEST_FAIL_AT", "3")
+    with pytest.raises(ranks.RbtoolError, match="f3: failed on purpose"):
+        go()
+    assert CALLS == [0, 1, 2, 3]  # one process: tasks in list order
+    assert journal_lines(tmp_path / "j") == 3  # the failed task is not recorded
+    monkeypatch.delenv("RBTOOL_TEST_FAIL_AT")
+    CALLS.clear()
+    assert go() == [i * i for i in range(6)]
+    assert CALLS == [3, 4, 5]
+    files[1].write_bytes(b"changed")  # another size: redone
+    CALLS.clear()
+    assert go() == [i * i for i in range(6)]
+    assert CALLS == [1]
+
+
+def test_a_torn_last_line_is_skipped(tmp_path: Path) -> None:
+    journal = Journal(tmp_path, {"command": "test"})
+    done = b'{"key":"a","identity":[],"result":1}\n'
+    (tmp_path / "0-1-aa.jsonl").write_bytes(journal.header() + done + b'{"key":"b","ident')
+    assert journal.load() == {"a": ([], 1)}
+
+
+def test_a_journal_of_another_pass_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "0-1-aa.jsonl").write_bytes(Journal(tmp_path, {"command": "stats", "input": "/a"}).header())
+    with pytest.raises(JournalError, match="belongs to another pass"):
+        Journal(tmp_path, {"command": "verify --deep", "input": "/a"}).load()
+    (tmp_path / "0-1-aa.jsonl").write_bytes(b"not json\n")
+    with pytest.raises(JournalError, match="not an rbtool journal"):
+        Journal(tmp_path, {"command": "stats", "input": "/a"}).load()
+
+
+def test_the_command_line_refuses_a_foreign_journal(tmp_path: Path) -> None:
+    ckpt = FIXTURES / "autosave_pt" / "autosave"
+    first = run("stats", ckpt, "--journal", tmp_path / "j", "--json", "--jobs", "1")
+    assert first.exit_code == 0, first.stderr
+    again = run("stats", ckpt, "--journal", tmp_path / "j", "--json", "--jobs", "1")
+    assert json.loads(again.stdout)["data"]["rewards"] == json.loads(first.stdout)["data"]["rewards"]
+    other = run("verify", ckpt, "--deep", "--journal", tmp_path / "j", "--json")
+    assert other.exit_code == 1 and other.stdout == ""
+    assert other.stderr.startswith("Error: ") and "belongs to another pass" in other.stderr
+    usage = run("verify", ckpt, "--journal", tmp_path / "k")
+    assert usage.exit_code == 2 and not (tmp_path / "k").exists()
+
+
+# ------------------------------------------------------------------ torchrun, end to end
+@needs_torchrun
+@pytest.mark.parametrize(("rel", "status"), [("ranks", 0), ("nosave_window2_pkl/ckpt", 1)])
+def test_verify_deep_over_two_ranks_is_one_process_report(rel: str, status: int) -> None:
+    # RLinf's auto_save-off checkpoint lists files it never wrote: verification fails alike
+    one = single("verify", FIXTURES / rel, "--deep", "--json")
+    two = torchrun("verify", FIXTURES / rel, "--deep", "--json")
+    assert one.returncode == status and two.returncode == status, two.stderr[-2000:]
+    assert untimed(json.loads(two.stdout)) == untimed(json.loads(one.stdout))
+
+
+@needs_torchrun
+def test_the_human_view_over_two_ranks_is_printed_once() -> None:
+    path = FIXTURES / "autosave_pt" / "autosave"
+    one, two = single("stats", path), torchrun("stats", path)
+    assert one.returncode == two.returncode == 0, two.stderr[-2000:]
+
+    def lines(text: str) -> list[str]:  # timings and rates differ from run to run
+        return [re.sub(r"[\d.]+ (s|MB/s)\b", r"_ \1", line) for line in text.splitlines()]
+
+    assert lines(two.stdout) == lines(one.stdout)
+    assert two.stdout.count(str(path)) == one.stdout.count(str(path))
+
+
+@needs_torchrun
+def test_a_damaged_checkpoint_fails_alike_on_two_ranks(ckpt200: Path, tmp_path: Path) -> None:
+    damaged = tmp_path / "ckpt"
+    shutil.copytree(ckpt200, damaged)
+    victim = sorted(damaged.glob("trajectory_1[0-9]_*.pt"))[3]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 16] = b"\xff" * 16  # same size: only a deep pass sees it
+    victim.write_bytes(data)
+    one, two = single("verify", damaged, "--deep", "--json"), torchrun("verify", damaged, "--deep", "--json")
+    assert one.returncode == two.returncode == 1
+    errors = [line for line in two.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 2  # each rank says it, and both exit 1
+    doc = untimed(json.loads(two.stdout))
+    assert doc == untimed(json.loads(one.stdout))
+    assert "hash_mismatch" in {c["code"] for c in doc["checkpoints"][0]["by_code"]}
+
+
+@needs_torchrun
+def test_stats_resumes_from_the_journal_after_a_lost_rank(ckpt200: Path, tmp_path: Path) -> None:
+    journal = tmp_path / "journal"
+    one = single("stats", ckpt200, "--json")
+    lost = torchrun(
+        "stats", ckpt200, "--json", "--jobs", "1", "--journal", journal,
+        RBTOOL_TEST_EXIT_RANK="1", RBTOOL_TEST_EXIT_AFTER="40",
+    )  # fmt: skip
+    assert lost.returncode != 0 and lost.stdout == ""
+    recorded = journal_lines(journal)
+    assert 40 <= recorded < 200
+    again = torchrun("stats", ckpt200, "--json", "--journal", journal)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert journal_lines(journal) == 200  # only what was missing was read again
+    assert untimed(json.loads(again.stdout), "data") == untimed(json.loads(one.stdout), "data")
+
+
+@needs_torchrun
+def test_verify_resumes_from_the_journal_after_a_lost_rank(ckpt200: Path, tmp_path: Path) -> None:
+    journal = tmp_path / "journal"
+    one = single("verify", ckpt200, "--deep", "--json")
+    lost = torchrun(
+        "verify", ckpt200, "--deep", "--json", "--jobs", "1", "--journal", journal,
+        RBTOOL_TEST_EXIT_RANK="0", RBTOOL_TEST_EXIT_AFTER="25",
+    )  # fmt: skip
+    assert lost.returncode != 0 and lost.stdout == ""
+    assert 25 <= journal_lines(journal) < 200
+    again = single("verify", ckpt200, "--deep", "--json", "--journal", journal)  # resumed on one process
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert journal_lines(journal) == 200
+    assert untimed(json.loads(again.stdout)) == untimed(json.loads(one.stdout))
+
+
+@needs_torchrun
+def test_convert_over_two_ranks_resumes_and_publishes_once(ckpt200: Path, tmp_path: Path) -> None:
+    one_out, out = tmp_path / "one", tmp_path / "two"
+    one = single("convert", ckpt200, "--out", one_out, "--format", "pkl", "--json")
+    assert one.returncode == 0, one.stderr
+    lost = torchrun(
+        "convert", ckpt200, "--out", out, "--format", "pkl", "--json", "--jobs", "1",
+        RBTOOL_TEST_EXIT_RANK="1", RBTOOL_TEST_EXIT_AFTER="30",
+    )  # fmt: skip
+    assert lost.returncode != 0 and lost.stdout == ""
+    assert not out.exists()  # nothing half-written where OUT goes
+    staging, journal = tmp_path / ".two.rbtool-resume-staging", tmp_path / ".two.rbtool-resume-journal"
+    assert staging.is_dir() and 30 <= journal_lines(journal) < 200
+    again = torchrun("convert", ckpt200, "--out", out, "--format", "pkl", "--json")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]  # staging published, journal gone
+
+    def comparable(doc: dict[str, Any]) -> dict[str, Any]:
+        untimed(doc).pop("out")
+        for c in doc["checkpoints"]:
+            c.pop("path")
+        return doc
+
+    assert comparable(json.loads(again.stdout)) == comparable(json.loads(one.stdout))
+    # .pkl bytes are not reproducible: compare the indexes without hashes, and check the files
+    a, b = (json.loads((d / "trajectory_index.json").read_text()) for d in (one_out, out))
+    for doc in (a, b):
+        for entry in doc["trajectory_index"].values():
+            entry.pop("sha256")
+    assert a == b
+    assert json.loads((out / "metadata.json").read_text()) == json.loads(
+        (one_out / "metadata.json").read_text()
+    )
+    check = single("verify", out, "--deep", "--json")
+    assert check.returncode == 0 and json.loads(check.stdout)["ok"]
