@@ -47,7 +47,7 @@ import orjson
 
 from rbtool.errors import RbtoolError, UsageError
 from rbtool.fsutil import fsync_dir
-from rbtool.passes import Progress, check_jobs, default_jobs, run_pass
+from rbtool.passes import Progress, check_jobs, default_jobs, keep_freed_memory, run_pass
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -414,6 +414,11 @@ def open_journal(directory: str | os.PathLike[str] | None, identity: dict[str, A
     if directory is None:
         return None
     path = Path(directory)
+    source = identity.get("input")
+    if source is not None and path.absolute().resolve().is_relative_to(Path(source).resolve()):
+        raise UsageError(
+            f"{path}: a journal is never written into its input {source}; choose another directory"
+        )
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -529,6 +534,9 @@ def ranked_pass(
         barrier(world)  # every rank has the plan before any writes into the journal
 
     mine = [i for i, r in enumerate(owner) if r == world.rank]
+    workers = rank_jobs(jobs, world)
+    if world.size > 1 and workers == 1:
+        keep_freed_memory()  # this rank reads its files itself, as a worker would
     if progress is not None and world.leader and recorded:
         progress(len(recorded))
     writer = journal.writer(world.rank) if journal is not None else None
@@ -537,7 +545,7 @@ def ranked_pass(
         results = run_pass(
             _Journaled(func, writer, by_name),
             [named[i] for i in mine],
-            jobs=rank_jobs(jobs, world),
+            jobs=workers,
             weights=[sizes[i] for i in mine],
             progress=progress,
             preload=preload,

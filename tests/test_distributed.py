@@ -41,15 +41,16 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def single(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    """One process, as without torchrun."""
-    return subprocess.run(
-        [sys.executable, "-m", "rbtool", *map(str, args)],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=120,
-    )
+class Single:
+    """One process's run of a command (in this process, as without torchrun): status and stdout."""
+
+    def __init__(self, *args: str | Path) -> None:
+        result = run(*args)
+        self.returncode, self.stdout, self.stderr = result.exit_code, result.stdout, result.stderr
+
+
+def single(*args: str | Path) -> Single:
+    return Single(*args)
 
 
 def torchrun(*args: str | Path, **extra: str) -> subprocess.CompletedProcess[str]:
@@ -232,6 +233,9 @@ def test_the_command_line_refuses_a_foreign_journal(tmp_path: Path) -> None:
     assert other.stderr.startswith("Error: ") and "belongs to another pass" in other.stderr
     usage = run("verify", ckpt, "--journal", tmp_path / "k")
     assert usage.exit_code == 2 and not (tmp_path / "k").exists()
+    inside = run("stats", ckpt, "--journal", ckpt / "journal", "--json")
+    assert inside.exit_code == 2 and "never written into its input" in inside.stderr
+    assert not (ckpt / "journal").exists()
 
 
 # ------------------------------------------------------------------ torchrun, end to end

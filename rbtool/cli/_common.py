@@ -412,8 +412,9 @@ def print_jsonl(rows: Iterable[Any]) -> None:
 
 
 def show_progress(json_mode: bool) -> bool:
-    """Progress bars only for a person at a terminal, never with --json or --jsonl."""
-    return not json_mode and err.is_terminal
+    """Progress bars only for a person at a terminal, never with --json or --jsonl, and under
+    torchrun only on rank 0 (one bar, not one per rank over each other)."""
+    return not json_mode and err.is_terminal and os.environ.get("RANK", "0") == "0"
 
 
 class Advance:
