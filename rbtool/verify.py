@@ -582,7 +582,7 @@ def verify(
     root = Path(path)
     opened = None
     if deep:
-        opened = open_journal(journal, {"command": "verify --deep", "input": str(root.absolute())})
+        opened = open_journal(journal, {"command": "verify deep", "input": str(root.absolute())})
     workers = total_jobs(jobs) if deep else check_jobs(jobs)
     timer = Timer()
     dirs = checkpoint_dirs(root)

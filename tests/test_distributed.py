@@ -216,7 +216,7 @@ def test_a_torn_last_line_is_skipped(tmp_path: Path) -> None:
 def test_a_journal_of_another_pass_is_refused(tmp_path: Path) -> None:
     (tmp_path / "0-1-aa.jsonl").write_bytes(Journal(tmp_path, {"command": "stats", "input": "/a"}).header())
     with pytest.raises(JournalError, match="belongs to another pass"):
-        Journal(tmp_path, {"command": "verify --deep", "input": "/a"}).load()
+        Journal(tmp_path, {"command": "verify deep", "input": "/a"}).load()
     (tmp_path / "0-1-aa.jsonl").write_bytes(b"not json\n")
     with pytest.raises(JournalError, match="not an rbtool journal"):
         Journal(tmp_path, {"command": "stats", "input": "/a"}).load()
@@ -238,15 +238,30 @@ def test_the_command_line_refuses_a_foreign_journal(tmp_path: Path) -> None:
     assert not (ckpt / "journal").exists()
 
 
+def test_writers_refuse_to_run_over_ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    result = run("shard", FIXTURES / "ranks", "--world-size", "2", "--out", tmp_path / "out")
+    assert (
+        result.exit_code == 2 and result.stdout == "" and "does not run over torchrun ranks" in result.stderr
+    )
+    assert not (tmp_path / "out").exists()
+
+
 # ------------------------------------------------------------------ torchrun, end to end
 @needs_torchrun
 @pytest.mark.parametrize(("rel", "status"), [("ranks", 0), ("nosave_window2_pkl/ckpt", 1)])
-def test_verify_deep_over_two_ranks_is_one_process_report(rel: str, status: int) -> None:
+def test_verify_deep_over_two_ranks_is_one_process_report(rel: str, status: int, tmp_path: Path) -> None:
     # RLinf's auto_save-off checkpoint lists files it never wrote: verification fails alike
     one = single("verify", FIXTURES / rel, "--deep", "--json")
-    two = torchrun("verify", FIXTURES / rel, "--deep", "--json")
+    two = torchrun("verify", FIXTURES / rel, "--deep", "--json", "--journal", tmp_path)
     assert one.returncode == status and two.returncode == status, two.stderr[-2000:]
     assert untimed(json.loads(two.stdout)) == untimed(json.loads(one.stdout))
+    if rel == "ranks":  # locality: each rank read its own rank directory (the journal says who read what)
+        for path in tmp_path.glob("*.jsonl"):
+            rank = path.name.split("-")[0]
+            keys = [json.loads(line)["key"] for line in path.read_text().splitlines()[1:]]
+            assert keys and all(f"/rank_{rank}/" in key for key in keys), (path.name, keys)
 
 
 @needs_torchrun

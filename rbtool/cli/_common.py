@@ -93,6 +93,18 @@ def exit_status(exc: RbtoolError) -> int:
     return 2 if isinstance(exc, UsageError) else 1
 
 
+# Commands that may run under torchrun with more than one rank: the passes spread over the
+# ranks (rbtool.ranks) and read-only commands; a writer started K times would race itself.
+OVER_RANKS = frozenset({"verify", "stats", "convert", "diff", "version"})
+
+
+def _world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) if os.environ.get("RANK") is not None else 1
+    except ValueError:
+        return 1
+
+
 class Group(TyperGroup):
     """A command group that records the command it resolves.
 
@@ -106,6 +118,13 @@ class Group(TyperGroup):
     def resolve_command(self, ctx: Any, args: list[str]) -> Any:
         name, command, rest = super().resolve_command(ctx, args)
         ctx.meta[_COMMAND] = command
+        if ctx.parent is None and name not in OVER_RANKS and _world_size() > 1:
+            from rbtool.errors import UsageError
+
+            raise UsageError(
+                f"rbtool {name} does not run over torchrun ranks (each rank would write the same "
+                f"output); run it as one process. Over ranks: {', '.join(sorted(OVER_RANKS))}"
+            )
         return name, command, rest
 
     def invoke(self, ctx: Any) -> Any:
