@@ -429,9 +429,21 @@ def open_journal(directory: str | os.PathLike[str] | None, identity: dict[str, A
 
 
 # ------------------------------------------------------------------ the pass
-def task_key(describe: str, task: Any) -> str:
+def task_key(name: str, identity: Any) -> str:
     """A task's journal key: its name and a digest of everything it carries (a changed entry is redone)."""
-    return f"{describe}#{hashlib.sha256(repr(task).encode()).hexdigest()[:20]}"
+    return f"{name}#{hashlib.sha256(repr(identity).encode()).hexdigest()[:20]}"
+
+
+def _absolute(value: Any) -> Any:
+    """`value` with every path in it (dataclass fields, tuples, lists) made absolute, for keys
+    that do not depend on the working directory."""
+    if isinstance(value, Path):
+        return os.path.abspath(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_absolute(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (type(value).__name__, *(_absolute(getattr(value, f.name)) for f in dataclasses.fields(value)))
+    return value
 
 
 @dataclass(frozen=True)
@@ -513,7 +525,7 @@ def ranked_pass(
         raise UsageError(f"{len(weights)} weights for {len(tasks)} tasks")
     by_name = {t.__name__: t for t in types}
     named = [
-        _Job(t, task_key(describe(t), t), tuple(files(t)) if files is not None else (), i)
+        _Job(t, _key(t, describe, files), tuple(files(t)) if files is not None else (), i)
         for i, t in enumerate(tasks)
     ]
     sizes = [int(w) for w in weights] if weights is not None else [0] * len(tasks)
@@ -567,6 +579,13 @@ def ranked_pass(
         for i, result in zip(positions, results, strict=True):
             merged[i] = result
     return merged
+
+
+def _key(task: Any, describe: Callable[[Any], str], files: Callable[[Any], Sequence[Path]] | None) -> str:
+    """The journal key of `task`: its first file's absolute path (else its name), and a digest of
+    the task with its paths absolute, so that a rerun from another directory finds its files."""
+    named = list(files(task)) if files is not None else []
+    return task_key(os.path.abspath(named[0]) if named else describe(task), _absolute(task))
 
 
 def _decide(

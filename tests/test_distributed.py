@@ -206,6 +206,26 @@ def test_a_journaled_pass_resumes_and_redoes_changed_files(
     assert CALLS == [1]
 
 
+def test_a_rerun_from_another_directory_finds_its_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "sub").mkdir()
+    for i in range(3):
+        (tmp_path / f"f{i}").write_bytes(b"y" * (i + 1))
+    journal = open_journal(tmp_path / "j", {"command": "test"})
+
+    def go(prefix: str) -> list[int]:
+        tasks = [(Path(f"{prefix}f{i}"), i) for i in range(3)]
+        return ranked_pass(_square, tasks, jobs=1, journal=journal, files=lambda t: (t[0],))
+
+    monkeypatch.chdir(tmp_path)
+    CALLS.clear()
+    assert go("") == [0, 1, 4] and CALLS == [0, 1, 2]
+    monkeypatch.chdir(tmp_path / "sub")
+    CALLS.clear()
+    assert go("../") == [0, 1, 4] and CALLS == []  # the same files, named from elsewhere
+
+
 def test_a_torn_last_line_is_skipped(tmp_path: Path) -> None:
     journal = Journal(tmp_path, {"command": "test"})
     done = b'{"key":"a","identity":[],"result":1}\n'
