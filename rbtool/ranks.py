@@ -122,6 +122,21 @@ def _init_group() -> None:
     _group_ready = True
 
 
+def finish() -> None:
+    """At the end of a command: wait for every rank, then leave the process group (if one was joined)."""
+    global _group_ready
+    if not _group_ready:
+        return
+    import torch.distributed as dist
+
+    _group_ready = False
+    try:
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:  # another rank is gone: torchrun is ending the run anyway
+        pass
+
+
 def rank_jobs(jobs: int | None, world: World) -> int:
     """Workers for this rank: `jobs` if given, else this node's cores shared among its ranks."""
     if jobs is not None:
@@ -636,6 +651,7 @@ __all__ = [
     "barrier",
     "current",
     "file_identity",
+    "finish",
     "from_env",
     "home_rank",
     "on_leader",
