@@ -382,3 +382,25 @@ def test_convert_over_two_ranks_resumes_and_publishes_once(ckpt200: Path, tmp_pa
     )
     check = single("verify", out, "--deep", "--json")
     assert check.returncode == 0 and json.loads(check.stdout)["ok"]
+
+
+def test_convert_with_a_journal_resumes_after_a_bad_file(ckpt200: Path, tmp_path: Path) -> None:
+    source, out, journal = tmp_path / "in", tmp_path / "out", tmp_path / "journal"
+    shutil.copytree(ckpt200, source)
+    tid = json.loads((source / "trajectory_index.json").read_text())["trajectory_id_list"][50]
+    bad = next(source.glob(f"trajectory_{tid}_*.pt"))
+    good = bad.read_bytes()
+    bad.write_bytes(good[: len(good) // 2])
+    failed = run("convert", source, "--out", out, "--format", "pkl", "--jobs", "1", "--journal", journal)
+    assert failed.exit_code == 1 and failed.stderr.startswith("Error: ") and bad.name in failed.stderr
+    assert not out.exists() and journal_lines(journal) == 50  # the files before the bad one
+    bad.write_bytes(good)
+    done = run(
+        "convert", source, "--out", out, "--format", "pkl", "--jobs", "1", "--journal", journal, "--json"
+    )
+    assert done.exit_code == 0, done.stderr
+    assert journal_lines(journal) == 200  # the 50 were not converted again
+    assert json.loads(done.stdout)["files"]["written"] == 200
+    assert not (tmp_path / ".out.rbtool-resume-staging").exists()
+    check = run("verify", out, "--deep", "--json")
+    assert check.exit_code == 0 and json.loads(check.stdout)["ok"]
