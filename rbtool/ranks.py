@@ -549,7 +549,7 @@ def ranked_pass(
     decided: tuple[list[int], dict[int, Any]] | BaseException | None = None
     if world.leader:
         try:
-            decided = _decide(named, sizes, world.size, journal)
+            decided = _decide(named, sizes, world.size, journal, by_name)
         except Exception as exc:
             decided = _portable(exc)
     decided = _broadcast(decided, world)
@@ -588,8 +588,8 @@ def ranked_pass(
     if errors:
         raise min(errors, key=lambda e: e[0])[1]
     merged: list[Any] = [None] * len(tasks)
-    for i, encoded in recorded.items():
-        merged[i] = _decode(encoded, by_name)
+    for i, result in recorded.items():
+        merged[i] = result
     for positions, results, _ in gathered:
         for i, result in zip(positions, results, strict=True):
             merged[i] = result
@@ -604,16 +604,28 @@ def _key(task: Any, describe: Callable[[Any], str], files: Callable[[Any], Seque
 
 
 def _decide(
-    named: list[_Job[Any]], sizes: list[int], world_size: int, journal: Journal | None
+    named: list[_Job[Any]],
+    sizes: list[int],
+    world_size: int,
+    journal: Journal | None,
+    types: dict[str, type],
 ) -> tuple[list[int], dict[int, Any]]:
-    """Which rank runs each task (-1: done, from the journal) and the journaled results by position."""
+    """Which rank runs each task (-1: done, from the journal) and the journaled results by position.
+
+    A recorded result that does not decode (a line damaged in some other way than torn) is
+    not taken: its file is done again.
+    """
     recorded: dict[int, Any] = {}
     if journal is not None:
         done = journal.load()
         for i, job in enumerate(named):
             entry = done.get(job.key)
-            if entry is not None and entry[0] == [file_identity(p) for p in job.files]:
-                recorded[i] = entry[1]
+            if entry is None or entry[0] != [file_identity(p) for p in job.files]:
+                continue
+            try:
+                recorded[i] = _decode(entry[1], types)
+            except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+                continue
     todo = [i for i in range(len(named)) if i not in recorded]
     homes = [_home(named[i].files) for i in todo]
     ranks = plan([sizes[i] for i in todo], world_size, homes)

@@ -226,6 +226,23 @@ def test_a_rerun_from_another_directory_finds_its_files(
     assert go("../") == [0, 1, 4] and CALLS == []  # the same files, named from elsewhere
 
 
+def test_a_result_that_does_not_decode_is_done_again(tmp_path: Path) -> None:
+    (tmp_path / "f0").write_bytes(b"z")
+    journal = open_journal(tmp_path / "j", {"command": "test"})
+    tasks = [(tmp_path / "f0", 0), (tmp_path / "f0", 1)]
+
+    def go() -> list[int]:
+        return ranked_pass(_square, tasks, jobs=1, journal=journal, files=lambda t: (t[0],))
+
+    assert go() == [0, 1]
+    [path] = (tmp_path / "j").glob("*.jsonl")
+    lines = path.read_bytes().splitlines()
+    lines[2] = lines[2].replace(b'"result":1', b'"result":{"c":"Unknown","f":{}}')
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    CALLS.clear()
+    assert go() == [0, 1] and CALLS == [1]
+
+
 def test_a_torn_last_line_is_skipped(tmp_path: Path) -> None:
     journal = Journal(tmp_path, {"command": "test"})
     done = b'{"key":"a","identity":[],"result":1}\n'
