@@ -19,7 +19,7 @@ from rbtool import ranks
 from rbtool.dirs import checkpoint_dirs, open_checkpoint
 from rbtool.errors import UsageError
 from rbtool.format import FORMATS, MERGE_MAP_FILE
-from rbtool.fsutil import fs_errors, link_or_copy, publish_dir, staged_dir
+from rbtool.fsutil import check_target, fs_errors, link_or_copy, publish_dir, staged_dir
 from rbtool.index import Index, write_index
 from rbtool.passes import Throughput, Timer, check_jobs, default_jobs
 from rbtool.writer import Progress, WriteReport, copied_entries, place_trajectory, start_phase
@@ -92,11 +92,14 @@ def convert(
     progress: Progress | None = None,
     link: bool = True,
     journal: str | os.PathLike[str] | None = None,
+    dry_run: bool = False,
 ) -> ConvertResult:
     """Write `out` holding `source`'s trajectories in `trajectory_format`, on `jobs` worker processes.
 
     Files to rewrite are read once each, the largest first (default jobs: the cores this
-    process may use); files already in the format are placed without being read.
+    process may use); files already in the format are placed without being read. With
+    `dry_run` nothing is read or written (no journal either): the result lists the
+    checkpoints `out` would hold.
 
     Under torchrun, or with `journal` (a directory), the pass is resumable (rbtool.ranks):
     every rank places its share of the files in a fixed hidden directory beside `out`,
@@ -116,7 +119,15 @@ def convert(
     world = ranks.current()
     result = ConvertResult(root, trajectory_format, [], ranks.total_jobs(jobs))
     target = Path(out)
+    if dry_run:
+        check_target(target, overwrite=overwrite)
+        for directory, index in opened:
+            converted = copied_entries(index)
+            converted.trajectory_format = trajectory_format
+            result.checkpoints.append((directory.name if tree else ".", converted))
+        return result
     if world.size > 1 or journal is not None:
+        check_target(target, overwrite=overwrite)  # refused before any file is placed, as publishing would
         staging, journal_dir = resume_dirs(target, None if journal is None else Path(journal))
         identity = {
             "command": "convert",

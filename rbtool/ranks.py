@@ -443,6 +443,18 @@ def open_journal(directory: str | os.PathLike[str] | None, identity: dict[str, A
     return Journal(path, identity)
 
 
+def input_journal(directory: str | os.PathLike[str] | None, source: str | os.PathLike[str]) -> Path | None:
+    """The journal of one input among several given one journal directory: its own subdirectory
+    `<input name>-<digest of its absolute path>`, so the journals of different inputs stay apart
+    and a rerun over the same inputs, in any order, finds each one's own."""
+    if directory is None:
+        return None
+    absolute = os.path.abspath(source)
+    digest = hashlib.sha256(absolute.encode()).hexdigest()[:12]
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", Path(absolute).name) or "root"
+    return Path(directory) / f"{name}-{digest}"
+
+
 # ------------------------------------------------------------------ the pass
 def task_key(name: str, identity: Any) -> str:
     """A task's journal key: its name and a digest of everything it carries (a changed entry is redone)."""
@@ -666,6 +678,7 @@ __all__ = [
     "finish",
     "from_env",
     "home_rank",
+    "input_journal",
     "on_leader",
     "open_journal",
     "plan",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -145,3 +146,14 @@ def five_files(tmp_path: Path) -> list[Path]:
         torch.save(make_traj(seed=i, model_weights_id=f"v{i}"), path)
         paths.append(path)
     return paths
+
+
+@pytest.fixture(params=[80, 200], ids=["80cols", "200cols"])
+def columns(request: pytest.FixtureRequest) -> Iterator[int]:
+    """Both consoles of the command line at a terminal width of 80 or 200 columns for the test."""
+    from rbtool.cli import _common
+
+    saved = (_common.out._fixed_width, _common.err._width)  # stdout's console follows the terminal when None
+    _common.out.width = _common.err.width = request.param
+    yield request.param
+    _common.out._fixed_width, _common.err._width = saved

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from rbtool import ranks
 from rbtool.format import Problem
-from rbtool.ranks import Journal, JournalError, home_rank, open_journal, plan, ranked_pass
+from rbtool.ranks import Journal, JournalError, home_rank, input_journal, open_journal, plan, ranked_pass
 from rbtool.stats import EpisodeTally, FieldRow, TrajectoryData
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -285,7 +285,81 @@ def test_writers_refuse_to_run_over_ranks(tmp_path: Path, monkeypatch: pytest.Mo
     assert not (tmp_path / "out").exists()
 
 
+def test_writers_refuse_to_run_over_ranks_with_dry_run_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    result = run("shard", FIXTURES / "ranks", "--world-size", "2", "--out", tmp_path / "out", "--dry-run")
+    assert result.exit_code == 2 and "does not run over torchrun ranks" in result.stderr
+
+
+def test_each_input_has_its_own_journal_directory(tmp_path: Path) -> None:
+    a, b = input_journal(tmp_path, "x/ckpt"), input_journal(tmp_path, "y/ckpt")
+    assert a is not None and b is not None and a != b and a.parent == b.parent == tmp_path
+    assert a.name.startswith("ckpt-") and re.fullmatch(r"ckpt-[0-9a-f]{12}", b.name)
+    assert input_journal(tmp_path, Path("x/ckpt").absolute()) == a  # by absolute path
+    assert input_journal(None, "x/ckpt") is None
+    assert re.fullmatch(r"a_b-[0-9a-f]{12}", input_journal(tmp_path, "a b").name)  # type: ignore[union-attr]
+
+
+def test_several_paths_keep_their_journals_apart(ckpt200: Path, tmp_path: Path) -> None:
+    other = FIXTURES / "autosave_pt" / "autosave"
+    journal = tmp_path / "j"
+    first = run("stats", ckpt200, other, "--journal", journal, "--json", "--jobs", "1")
+    assert first.exit_code == 0, first.stderr
+    subdirs = sorted(p for p in journal.iterdir())
+    assert subdirs == sorted(input_journal(journal, p) for p in (ckpt200, other))
+    assert journal_lines(input_journal(journal, ckpt200)) == 200  # type: ignore[arg-type]
+    recorded = sum(journal_lines(d) for d in subdirs)
+    # the same paths in the other order resume both: nothing is read again, the same numbers
+    again = run("stats", other, ckpt200, "--journal", journal, "--json", "--jobs", "1")
+    assert again.exit_code == 0, again.stderr
+    assert sorted(journal.iterdir()) == subdirs and sum(journal_lines(d) for d in subdirs) == recorded
+    docs = [json.loads(x.stdout)["paths"] for x in (first, again)]
+    assert [untimed(d, "data") for d in docs[1]] == [untimed(d, "data") for d in reversed(docs[0])]
+    # a verify of the same paths into the same DIR is another pass: refused, by its first path
+    other_pass = run("verify", ckpt200, other, "--deep", "--journal", journal, "--json")
+    assert other_pass.exit_code == 1 and "belongs to another pass" in other_pass.stderr
+    assert json.loads(other_pass.stdout)["ok"] is False
+    quick = run("verify", ckpt200, other, "--journal", tmp_path / "k")
+    assert quick.exit_code == 2 and not (tmp_path / "k").exists()
+
+
+def test_convert_dry_run_journals_nothing(ckpt200: Path, tmp_path: Path) -> None:
+    out, journal = tmp_path / "out", tmp_path / "journal"
+    result = run("convert", ckpt200, "--out", out, "--format", "pkl", "--journal", journal, "--dry-run")
+    assert result.exit_code == 0, result.stderr
+    assert "nothing written" in result.stdout
+    assert sorted(tmp_path.iterdir()) == []
+
+
 # ------------------------------------------------------------------ torchrun, end to end
+@needs_torchrun
+def test_several_paths_over_two_ranks_one_plan_and_one_journal_each(ckpt200: Path, tmp_path: Path) -> None:
+    paths = [ckpt200, FIXTURES / "ranks"]
+    one = single("verify", *paths, "--deep", "--json")
+    two = torchrun("verify", *paths, "--deep", "--json", "--journal", tmp_path)
+    assert one.returncode == two.returncode == 0, two.stderr[-2000:]
+    docs = [json.loads(x.stdout) for x in (one, two)]
+    assert docs[0]["ok"] and docs[1]["ok"]
+    assert [untimed(d) for d in docs[1]["paths"]] == [untimed(d) for d in docs[0]["paths"]]
+    assert sorted(tmp_path.iterdir()) == sorted(input_journal(tmp_path, p) for p in paths)
+    for path in paths:
+        own = input_journal(tmp_path, path)
+        assert own is not None
+        logs = sorted(own.glob("*.jsonl"))
+        assert {p.name.split("-")[0] for p in logs} == {"0", "1"}  # both ranks read from each input
+        for log in logs:
+            header, *rows = log.read_text().splitlines()
+            assert json.loads(header)["input"] == str(path.absolute())
+            keys = [json.loads(row)["key"] for row in rows]
+            assert all(key.startswith(str(path.absolute()) + os.sep) for key in keys), keys
+            if path.name == "ranks":  # this path's own plan keeps each rank directory home
+                assert all(f"/rank_{log.name.split('-')[0]}/" in key for key in keys), keys
+    assert journal_lines(input_journal(tmp_path, ckpt200)) == 200  # type: ignore[arg-type]
+
+
 @needs_torchrun
 @pytest.mark.parametrize(("rel", "status"), [("ranks", 0), ("nosave_window2_pkl/ckpt", 1)])
 def test_verify_deep_over_two_ranks_is_one_process_report(rel: str, status: int, tmp_path: Path) -> None:

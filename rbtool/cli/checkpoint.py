@@ -12,6 +12,7 @@ import typer
 from rbtool.cli._common import (
     SUMMARY_ITEMS,
     AllOpt,
+    Command,
     CopyOpt,
     ForceOpt,
     FormatOpt,
@@ -34,6 +35,8 @@ from rbtool.cli._common import (
     state_table,
     summary_limit,
 )
+from rbtool.cli._window import DEFAULT_WINDOW, window_line
+from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
 
 if TYPE_CHECKING:
     from rbtool.index import Index
@@ -46,8 +49,6 @@ checkpoint_app = typer.Typer(
     rich_markup_mode=None,
 )
 
-DEFAULT_WINDOW = 100  # the buffer's default sample_window_size
-
 
 class SaveMode(str, enum.Enum):
     """Which buffer's save to reproduce."""
@@ -58,7 +59,7 @@ class SaveMode(str, enum.Enum):
 
 
 # ----------------------------------------------------------------------- save
-@checkpoint_app.command()
+@checkpoint_app.command(cls=Command)
 def save(
     sources: Annotated[
         list[Path],
@@ -90,6 +91,7 @@ def save(
     ] = None,
     force: ForceOpt = False,
     copy: CopyOpt = False,
+    dry_run: DryRunOpt = False,
     all_items: AllOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
@@ -110,13 +112,14 @@ def save(
             and (is_checkpoint_dir(sources[0]) or is_rank_tree(sources[0]))
         )
         chosen = SaveMode.auto_save if single_dir else SaveMode.in_memory
-    enabled = show_progress(json)
+    enabled = show_progress(json) and not dry_run
     if chosen is SaveMode.auto_save:
         if len(sources) != 1:
             raise typer.BadParameter("auto-save mode takes exactly one buffer directory", param_hint="SOURCE")
         if seed is not None:
             raise typer.BadParameter("applies to --mode in-memory only", param_hint="--seed")
-        own_format = open_view(sources[0], check_files=False).index.trajectory_format
+        own = open_view(sources[0], check_files=False).index
+        own_format, listed = own.trajectory_format, own.id_list
         if fmt is not None and fmt != own_format:
             raise typer.BadParameter(
                 f"a buffer with auto_save on saves its own files; {sources[0]} holds {own_format} files",
@@ -124,7 +127,13 @@ def save(
             )
         with progress_bar("saving", None, enabled) as advance:
             index, report = checkpoint.save_from_autosave_dir(
-                sources[0], target, window, overwrite=force, progress=advance, link=not copy
+                sources[0],
+                target,
+                window,
+                overwrite=force,
+                progress=advance,
+                link=not copy,
+                dry_run=dry_run,
             )
     else:
         with progress_bar("saving", None, enabled) as advance:
@@ -137,7 +146,9 @@ def save(
                 overwrite=force,
                 progress=advance,
                 link=not copy,
+                dry_run=dry_run,
             )
+        listed = list(range(index.trajectory_counter))  # an in-memory buffer numbers them 0..n-1
 
     doc: dict[str, Any] = {
         "mode": chosen.value,
@@ -145,15 +156,20 @@ def save(
         "window": window,
         **index.state(),
         "trajectory_format": index.trajectory_format,
-        "files": report.as_json(),
+        "dry_run": dry_run,
+        "files": None if dry_run else report.as_json(),
     }
     limit = summary_limit(all_items)
     if json:
         print_json(bound_state(doc, limit), pretty)
         return
-    title = f"saved {target} ({chosen.value}, window {window})"
+    title = f"{'would save' if dry_run else 'saved'} {target} ({chosen.value}, window {window})"
     out.print(state_table(title, [("checkpoint", doc)], None if all_items else SUMMARY_ITEMS))
-    out.print(f"format {doc['trajectory_format']}; files: {files_line(doc['files'])}")
+    out.print(window_line(window, index.id_list, listed), markup=False)
+    if dry_run:
+        dry_run_note(target, f"{trajectories(index.size)}, format {doc['trajectory_format']}")
+    else:
+        out.print(f"format {doc['trajectory_format']}; files: {files_line(doc['files'])}")
 
 
 # ----------------------------------------------------------------------- load
@@ -183,7 +199,7 @@ def trajectory_rows(index: Index, world_size: int | None, rank: int | None) -> I
             }
 
 
-@checkpoint_app.command()
+@checkpoint_app.command(cls=Command)
 def load(
     ckpt: Annotated[Path, typer.Argument(metavar="CKPT", help="Checkpoint or buffer directory.")],
     world_size: Annotated[
@@ -204,6 +220,7 @@ def load(
         bool, typer.Option("--force", help="Replace the --buffer directory if it is a checkpoint or empty.")
     ] = False,
     copy: CopyOpt = False,
+    dry_run: DryRunOpt = False,
     all_items: AllOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
@@ -220,6 +237,8 @@ def load(
         refuse_overlap(buffer, [ckpt], "--buffer")
     elif copy:
         raise typer.BadParameter("applies only with --buffer", param_hint="--copy")
+    elif dry_run:
+        raise typer.BadParameter("applies only with --buffer (nothing else writes)", param_hint="--dry-run")
 
     # The library checks --world-size and --rank (both or neither, rank in range) before it
     # reads anything; without --rank every rank's block is shown.
@@ -244,7 +263,7 @@ def load(
 
     doc["restored_to"] = None
     if buffer is not None:
-        with progress_bar("restoring", shown.size, show_progress(json or jsonl)) as advance:
+        with progress_bar("restoring", shown.size, show_progress(json or jsonl) and not dry_run) as advance:
             checkpoint.restore(
                 ckpt,
                 buffer,
@@ -254,8 +273,10 @@ def load(
                 overwrite=force,
                 progress=advance,
                 link=not copy,
+                dry_run=dry_run,
             )
-        doc["restored_to"] = str(buffer)
+        doc["restored_to"] = None if dry_run else str(buffer)
+    doc["dry_run"] = dry_run
 
     limit = summary_limit(all_items)
     if jsonl:
@@ -277,5 +298,7 @@ def load(
     out.print(state_table(f"{ckpt} ({how})", rows, limit))
     if dropped:
         out.print(f"dropped for missing files (non-strict): ids {format_ids(dropped, limit)}")
-    if buffer is not None:
+    if buffer is not None and dry_run:
+        dry_run_note(buffer, f"a buffer directory of {trajectories(shown.size)}")
+    elif buffer is not None:
         out.print(f"restored into {buffer}; `rbtool ingest ... --buffer {buffer}` continues the ids")

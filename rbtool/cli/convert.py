@@ -19,6 +19,7 @@ from rbtool.cli._common import (
     StrictOpt,
     TrajectoryFormat,
     bound_state,
+    count,
     files_line,
     out,
     print_json,
@@ -26,9 +27,11 @@ from rbtool.cli._common import (
     refuse_output_mix,
     refuse_overlap,
     show_progress,
+    size,
     state_table,
     summary_limit,
 )
+from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
 
 
 def convert(
@@ -47,6 +50,7 @@ def convert(
         ),
     ] = False,
     copy: CopyOpt = False,
+    dry_run: DryRunOpt = False,
     all_items: AllOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
@@ -56,7 +60,7 @@ def convert(
     from rbtool import conversion
 
     refuse_overlap(target, [source], "--out")
-    with progress_bar("converting", None, show_progress(json)) as advance:
+    with progress_bar("converting", None, show_progress(json) and not dry_run) as advance:
         result = conversion.convert(
             source,
             target,
@@ -67,6 +71,7 @@ def convert(
             progress=advance,
             link=not copy,
             journal=journal,
+            dry_run=dry_run,
         )
     checkpoints: list[dict[str, Any]] = [
         {"path": str(target if rel == "." else target / rel), **index.state()}
@@ -81,7 +86,8 @@ def convert(
         "seconds": round(result.throughput.seconds, 6),
         "bytes_per_second": result.throughput.bytes_per_second,
         "checkpoints": checkpoints,
-        "files": result.report.as_json(),
+        "dry_run": dry_run,
+        "files": None if dry_run else result.report.as_json(),
     }
     if json:
         print_json(
@@ -90,13 +96,18 @@ def convert(
         return
     out.print(
         state_table(
-            f"{source} converted to {doc['trajectory_format']} into {target} ({doc['jobs']} jobs)",
+            f"{source} {'would be ' if dry_run else ''}converted to {doc['trajectory_format']} into {target} "
+            f"({count(doc['jobs'], 'job')})",
             [(Path(c["path"]).name, c) for c in checkpoints],
             None if all_items else SUMMARY_ITEMS,
         )
     )
+    if dry_run:
+        total = sum(c["size"] for c in checkpoints)
+        dry_run_note(target, f"{trajectories(total)} in {doc['trajectory_format']}")
+        return
     out.print(f"files: {files_line(doc['files'])}")
     rate = (doc["bytes_per_second"] or 0) / 1e6
     out.print(
-        f"read {doc['bytes_read']} bytes to rewrite in {doc['seconds']:.2f} s ({rate:.1f} MB/s)", markup=False
+        f"read {size(doc['bytes_read'])} to rewrite in {doc['seconds']:.2f} s ({rate:.1f} MB/s)", markup=False
     )

@@ -29,6 +29,7 @@ from rbtool.cli._common import (
     state_table,
     summary_limit,
 )
+from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
 
 
 def filter_(
@@ -71,9 +72,7 @@ def filter_(
         int | None,
         typer.Option("--min-samples", min=0, metavar="N", help="Keep trajectories with >= N samples (T*B)."),
     ] = None,
-    dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="List what would be kept; write nothing.")
-    ] = False,
+    dry_run: DryRunOpt = False,
     strict: StrictOpt = True,
     force: ForceOpt = False,
     copy: CopyOpt = False,
@@ -130,6 +129,6 @@ def filter_(
         f"dropped {len(result.dropped)} of {doc['source_size']}: ids {format_ids(result.dropped, limit)}"
     )
     if dry_run:
-        out.print("dry run: nothing written")
+        dry_run_note(target, f"{trajectories(result.index.size)} kept")
     else:
         out.print(f"files: {files_line(doc['files'])}")

@@ -17,6 +17,7 @@ from rbtool.cli._common import (
     PrettyOpt,
     StrictOpt,
     bound_state,
+    count,
     files_line,
     out,
     print_json,
@@ -27,6 +28,7 @@ from rbtool.cli._common import (
     state_table,
     summary_limit,
 )
+from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
 
 
 def merge(
@@ -39,6 +41,7 @@ def merge(
     strict: StrictOpt = True,
     force: ForceOpt = False,
     copy: CopyOpt = False,
+    dry_run: DryRunOpt = False,
     all_items: AllOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
@@ -51,7 +54,7 @@ def merge(
     refuse_overlap(target, dirs, "--out")
 
     inputs = [p for d in dirs for p in checkpoint_dirs(d)]
-    with progress_bar("merging", None, show_progress(json)) as advance:
+    with progress_bar("merging", None, show_progress(json) and not dry_run) as advance:
         result = checkpoint.merge(
             dirs,
             target,
@@ -60,6 +63,7 @@ def merge(
             overwrite=force,
             progress=advance,
             link=not copy,
+            dry_run=dry_run,
         )
     index = result.index
     doc: dict[str, Any] = {
@@ -69,18 +73,22 @@ def merge(
         "mapping_file": str(target / checkpoint.MERGE_MAP_FILE) if result.renumbered else None,
         **index.state(),
         "trajectory_format": index.trajectory_format,
-        "files": result.report.as_json(),
+        "dry_run": dry_run,
+        "files": None if dry_run else result.report.as_json(),
     }
     if json:
         print_json(bound_state(doc, summary_limit(all_items)), pretty)
         return
     out.print(
         state_table(
-            f"merged {len(inputs)} checkpoint(s) into {target}",
+            f"{'would merge' if dry_run else 'merged'} {count(len(inputs), 'checkpoint')} into {target}",
             [("merged", doc)],
             None if all_items else SUMMARY_ITEMS,
         )
     )
     if result.renumbered:
         out.print(f"ids collided and were renumbered; mapping in {doc['mapping_file']}")
-    out.print(f"format {doc['trajectory_format']}; files: {files_line(doc['files'])}")
+    if dry_run:
+        dry_run_note(target, f"{trajectories(index.size)}, format {doc['trajectory_format']}")
+    else:
+        out.print(f"format {doc['trajectory_format']}; files: {files_line(doc['files'])}")

@@ -27,6 +27,7 @@ from rbtool.cli._common import (
     state_table,
     summary_limit,
 )
+from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
 
 
 def shard(
@@ -38,6 +39,7 @@ def shard(
     strict: StrictOpt = True,
     force: RanksForceOpt = False,
     copy: CopyOpt = False,
+    dry_run: DryRunOpt = False,
     all_items: AllOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
@@ -47,9 +49,16 @@ def shard(
     from rbtool import checkpoint
 
     refuse_overlap(target, [ckpt], "--out")
-    with progress_bar("sharding", None, show_progress(json)) as advance:
+    with progress_bar("sharding", None, show_progress(json) and not dry_run) as advance:
         shards, report = checkpoint.shard(
-            ckpt, world_size, target, strict=strict, overwrite=force, progress=advance, link=not copy
+            ckpt,
+            world_size,
+            target,
+            strict=strict,
+            overwrite=force,
+            progress=advance,
+            link=not copy,
+            dry_run=dry_run,
         )
     ranks: list[dict[str, Any]] = [
         {"rank": r, "path": str(target / f"rank_{r}"), **part.state()} for r, part in enumerate(shards)
@@ -59,16 +68,20 @@ def shard(
         "out": str(target),
         "world_size": world_size,
         "ranks": ranks,
-        "files": report.as_json(),
+        "dry_run": dry_run,
+        "files": None if dry_run else report.as_json(),
     }
     if json:
         print_json({**doc, "ranks": [bound_state(r, summary_limit(all_items)) for r in ranks]}, pretty)
         return
     out.print(
         state_table(
-            f"{ckpt} sharded over {world_size} ranks into {target}",
+            f"{ckpt} {'would be ' if dry_run else ''}sharded over {world_size} ranks into {target}",
             [(f"rank_{r['rank']}", r) for r in ranks],
             None if all_items else SUMMARY_ITEMS,
         )
     )
-    out.print(f"files: {files_line(doc['files'])}")
+    if dry_run:
+        dry_run_note(target, f"{world_size} rank directories, {trajectories(sum(r['size'] for r in ranks))}")
+    else:
+        out.print(f"files: {files_line(doc['files'])}")
