@@ -102,12 +102,13 @@ class Timer:
         return time.perf_counter() - self.started
 
 
-def _keep_freed_memory() -> None:
+def keep_freed_memory() -> None:
     """Let this process's malloc keep freed blocks of up to 32 MiB for the next file.
 
     A worker reads file after file of similar sizes; by default glibc serves blocks above
     a few MiB with fresh mmaps and trims freed heap, so every file's bytes and tensors fault
-    their pages in anew (about an eighth of a deep check's CPU time). Only workers do this.
+    their pages in anew (about an eighth of a deep check's CPU time). Workers do this, and so
+    does a torchrun rank that runs its share itself (rbtool.ranks).
     """
     if not sys.platform.startswith("linux"):
         return
@@ -127,7 +128,7 @@ def _keep_freed_memory() -> None:
 def _worker_init() -> None:
     """Ctrl-C is the calling process's to handle (it stops the workers); one thread of torch each."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _keep_freed_memory()
+    keep_freed_memory()
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_num_threads(1)
@@ -251,4 +252,4 @@ def run_pass(
     return [results_by_position[i] for i in range(len(tasks))]
 
 
-__all__ = ["Throughput", "Timer", "check_jobs", "default_jobs", "run_pass"]
+__all__ = ["Throughput", "Timer", "check_jobs", "default_jobs", "keep_freed_memory", "run_pass"]

@@ -30,7 +30,8 @@ from rbtool.errors import (
 )
 from rbtool.format import IndexCheck, check_json, escapes, not_a_file, trajectory_file_name
 from rbtool.index import Index, read_index
-from rbtool.passes import Throughput, Timer, check_jobs, run_pass
+from rbtool.passes import Throughput, Timer, check_jobs
+from rbtool.ranks import Journal, open_journal, ranked_pass, total_jobs
 
 if TYPE_CHECKING:
     import torch
@@ -657,13 +658,15 @@ def data_report(
     in_window: np.ndarray,
     bins: int,
     progress: Progress | None = None,
-    jobs: int = 1,
+    jobs: int | None = 1,
     sizes: np.ndarray | None = None,
+    journal: Journal | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[int, np.ndarray]]:
     """Schema and data statistics over every trajectory whose file exists.
 
     Files are read on `jobs` worker processes (rbtool.passes), the largest first when
-    `sizes` (from `file_sizes`) are given; the numbers are those of a single process.
+    `sizes` (from `file_sizes`) are given, shared among the ranks under torchrun and recorded
+    in `journal` if given (rbtool.ranks); the numbers are those of a single process.
     Returns (schema rows, data section, per-sample reward scores by id for the draw spread).
     """
     per_fields: list[tuple[int, list[FieldRow]]] = []
@@ -679,7 +682,7 @@ def data_report(
         (file_of(tid), int(table.t[pos]), int(table.b[pos])) for tid, pos in zip(ids, positions, strict=True)
     ]
     timer = Timer()
-    results = run_pass(
+    results = ranked_pass(
         _read_task,
         tasks,
         jobs=jobs,
@@ -687,6 +690,9 @@ def data_report(
         progress=progress,
         preload=("torch", "rbtool.stats"),
         describe=lambda task: str(task[0]),
+        journal=journal,
+        files=lambda task: (task[0],),
+        types=(TrajectoryData, FieldRow, EpisodeTally),
     )
     seconds = timer.elapsed()
     for tid, (path, _, _), got in zip(ids, tasks, results, strict=True):
@@ -718,7 +724,7 @@ def data_report(
         }
     data = {
         "trajectories_read": len(per_fields),
-        **Throughput(jobs, bytes_read, seconds).as_json(),
+        **Throughput(total_jobs(jobs), bytes_read, seconds).as_json(),
         "pkl_bytes_read": pkl_bytes,
         "rewards": {"trajectories": len(rewards), **summarize(all_rewards, bins)} if rewards else None,
         "episodes": episodes_report(EpisodeTally.combine(tallies), len(tallies), bins) if tallies else None,
@@ -843,6 +849,7 @@ def collect_stats(
     as_json: bool = True,
     read_data: bool = True,
     jobs: int | None = None,
+    journal: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
     """The whole stats document of a checkpoint or buffer directory.
 
@@ -854,9 +861,12 @@ def collect_stats(
     Missing trajectory files are reported, not refused. With `index_only`, only the JSON
     files are read (no torch import unless draws are asked for), and top-k draws, which
     need rewards, are refused. The data part reads files on `jobs` worker processes
-    (default: the cores this process may use).
+    (default: the cores this process may use), shared among the ranks under torchrun; with
+    `journal` (a directory) each file read is recorded there and a rerun takes the recorded
+    results of unchanged files (rbtool.ranks).
     """
-    workers = check_jobs(jobs)
+    if jobs is not None:
+        check_jobs(jobs)
     if bins < 1:
         raise UsageError(f"bins must be >= 1, got {bins}")
     if draws is not None and index_only and draws.strategy == "topk":
@@ -901,7 +911,16 @@ def collect_stats(
         exists = sizes >= 0
         start_phase(progress, int(exists.sum()), "reading trajectories")
         doc["schema"], doc["data"], scores = data_report(
-            file_of, index, table, exists, in_window, bins, progress, workers, sizes
+            file_of,
+            index,
+            table,
+            exists,
+            in_window,
+            bins,
+            progress,
+            jobs,
+            sizes,
+            open_journal(journal, {"command": "stats", "input": str(directory.absolute())}),
         )
     doc["draws"] = None
     if draws is not None:

@@ -44,7 +44,8 @@ from rbtool.format import (
     problem,
     trajectory_file_name,
 )
-from rbtool.passes import Timer, check_jobs, run_pass
+from rbtool.passes import Timer, check_jobs
+from rbtool.ranks import Journal, open_journal, ranked_pass, total_jobs
 
 Progress = Callable[[int], None]
 
@@ -530,7 +531,7 @@ def verify_checkpoint(
     path = Path(directory)
     report, files = _check_one(path, deep)
     if deep:
-        _run_deep([files], progress, check_jobs(jobs))
+        _run_deep([files], progress, check_jobs(jobs), None)
     return report
 
 
@@ -545,18 +546,23 @@ def _check_one(path: Path, deep: bool) -> tuple[CheckpointReport, _FileChecker]:
     return report, files
 
 
-def _run_deep(checkers: list[_FileChecker], progress: Progress | None, jobs: int) -> int:
-    """The deep pass over every checker's files at once, on `jobs` workers; returns the bytes read."""
+def _run_deep(
+    checkers: list[_FileChecker], progress: Progress | None, jobs: int | None, journal: Journal | None
+) -> int:
+    """The deep pass over every checker's files at once, `jobs` workers per rank; returns the bytes read."""
     per_checker = [c.deep_tasks() for c in checkers]
     tasks = [t for ts in per_checker for t in ts]
     _start_phase(progress, len(tasks), "loading trajectory files")
-    results = run_pass(
+    results = ranked_pass(
         _deep_task,
         tasks,
         jobs=jobs,
         weights=[_file_size(t.path) for t in tasks],
         progress=progress,
         preload=("torch", "rbtool.verify"),
+        journal=journal,
+        files=lambda t: (t.path,),
+        types=(Problem,),
     )
     total, start = 0, 0
     for checker, own in zip(checkers, per_checker, strict=True):
@@ -571,16 +577,24 @@ def verify(
     deep: bool = False,
     progress: Progress | None = None,
     jobs: int | None = None,
+    journal: str | os.PathLike[str] | None = None,
 ) -> VerifyReport:
     """Check a checkpoint, a buffer directory, or each checkpoint of a folder of rank_* directories.
 
     The deep pass runs on `jobs` worker processes (default: the cores this process may use),
-    over the files of every checkpoint at once. `progress(1)` is called per file of the deep
-    pass; a callback with a `start(total, description)` method also hears of each phase
-    (checkpoints checked, then files loaded) and counts the checkpoints too.
+    over the files of every checkpoint at once; under torchrun the files are shared among
+    the ranks (rbtool.ranks). With `journal` (a directory), each checked file is recorded
+    there, and a rerun takes the recorded results of unchanged files. `progress(1)` is called
+    per file of the deep pass; a callback with a `start(total, description)` method also hears
+    of each phase (checkpoints checked, then files loaded) and counts the checkpoints too.
     """
-    workers = check_jobs(jobs)
+    if jobs is not None:
+        check_jobs(jobs)
     root = Path(path)
+    opened = None
+    if deep:
+        opened = open_journal(journal, {"command": "verify deep", "input": str(root.absolute())})
+    workers = total_jobs(jobs) if deep else check_jobs(jobs)
     timer = Timer()
     dirs = checkpoint_dirs(root)
     _start_phase(progress, len(dirs), "checking index files and listings")
@@ -592,7 +606,7 @@ def verify(
             phases(1)
     report = VerifyReport(root, deep, [r for r, _ in checked], jobs=workers)
     if deep:
-        report.bytes_read = _run_deep([f for _, f in checked], progress, workers)
+        report.bytes_read = _run_deep([f for _, f in checked], progress, jobs, opened)
     report.seconds = timer.elapsed()
     return report
 

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"
 
 CHILD_KEYS = {"status", "argv", "wall_s", "peak_rss_bytes", "exit_code", "stderr_tail"}
@@ -273,3 +275,20 @@ def test_deep_reports_every_figure(tmp_path: Path) -> None:
     assert all(positive(v) for v in doc["verify_vs_sha256sum"].values())
     assert positive(doc["speedup_1_to_n_jobs"]) and doc["met"] in (True, False)
     assert not list(tmp_path.rglob(".files"))
+
+
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed")
+def test_ranks_reports_every_figure(tmp_path: Path) -> None:
+    doc = run_script(
+        "bench_ranks.py",
+        *("--quick", "--trajectories", "4", "--t", "2", "--b", "2", "--image", "8"),
+        *("--repeats", "1", "--workdir", str(tmp_path)),
+    )
+    runs = ("process", "ranks_1", "ranks_2")
+    assert doc["files"] == 4 and positive(doc["bytes"]) and set(doc["median_seconds"]) == set(runs)
+    assert all(positive(doc["median_seconds"][k]) for k in runs)
+    assert positive(doc["speedup_1_to_2_ranks"]) and positive(doc["torchrun_overhead_1_rank"])
+    assert doc["same_report"] is True

@@ -8,6 +8,8 @@ the library. Library errors become exit statuses in one place, `_common.Group.in
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Annotated
 
 import typer
@@ -82,5 +84,27 @@ app.command(cls=Command)(version.version)
 
 
 def main() -> None:
-    """Console-script entry point, also run by `python -m rbtool`."""
-    app()
+    """Console-script entry point, also run by `python -m rbtool`.
+
+    Under torchrun, ranks other than 0 print nothing on stdout: every rank builds the same
+    report (rbtool.ranks), rank 0 prints it; and no rank leaves before the others are done
+    (torchrun ends every rank as soon as one exits with an error: rank 0 could be cut off
+    in the middle of its report).
+    """
+    try:
+        if os.environ.get("RANK", "0") != "0" and os.environ.get("WORLD_SIZE"):
+            from rbtool.ranks import from_env, silenced_stdout
+
+            try:
+                world = from_env()
+            except Exception:  # the command reports a bad torchrun environment itself
+                world = None
+            with silenced_stdout(world):
+                app()
+        else:
+            app()
+    finally:
+        ranks = sys.modules.get("rbtool.ranks")
+        if ranks is not None:
+            sys.stdout.flush()
+            ranks.finish()

@@ -104,6 +104,18 @@ def exit_status(exc: RbtoolError) -> int:
     return 2 if isinstance(exc, UsageError) else 1
 
 
+# Commands that may run under torchrun with more than one rank: the passes spread over the
+# ranks (rbtool.ranks) and read-only commands; a writer started K times would race itself.
+OVER_RANKS = frozenset({"verify", "stats", "convert", "diff", "version"})
+
+
+def _world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) if os.environ.get("RANK") is not None else 1
+    except ValueError:
+        return 1
+
+
 class Group(TyperGroup):
     """A command group that records the command it resolves.
 
@@ -141,6 +153,13 @@ class Group(TyperGroup):
     def resolve_command(self, ctx: Any, args: list[str]) -> Any:
         name, command, rest = super().resolve_command(ctx, args)
         ctx.meta[_COMMAND] = command
+        if ctx.parent is None and name not in OVER_RANKS and _world_size() > 1:
+            from rbtool.errors import UsageError
+
+            raise UsageError(
+                f"rbtool {name} does not run over torchrun ranks (each rank would write the same "
+                f"output); run it as one process. Over ranks: {', '.join(sorted(OVER_RANKS))}"
+            )
         return name, command, rest
 
     def invoke(self, ctx: Any) -> Any:
@@ -264,6 +283,16 @@ JobsOpt = Annotated[
         "-j",
         min=1,
         help="Files worked on at once (default: the number of cores).",
+        show_default=False,
+    ),
+]
+JournalOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--journal",
+        help="Record each file read in DIR as it is done; a rerun with the same DIR skips the recorded "
+        "files whose files are unchanged (resume after a crash or a lost rank).",
+        metavar="DIR",
         show_default=False,
     ),
 ]
@@ -500,8 +529,11 @@ def print_jsonl(rows: Iterable[Any]) -> None:
 
 
 def show_progress(json_mode: bool) -> bool:
-    """Progress bars only for a person at a terminal, never with --json, --jsonl, -q or --no-progress."""
-    return not json_mode and settings.progress and _stderr_is_terminal()
+    """Progress bars only for a person at a terminal, never with --json, --jsonl, -q or --no-progress,
+    and under torchrun only on rank 0 (one bar, not one per rank over each other)."""
+    return (
+        not json_mode and settings.progress and _stderr_is_terminal() and os.environ.get("RANK", "0") == "0"
+    )
 
 
 def _stderr_is_terminal() -> bool:

@@ -12,6 +12,7 @@ from rbtool.cli._common import (
     AllOpt,
     CopyOpt,
     JobsOpt,
+    JournalOpt,
     JsonOpt,
     PrettyOpt,
     SourceArg,
@@ -40,6 +41,7 @@ def convert(
         TrajectoryFormat, typer.Option("--format", help="The format to write every trajectory file in.")
     ],
     jobs: JobsOpt = None,
+    journal: JournalOpt = None,
     strict: StrictOpt = True,
     force: Annotated[
         bool,
@@ -68,6 +70,7 @@ def convert(
             overwrite=force,
             progress=advance,
             link=not copy,
+            journal=journal,
             dry_run=dry_run,
         )
     checkpoints: list[dict[str, Any]] = [

@@ -14,6 +14,7 @@ from rbtool.cli._common import (
     Column,
     Fitted,
     JobsOpt,
+    JournalOpt,
     JsonlOpt,
     JsonOpt,
     KOpt,
@@ -132,6 +133,7 @@ def stats(
     temperature: TemperatureOpt = 1.0,
     seed: SeedOpt = None,
     jobs: JobsOpt = None,
+    journal: JournalOpt = None,
     all_items: AllOpt = False,
     wide: WideOpt = False,
     json: JsonOpt = False,
@@ -163,6 +165,8 @@ def stats(
         draws = DrawRequest(sample_draws, strategy.value, k, temperature, seed)
     enabled = show_progress(json or jsonl) and not index_only
 
+    from rbtool.ranks import input_journal
+
     def one(path: Any) -> dict[str, Any]:
         with progress_bar("reading the index", None, enabled) as advance:
             return collect_stats(
@@ -173,6 +177,8 @@ def stats(
                 draws=draws,
                 progress=advance,
                 jobs=jobs,
+                # one journal per input: with several paths, each its own subdirectory of DIR
+                journal=journal if len(paths) == 1 else input_journal(journal, path),
                 as_json=False,  # numpy columns and lazy file names: cut or streamed below
                 read_data=not jsonl,  # JSON Lines list the trajectories, not the data statistics
             )

@@ -14,6 +14,7 @@ from rbtool.cli._common import (
     Column,
     Fitted,
     JobsOpt,
+    JournalOpt,
     JsonlOpt,
     JsonOpt,
     PathsArg,
@@ -141,6 +142,7 @@ def verify(
         ),
     ] = False,
     jobs: JobsOpt = None,
+    journal: JournalOpt = None,
     all_items: AllOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
@@ -153,7 +155,12 @@ def verify(
     paths are checked in turn, each reported on its own.
     """
     refuse_output_mix(json, jsonl, pretty)
+    if journal is not None and not deep:
+        raise typer.BadParameter(
+            "the quick check reads no trajectory file: add --deep", param_hint="--journal"
+        )
     from rbtool.errors import CheckpointError, RbtoolError, UsageError
+    from rbtool.ranks import input_journal
     from rbtool.verify import verify as run_verify
 
     enabled = show_progress(json or jsonl)
@@ -163,7 +170,14 @@ def verify(
     for i, path in enumerate(paths):
         try:
             with progress_bar("checking index files and listings", None, enabled) as advance:
-                result = run_verify(path, deep=deep, progress=advance if enabled else None, jobs=jobs)
+                result = run_verify(
+                    path,
+                    deep=deep,
+                    progress=advance if enabled else None,
+                    jobs=jobs,
+                    # one journal per input: with several paths, each its own subdirectory of DIR
+                    journal=journal if single else input_journal(journal, path),
+                )
         except UsageError:
             raise
         except RbtoolError as exc:

@@ -1,0 +1,689 @@
+"""Deep passes over ranks (torchrun), and journals that let an interrupted pass resume.
+
+Under `torchrun` (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+in the environment), `ranked_pass` is `rbtool.passes.run_pass` spread over the ranks:
+
+- rank 0 makes the plan (which rank reads which file) from the file sizes and sends it to
+  every rank, so every rank works from the same plan: byte-balanced (the bytes of any two
+  ranks differ by at most the largest file), and local where it can be, since a file under a
+  `rank_<r>` directory goes to rank r when that keeps the balance (`plan`);
+- each rank runs its share on its own share of the node's cores (`--jobs` default: the
+  cores this process may use divided by LOCAL_WORLD_SIZE);
+- the results are gathered over torch.distributed (gloo, CPU) to every rank in task order,
+  so every rank builds the report a single process would have built and leaves with the
+  same exit status; only rank 0 prints it (the command line silences the others' stdout);
+- when tasks raise, every rank raises the error of the first failing task in list order.
+
+Without torchrun, `ranked_pass` is `run_pass`, plus the journal when one is given.
+
+A journal (`Journal`) is a directory of append-only JSON Lines files, one per process that
+ran tasks (`<rank>-<pid>.jsonl`): a header line naming the pass (command, input, options),
+then one line per finished file with its key, the file's identity (size, mtime, inode) and
+its result. Each line is written whole and fsynced before the task counts as done, so a
+crash loses at most the files in flight, and a torn last line is skipped on reading. A
+rerun with the same journal takes every recorded result whose file is unchanged and redoes
+the rest, on any number of ranks. A journal whose header names another pass is refused.
+Results are stored as tagged JSON (dataclasses of the listed types, numpy arrays, tuples,
+paths), never as pickles.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import hashlib
+import heapq
+import os
+import pickle
+import re
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import orjson
+
+from rbtool.errors import RbtoolError, UsageError
+from rbtool.fsutil import fsync_dir
+from rbtool.passes import Progress, check_jobs, default_jobs, keep_freed_memory, run_pass
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+JOURNAL_VERSION = 1
+_RANK_DIR = re.compile(r"rank_(\d+)$")
+# test-only: a rank whose number is RBTOOL_TEST_EXIT_RANK leaves (os._exit) once it has
+# journaled RBTOOL_TEST_EXIT_AFTER files, as a node lost in the middle of a pass would
+_EXIT_RANK, _EXIT_AFTER = "RBTOOL_TEST_EXIT_RANK", "RBTOOL_TEST_EXIT_AFTER"
+
+
+class JournalError(RbtoolError):
+    """A journal directory that belongs to another pass, or cannot be read or written."""
+
+
+# ------------------------------------------------------------------ the world
+@dataclass(frozen=True)
+class World:
+    """This process's place among the ranks torchrun started."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+
+_SINGLE = World(0, 1, 0, 1)
+_group_ready = False
+
+
+def from_env(environ: Any = None) -> World | None:
+    """The torchrun world this process runs in, or None when it was not started by torchrun."""
+    env = os.environ if environ is None else environ
+    if not all(env.get(name) for name in TORCHRUN_VARS):
+        return None
+    try:
+        rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local_rank, local_size = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"])
+    except ValueError:
+        raise UsageError(
+            "RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE must be integers (as torchrun sets them)"
+        ) from None
+    if size < 1 or not 0 <= rank < size or local_size < 1 or not 0 <= local_rank < local_size:
+        raise UsageError(
+            f"rank {rank} of world size {size} (local {local_rank} of {local_size}) is out of range"
+        )
+    return World(rank, size, local_rank, local_size)
+
+
+def current() -> World:
+    """The torchrun world, or a world of one rank; the process group is set up on first use."""
+    world = from_env()
+    if world is None:
+        return _SINGLE
+    _init_group()
+    return world
+
+
+def _init_group() -> None:
+    global _group_ready
+    if _group_ready:
+        return
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")  # env:// from torchrun's variables; CPU only
+    _group_ready = True
+
+
+def finish() -> None:
+    """At the end of a command: wait for every rank, then leave the process group (if one was joined)."""
+    global _group_ready
+    if not _group_ready:
+        return
+    import torch.distributed as dist
+
+    _group_ready = False
+    try:
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:  # another rank is gone: torchrun is ending the run anyway
+        pass
+
+
+def rank_jobs(jobs: int | None, world: World) -> int:
+    """Workers for this rank: `jobs` if given, else this node's cores shared among its ranks."""
+    if jobs is not None:
+        return check_jobs(jobs)
+    return max(1, default_jobs() // world.local_size)
+
+
+def total_jobs(jobs: int | None) -> int:
+    """The workers a pass runs on, over every rank (what its report gives as `jobs`)."""
+    world = current()
+    return rank_jobs(jobs, world) * world.size
+
+
+def _all_gather(obj: Any, world: World) -> list[Any]:
+    if world.size == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * world.size
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def _broadcast(obj: Any, world: World) -> Any:
+    if world.size == 1:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier(world: World) -> None:
+    if world.size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """`exc` if it survives a pickle round trip (to be sent to the other ranks), else its message."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RbtoolError(str(exc))
+
+
+def on_leader(world: World, action: Callable[[], None]) -> None:
+    """Run `action` on rank 0 only; every rank raises the error it raised (the same exit status)."""
+    error: BaseException | None = None
+    if world.leader:
+        try:
+            action()
+        except Exception as exc:
+            error = exc
+    error = _broadcast(None if error is None else _portable(error), world)
+    if error is not None:
+        raise error
+
+
+# ------------------------------------------------------------------ the plan
+def home_rank(path: Path) -> int | None:
+    """The rank whose directory holds `path` (the nearest `rank_<r>` parent), or None."""
+    for parent in path.parents:
+        found = _RANK_DIR.fullmatch(parent.name)
+        if found:
+            return int(found.group(1))
+    return None
+
+
+def plan(weights: Sequence[int], world_size: int, homes: Sequence[int | None] | None = None) -> list[int]:
+    """The rank of each task: byte-balanced, deterministic, and local where the balance allows.
+
+    A task counts as its weight, at least 1 (files that are linked, not read, still spread by
+    count). Tasks with a home rank (`homes[i]`, e.g. the r of a `rank_<r>` directory) start
+    there; the others go, largest first, to the least loaded rank; then, while the most and
+    the least loaded ranks differ by more than the largest task, the most loaded hands its
+    largest task to the least loaded. So the loads of any two ranks end within the largest
+    task of each other, and as few tasks as that needs leave their home. Ties: lowest rank,
+    earliest task.
+    """
+    if world_size < 1:
+        raise UsageError(f"world size must be >= 1, got {world_size}")
+    if homes is not None and len(homes) != len(weights):
+        raise UsageError(f"{len(homes)} home ranks for {len(weights)} tasks")
+    cost = [max(1, int(w)) for w in weights]
+    biggest = max(cost, default=0)
+    loads = [0] * world_size
+    owner = [-1] * len(cost)
+    for i in range(len(cost)):
+        home = None if homes is None else homes[i]
+        if home is not None and 0 <= home < world_size:
+            owner[i] = home
+            loads[home] += cost[i]
+    for i in sorted((i for i in range(len(cost)) if owner[i] < 0), key=lambda i: (-cost[i], i)):
+        least = min(range(world_size), key=lambda r: (loads[r], r))
+        owner[i] = least
+        loads[least] += cost[i]
+    held: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]  # (-cost, task): largest first
+    for i, r in enumerate(owner):
+        heapq.heappush(held[r], (-cost[i], i))
+    while True:
+        most = max(range(world_size), key=lambda r: (loads[r], -r))
+        least = min(range(world_size), key=lambda r: (loads[r], r))
+        if loads[most] - loads[least] <= biggest:
+            return owner
+        negative, i = heapq.heappop(held[most])  # cost <= biggest < the gap: both move toward the mean
+        owner[i] = least
+        loads[most] += negative
+        loads[least] -= negative
+        heapq.heappush(held[least], (negative, i))
+
+
+# ------------------------------------------------------------------ results as JSON
+def _encode(value: Any, types: dict[str, type]) -> Any:
+    import numpy as np
+
+    if value is None or (isinstance(value, (bool, int, float, str)) and not isinstance(value, np.generic)):
+        return value
+    if isinstance(value, list):
+        return [_encode(v, types) for v in value]
+    if isinstance(value, tuple):
+        return {"t": [_encode(v, types) for v in value]}
+    if isinstance(value, dict):
+        return {"d": [[_encode(k, types), _encode(v, types)] for k, v in value.items()]}
+    if isinstance(value, Path):
+        return {"p": str(value)}
+    if isinstance(value, (np.ndarray, np.generic)):
+        array = np.asarray(value)  # tobytes() is in C order whatever the strides
+        return {
+            "a": [array.dtype.str, list(array.shape), base64.b64encode(array.tobytes()).decode()],
+            "s": isinstance(value, np.generic),
+        }
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        name = type(value).__name__
+        if types.get(name) is not type(value):
+            raise JournalError(f"a result of type {name} cannot be journaled (not among the pass's types)")
+        return {
+            "c": name,
+            "f": {f.name: _encode(getattr(value, f.name), types) for f in dataclasses.fields(value)},
+        }
+    raise JournalError(f"a result of type {type(value).__name__} cannot be journaled")
+
+
+def _decode(value: Any, types: dict[str, type]) -> Any:
+    import numpy as np
+
+    if isinstance(value, list):
+        return [_decode(v, types) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "t" in value:
+        return tuple(_decode(v, types) for v in value["t"])
+    if "d" in value:
+        return {_decode(k, types): _decode(v, types) for k, v in value["d"]}
+    if "p" in value:
+        return Path(value["p"])
+    if "a" in value:
+        dtype, shape, data = value["a"]
+        if np.dtype(dtype).hasobject:
+            raise ValueError("object arrays are not journaled")
+        array = np.frombuffer(base64.b64decode(data), dtype=np.dtype(dtype)).reshape(shape).copy()
+        return array[()] if value.get("s") else array
+    if "c" in value:
+        cls = types.get(value["c"])
+        if cls is None:
+            raise ValueError(f"unknown result type {value['c']!r}")
+        return cls(**{k: _decode(v, types) for k, v in value["f"].items()})
+    raise ValueError("unknown tag")
+
+
+# ------------------------------------------------------------------ journals
+def file_identity(path: Path) -> list[int] | None:
+    """What tells a file apart from a changed one: size, mtime (ns) and inode; None if it is gone."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+@dataclass(frozen=True)
+class Journal:
+    """Where a pass records its finished files: `directory`, for the pass named by `identity`."""
+
+    directory: Path
+    identity: dict[str, Any]
+
+    def header(self) -> bytes:
+        return orjson.dumps({"rbtool_journal": JOURNAL_VERSION, **self.identity}) + b"\n"
+
+    def files(self) -> list[Path]:
+        try:
+            return sorted(p for p in self.directory.iterdir() if p.suffix == ".jsonl" and p.is_file())
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise JournalError(f"{self.directory}: cannot read the journal: {exc.strerror or exc}") from None
+
+    def load(self) -> dict[str, tuple[Any, Any]]:
+        """Every recorded file, by key: (its identity then, its encoded result). Refuses foreign journals."""
+        done: dict[str, tuple[Any, Any]] = {}
+        mine = orjson.loads(self.header())
+        for path in self.files():
+            try:
+                lines = path.read_bytes().split(b"\n")
+            except OSError as exc:
+                raise JournalError(f"{path}: cannot read the journal: {exc.strerror or exc}") from None
+            if lines == [b""]:
+                continue  # made, never written to
+            try:
+                head = orjson.loads(lines[0])
+            except orjson.JSONDecodeError:
+                head = None
+            if head != mine:
+                theirs = head if isinstance(head, dict) else "not an rbtool journal"
+                raise JournalError(
+                    f"{path}: this journal belongs to another pass ({_describe(theirs)}), not to this one "
+                    f"({_describe(mine)}); use another journal directory, or remove this one"
+                )
+            for line in lines[1:]:
+                try:
+                    row = orjson.loads(line)
+                    done[row["key"]] = (row["identity"], row["result"])
+                except (orjson.JSONDecodeError, KeyError, TypeError):
+                    continue  # a torn last line (a crash mid-write) or an empty one
+        return done
+
+    def writer(self, rank: int) -> _JournalWriter:
+        return _JournalWriter(self, rank)
+
+
+def _describe(identity: Any) -> str:
+    if not isinstance(identity, dict):
+        return str(identity)
+    shown = {k: v for k, v in identity.items() if k != "rbtool_journal"}
+    return ", ".join(f"{k} {v}" for k, v in shown.items())
+
+
+class _JournalWriter:
+    """Appends one fsynced line per finished file to this process's own journal file.
+
+    It pickles (it goes to worker processes with each task); the open file lives in the
+    process (`_OPEN`), so every task a process runs appends to the same file.
+    """
+
+    def __init__(self, journal: Journal, rank: int) -> None:
+        self.journal = journal
+        self.rank = rank
+
+    def record(self, line: bytes) -> None:
+        slot = (str(self.journal.directory), self.rank, os.getpid())
+        if slot not in _OPEN:
+            name = f"{self.rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
+            path = self.journal.directory / name
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+                _write_all(fd, self.journal.header())
+                os.fsync(fd)
+                fsync_dir(self.journal.directory)
+            except OSError as exc:
+                raise JournalError(f"{path}: cannot write the journal: {exc.strerror or exc}") from None
+            _OPEN[slot] = [fd, 0]
+        held = _OPEN[slot]
+        try:
+            _write_all(held[0], line)
+            os.fsync(held[0])
+        except OSError as exc:
+            raise JournalError(
+                f"{self.journal.directory}: cannot write the journal: {exc.strerror or exc}"
+            ) from None
+        held[1] += 1
+        if os.environ.get(_EXIT_RANK) == str(self.rank) and held[1] >= int(os.environ.get(_EXIT_AFTER, "1")):
+            os._exit(17)
+
+
+_OPEN: dict[tuple[str, int, int], list[int]] = {}  # (journal, rank, pid) -> [fd, lines written]
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def open_journal(directory: str | os.PathLike[str] | None, identity: dict[str, Any]) -> Journal | None:
+    """The journal in `directory` (made if needed) for the pass `identity`, or None without a directory."""
+    if directory is None:
+        return None
+    path = Path(directory)
+    source = identity.get("input")
+    if source is not None and path.absolute().resolve().is_relative_to(Path(source).resolve()):
+        raise UsageError(
+            f"{path}: a journal is never written into its input {source}; choose another directory"
+        )
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise JournalError(f"{path}: cannot make the journal directory: {exc.strerror or exc}") from None
+    if not path.is_dir():
+        raise JournalError(f"{path}: not a directory, so it cannot hold a journal")
+    return Journal(path, identity)
+
+
+def input_journal(directory: str | os.PathLike[str] | None, source: str | os.PathLike[str]) -> Path | None:
+    """The journal of one input among several given one journal directory: its own subdirectory
+    `<input name>-<digest of its absolute path>`, so the journals of different inputs stay apart
+    and a rerun over the same inputs, in any order, finds each one's own."""
+    if directory is None:
+        return None
+    absolute = os.path.abspath(source)
+    digest = hashlib.sha256(absolute.encode()).hexdigest()[:12]
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", Path(absolute).name) or "root"
+    return Path(directory) / f"{name}-{digest}"
+
+
+# ------------------------------------------------------------------ the pass
+def task_key(name: str, identity: Any) -> str:
+    """A task's journal key: its name and a digest of everything it carries (a changed entry is redone)."""
+    return f"{name}#{hashlib.sha256(repr(identity).encode()).hexdigest()[:20]}"
+
+
+def _absolute(value: Any) -> Any:
+    """`value` with every path in it (dataclass fields, tuples, lists) made absolute, for keys
+    that do not depend on the working directory."""
+    if isinstance(value, Path):
+        return os.path.abspath(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_absolute(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (type(value).__name__, *(_absolute(getattr(value, f.name)) for f in dataclasses.fields(value)))
+    return value
+
+
+@dataclass(frozen=True)
+class _Job(Generic[T]):
+    """One task as a rank's worker sees it: the task, its journal key, the files that identify it."""
+
+    task: T
+    key: str
+    files: tuple[Path, ...]
+    position: int
+
+    def __str__(self) -> str:
+        return str(self.task)
+
+
+class _TaskFailed(Exception):
+    """The error of the task at `position` (so that the ranks can agree on the first one)."""
+
+    def __init__(self, position: int, error: BaseException) -> None:
+        super().__init__(position, error)
+        self.position = position
+        self.error = error
+
+
+class _Journaled(Generic[T, R]):
+    """`func` on a job, recording its result in the journal once it is done (in the worker process)."""
+
+    def __init__(self, func: Callable[[T], R], writer: _JournalWriter | None, types: dict[str, type]):
+        self.func = func
+        self.writer = writer
+        self.types = types
+
+    def __call__(self, job: _Job[T]) -> R:
+        try:
+            result = self.func(job.task)
+        except Exception as exc:
+            raise _TaskFailed(job.position, exc) from None
+        if self.writer is not None:
+            row = {
+                "key": job.key,
+                "identity": [file_identity(p) for p in job.files],
+                "result": _encode(result, self.types),
+            }
+            self.writer.record(orjson.dumps(row) + b"\n")
+        return result
+
+
+def ranked_pass(
+    func: Callable[[T], R],
+    tasks: Sequence[T],
+    *,
+    jobs: int | None,
+    weights: Sequence[int] | None = None,
+    progress: Progress | None = None,
+    preload: Sequence[str] = (),
+    describe: Callable[[T], str] = str,
+    journal: Journal | None = None,
+    files: Callable[[T], Sequence[Path]] | None = None,
+    types: Sequence[type] = (),
+) -> list[R]:
+    """`[func(t) for t in tasks]` over the torchrun ranks (or this process), resuming from `journal`.
+
+    `files(task)` names the files whose identity must not have changed for a journaled result
+    to be taken (default: none; every recorded result is taken); `types` are the dataclasses
+    a result may hold (to journal it). Returns every result, in task order, on every rank.
+    """
+    world = current()
+    if world.size == 1 and journal is None:
+        return run_pass(
+            func,
+            tasks,
+            jobs=rank_jobs(jobs, world),
+            weights=weights,
+            progress=progress,
+            preload=preload,
+            describe=describe,
+        )
+    if weights is not None and len(weights) != len(tasks):
+        raise UsageError(f"{len(weights)} weights for {len(tasks)} tasks")
+    by_name = {t.__name__: t for t in types}
+    named = [
+        _Job(t, _key(t, describe, files), tuple(files(t)) if files is not None else (), i)
+        for i, t in enumerate(tasks)
+    ]
+    sizes = [int(w) for w in weights] if weights is not None else [0] * len(tasks)
+
+    # rank 0 reads the journal and makes the plan; every rank gets the same one
+    decided: tuple[list[int], dict[int, Any]] | BaseException | None = None
+    if world.leader:
+        try:
+            decided = _decide(named, sizes, world.size, journal, by_name)
+        except Exception as exc:
+            decided = _portable(exc)
+    decided = _broadcast(decided, world)
+    if isinstance(decided, BaseException):
+        raise decided
+    assert decided is not None
+    owner, recorded = decided
+    if journal is not None:
+        barrier(world)  # every rank has the plan before any writes into the journal
+
+    mine = [i for i, r in enumerate(owner) if r == world.rank]
+    workers = rank_jobs(jobs, world)
+    if world.size > 1 and workers == 1:
+        keep_freed_memory()  # this rank reads its files itself, as a worker would
+    if progress is not None and world.leader and recorded:
+        progress(len(recorded))
+    writer = journal.writer(world.rank) if journal is not None else None
+    outcome: tuple[list[int], list[Any] | None, tuple[int, BaseException] | None]
+    try:
+        results = run_pass(
+            _Journaled(func, writer, by_name),
+            [named[i] for i in mine],
+            jobs=workers,
+            weights=[sizes[i] for i in mine],
+            progress=progress,
+            preload=preload,
+            describe=lambda job: describe(job.task),
+        )
+        outcome = (mine, results, None)
+    except _TaskFailed as failed:  # the first failing task of this rank's share, in list order
+        outcome = (mine, None, (failed.position, _portable(failed.error)))
+    except Exception as exc:  # a worker died: blame this rank's first task, as run_pass names it
+        outcome = (mine, None, (mine[0] if mine else len(tasks), _portable(exc)))
+    gathered = _all_gather(outcome, world)
+    errors = [e for _, _, e in gathered if e is not None]
+    if errors:
+        raise min(errors, key=lambda e: e[0])[1]
+    merged: list[Any] = [None] * len(tasks)
+    for i, result in recorded.items():
+        merged[i] = result
+    for positions, results, _ in gathered:
+        for i, result in zip(positions, results, strict=True):
+            merged[i] = result
+    return merged
+
+
+def _key(task: Any, describe: Callable[[Any], str], files: Callable[[Any], Sequence[Path]] | None) -> str:
+    """The journal key of `task`: its first file's absolute path (else its name), and a digest of
+    the task with its paths absolute, so that a rerun from another directory finds its files."""
+    named = list(files(task)) if files is not None else []
+    return task_key(os.path.abspath(named[0]) if named else describe(task), _absolute(task))
+
+
+def _decide(
+    named: list[_Job[Any]],
+    sizes: list[int],
+    world_size: int,
+    journal: Journal | None,
+    types: dict[str, type],
+) -> tuple[list[int], dict[int, Any]]:
+    """Which rank runs each task (-1: done, from the journal) and the journaled results by position.
+
+    A recorded result that does not decode (a line damaged in some other way than torn) is
+    not taken: its file is done again.
+    """
+    recorded: dict[int, Any] = {}
+    if journal is not None:
+        done = journal.load()
+        for i, job in enumerate(named):
+            entry = done.get(job.key)
+            if entry is None or entry[0] != [file_identity(p) for p in job.files]:
+                continue
+            try:
+                recorded[i] = _decode(entry[1], types)
+            except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+                continue
+    todo = [i for i in range(len(named)) if i not in recorded]
+    homes = [_home(named[i].files) for i in todo]
+    ranks = plan([sizes[i] for i in todo], world_size, homes)
+    owner = [-1] * len(named)
+    for i, r in zip(todo, ranks, strict=True):
+        owner[i] = r
+    return owner, recorded
+
+
+def _home(files: tuple[Path, ...]) -> int | None:
+    return home_rank(files[0]) if files else None
+
+
+@contextlib.contextmanager
+def silenced_stdout(world: World | None) -> Iterator[None]:
+    """Ranks other than 0 print nothing on stdout (their reports are rank 0's)."""
+    if world is None or world.leader:
+        yield
+        return
+    import sys
+
+    saved = sys.stdout
+    with open(os.devnull, "w") as sink:
+        sys.stdout = sink
+        try:
+            yield
+        finally:
+            sys.stdout = saved
+
+
+__all__ = [
+    "Journal",
+    "JournalError",
+    "World",
+    "barrier",
+    "current",
+    "file_identity",
+    "finish",
+    "from_env",
+    "home_rank",
+    "input_journal",
+    "on_leader",
+    "open_journal",
+    "plan",
+    "rank_jobs",
+    "total_jobs",
+    "ranked_pass",
+    "silenced_stdout",
+]
