@@ -182,7 +182,7 @@ RanksForceOpt = Annotated[
     bool, typer.Option("--force", help="Replace OUT if it is empty, a checkpoint or an earlier shard output.")
 ]
 SourceArg = Annotated[
-    Path, typer.Argument(metavar="IN", help="A checkpoint, or a folder of rank_* checkpoints.")
+    str, typer.Argument(metavar="IN", help="A checkpoint, or a folder of rank_* checkpoints (or a URL).")
 ]
 WorldSizeOpt = Annotated[int, typer.Option("--world-size", "-n", min=1, help="Number of ranks.")]
 WindowOpt = Annotated[
@@ -515,3 +515,117 @@ def files_line(files: dict[str, int]) -> str:
         f"{files['copied']} copied, {files['written']} written"
     )
     return f"{placed}, {files['bytes']} bytes"
+
+
+# ------------------------------------------------------------ object storage
+StorageOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--storage-option",
+        metavar="KEY=VALUE",
+        help="For URLs (s3://, gs://, ...): an fsspec storage option, e.g. endpoint_url=http://host:9000 "
+        "(repeatable; a value that parses as JSON is that value, else a string).",
+        show_default=False,
+    ),
+]
+DirArg = Annotated[str, typer.Argument(metavar="PATH", help="A checkpoint or buffer directory, or a URL.")]
+
+
+class Place:
+    """A directory a command works on: the local path the library reads or writes, and the name to show.
+
+    For a URL the local path is a mirror (reading) or a staging directory (writing); every path
+    under it is shown under the URL.
+    """
+
+    def __init__(self, given: str, local: Path, url: str | None = None) -> None:
+        self.given = given
+        self.local = local
+        self.url = url
+        self._finish: Any = None
+
+    def finish(self) -> None:
+        """Publish what was written (upload it, for a URL) now, before the result is printed."""
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+
+    def show(self, path: str | os.PathLike[str] | None = None) -> str:
+        if path is None:
+            return self.url or str(self.local)
+        if self.url is None:
+            return str(path)
+        try:
+            rel = Path(path).relative_to(self.local)
+        except ValueError:
+            return str(path)
+        return self.url if str(rel) == "." else f"{self.url}/{rel.as_posix()}"
+
+
+def is_url(value: str | os.PathLike[str]) -> bool:
+    """True for an object-storage URL (s3://, gs://, memory:// ...); plain paths and file:// are local."""
+    from rbtool.remote import is_url as remote_is_url
+
+    return remote_is_url(value)
+
+
+def local_dir(value: str, option: str) -> Path:
+    """A directory argument that must be local (the command has no remote form)."""
+    from rbtool.remote import local_path
+
+    if is_url(value):
+        raise typer.BadParameter(f"{value}: takes a local directory, not a URL", param_hint=option)
+    return local_path(value)
+
+
+@contextmanager
+def reading(
+    value: str, storage_options: list[str] | None, *, data: bool, enabled: bool = False
+) -> Iterator[Place]:
+    """The directory `value` to read: itself if local; for a URL a local mirror.
+
+    With `data`, every object is copied into the bounded cache (verified against the upload's
+    marker); without, only the JSON objects are read and the rest stand in by name and size.
+    """
+    from rbtool.remote import local_path
+
+    if not is_url(value):
+        yield Place(value, local_path(value))
+        return
+    from rbtool import remote
+
+    options = remote.parse_storage_options(storage_options)
+    if not data:
+        with remote.index_mirror(value, options) as local:
+            yield Place(value, local, value.rstrip("/"))
+        return
+    with (
+        progress_bar(f"fetching {value}", None, enabled) as advance,
+        remote.data_mirror(value, options, progress=advance) as local,
+    ):
+        yield Place(value, local, value.rstrip("/"))
+
+
+@contextmanager
+def writing(
+    value: str, storage_options: list[str] | None, *, overwrite: bool, enabled: bool = False
+) -> Iterator[Place]:
+    """The directory `value` to write: itself if local; for a URL a staging directory uploaded afterwards.
+
+    The upload follows the remote protocol (trajectory objects, index, metadata, marker last)
+    and only once the command's work succeeded: at `Place.finish()`, which a command calls
+    before it prints its result, or at the end of the block.
+    """
+    from rbtool.remote import local_path
+
+    if not is_url(value):
+        yield Place(value, local_path(value))
+        return
+    from rbtool import remote
+
+    options = remote.parse_storage_options(storage_options)
+    with remote.writing(value, options, overwrite=overwrite) as staging:
+        place = Place(value, staging.local, value.rstrip("/"))
+        place._finish = staging.publish
+        yield place
+        place.finish()

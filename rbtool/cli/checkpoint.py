@@ -18,8 +18,11 @@ from rbtool.cli._common import (
     Group,
     JsonlOpt,
     JsonOpt,
+    Place,
     PrettyOpt,
+    StorageOpt,
     StrictOpt,
+    TrajectoryFormat,
     bound,
     bound_state,
     files_line,
@@ -28,11 +31,13 @@ from rbtool.cli._common import (
     print_json,
     print_jsonl,
     progress_bar,
+    reading,
     refuse_output_mix,
     refuse_overlap,
     show_progress,
     state_table,
     summary_limit,
+    writing,
 )
 
 if TYPE_CHECKING:
@@ -68,7 +73,9 @@ def save(
             show_default=False,
         ),
     ],
-    target: Annotated[Path, typer.Argument(metavar="OUT", help="Checkpoint directory to write.")],
+    target_arg: Annotated[
+        str, typer.Argument(metavar="OUT", help="Checkpoint directory (or URL) to write.", show_default=False)
+    ],
     window: Annotated[
         int,
         typer.Option(
@@ -93,9 +100,40 @@ def save(
     all_items: AllOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Write the checkpoint a buffer's save_checkpoint would write, from files on disk."""
     refuse_output_mix(json, pretty=pretty)
+    with writing(target_arg, storage_option, overwrite=force) as place:
+        _save(
+            sources,
+            place,
+            window,
+            mode,
+            trajectory_format,
+            seed,
+            force,
+            copy,
+            all_items,
+            json,
+            pretty,
+        )
+
+
+def _save(
+    sources: list[Path],
+    place: Place,
+    window: int,
+    mode: SaveMode,
+    trajectory_format: TrajectoryFormat | None,
+    seed: int | None,
+    force: bool,
+    copy: bool,
+    all_items: bool,
+    json: bool,
+    pretty: bool,
+) -> None:
+    target, shown = place.local, place.show()
     from rbtool import checkpoint
     from rbtool.dirs import is_rank_tree, open_view
     from rbtool.format import is_checkpoint_dir
@@ -139,9 +177,10 @@ def save(
                 link=not copy,
             )
 
+    place.finish()
     doc: dict[str, Any] = {
         "mode": chosen.value,
-        "out": str(target),
+        "out": shown,
         "window": window,
         **index.state(),
         "trajectory_format": index.trajectory_format,
@@ -151,7 +190,7 @@ def save(
     if json:
         print_json(bound_state(doc, limit), pretty)
         return
-    title = f"saved {target} ({chosen.value}, window {window})"
+    title = f"saved {shown} ({chosen.value}, window {window})"
     out.print(state_table(title, [("checkpoint", doc)], None if all_items else SUMMARY_ITEMS))
     out.print(f"format {doc['trajectory_format']}; files: {files_line(doc['files'])}")
 
@@ -185,7 +224,10 @@ def trajectory_rows(index: Index, world_size: int | None, rank: int | None) -> I
 
 @checkpoint_app.command()
 def load(
-    ckpt: Annotated[Path, typer.Argument(metavar="CKPT", help="Checkpoint or buffer directory.")],
+    ckpt_arg: Annotated[
+        str,
+        typer.Argument(metavar="CKPT", help="Checkpoint or buffer directory (or URL).", show_default=False),
+    ],
     world_size: Annotated[
         int | None,
         typer.Option(
@@ -208,14 +250,47 @@ def load(
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
     jsonl: JsonlOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Show what a full or distributed load of CKPT yields; --buffer restores it as a buffer directory.
 
     Id lists are summarised unless --all; --jsonl streams one object per trajectory loaded.
     """
     refuse_output_mix(json, jsonl, pretty)
+    # Without --buffer only the JSON objects of a remote checkpoint are read.
+    enabled = show_progress(json or jsonl)
+    with reading(ckpt_arg, storage_option, data=buffer is not None, enabled=enabled) as place:
+        _load(
+            place,
+            world_size,
+            rank,
+            strict,
+            buffer,
+            force,
+            copy,
+            all_items,
+            json,
+            pretty,
+            jsonl,
+        )
+
+
+def _load(
+    place: Place,
+    world_size: int | None,
+    rank: int | None,
+    strict: bool,
+    buffer: Path | None,
+    force: bool,
+    copy: bool,
+    all_items: bool,
+    json: bool,
+    pretty: bool,
+    jsonl: bool,
+) -> None:
     from rbtool import checkpoint
 
+    ckpt, display = place.local, place.show()
     if buffer is not None:
         refuse_overlap(buffer, [ckpt], "--buffer")
     elif copy:
@@ -231,7 +306,7 @@ def load(
             shown, dropped = checkpoint.load_state(ckpt, strict=strict)
         advance(1)
     doc: dict[str, Any] = {
-        "checkpoint": str(ckpt),
+        "checkpoint": display,
         "strict": strict,
         "dropped_missing_ids": dropped,
         "world_size": world_size,
@@ -274,7 +349,7 @@ def load(
         rows = [(f"rank {r['rank']}", r) for r in doc["ranks"]]
     else:
         rows = [("full" if rank is None else f"rank {rank}", doc)]
-    out.print(state_table(f"{ckpt} ({how})", rows, limit))
+    out.print(state_table(f"{display} ({how})", rows, limit))
     if dropped:
         out.print(f"dropped for missing files (non-strict): ids {format_ids(dropped, limit)}")
     if buffer is not None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -15,6 +14,7 @@ from rbtool.cli._common import (
     JsonOpt,
     PrettyOpt,
     SourceArg,
+    StorageOpt,
     StrictOpt,
     TrajectoryFormat,
     bound_state,
@@ -22,17 +22,21 @@ from rbtool.cli._common import (
     out,
     print_json,
     progress_bar,
+    reading,
     refuse_output_mix,
     refuse_overlap,
     show_progress,
     state_table,
     summary_limit,
+    writing,
 )
 
 
 def convert(
-    source: SourceArg,
-    target: Annotated[Path, typer.Option("--out", "-o", help="Where to write the converted copy.")],
+    source_arg: SourceArg,
+    target_arg: Annotated[
+        str, typer.Option("--out", "-o", help="Where (a directory or URL) to write the converted copy.")
+    ],
     trajectory_format: Annotated[
         TrajectoryFormat, typer.Option("--format", help="The format to write every trajectory file in.")
     ],
@@ -48,52 +52,62 @@ def convert(
     all_items: AllOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Write OUT with every trajectory file of IN in FORMAT (a rank tree keeps its rank_* layout)."""
     refuse_output_mix(json, pretty=pretty)
-    from rbtool import conversion
+    with (
+        reading(source_arg, storage_option, data=True, enabled=show_progress(json)) as src,
+        writing(target_arg, storage_option, overwrite=force) as dst,
+    ):
+        source, target = src.local, dst.local
+        from rbtool import conversion
 
-    refuse_overlap(target, [source], "--out")
-    with progress_bar("converting", None, show_progress(json)) as advance:
-        result = conversion.convert(
-            source,
-            target,
-            trajectory_format.value,
-            jobs=jobs,
-            strict=strict,
-            overwrite=force,
-            progress=advance,
-            link=not copy,
+        refuse_overlap(target, [source], "--out")
+        with progress_bar("converting", None, show_progress(json)) as advance:
+            result = conversion.convert(
+                source,
+                target,
+                trajectory_format.value,
+                jobs=jobs,
+                strict=strict,
+                overwrite=force,
+                progress=advance,
+                link=not copy,
+            )
+        dst.finish()  # upload before printing (a URL's checkpoint exists only then)
+        checkpoints: list[dict[str, Any]] = [
+            {"path": dst.show(target if rel == "." else target / rel), **index.state()}
+            for rel, index in result.checkpoints
+        ]
+        doc: dict[str, Any] = {
+            "source": src.show(),
+            "out": dst.show(),
+            "trajectory_format": result.trajectory_format,
+            "jobs": result.jobs,
+            "bytes_read": result.throughput.bytes_read,
+            "seconds": round(result.throughput.seconds, 6),
+            "bytes_per_second": result.throughput.bytes_per_second,
+            "checkpoints": checkpoints,
+            "files": result.report.as_json(),
+        }
+        if json:
+            print_json(
+                {**doc, "checkpoints": [bound_state(c, summary_limit(all_items)) for c in checkpoints]},
+                pretty,
+            )
+            return
+        out.print(
+            state_table(
+                f"{src.show()} converted to {doc['trajectory_format']} into {dst.show()} "
+                f"({doc['jobs']} jobs)",
+                [(c["path"].rstrip("/").rsplit("/", 1)[-1], c) for c in checkpoints],
+                None if all_items else SUMMARY_ITEMS,
+            )
         )
-    checkpoints: list[dict[str, Any]] = [
-        {"path": str(target if rel == "." else target / rel), **index.state()}
-        for rel, index in result.checkpoints
-    ]
-    doc: dict[str, Any] = {
-        "source": str(source),
-        "out": str(target),
-        "trajectory_format": result.trajectory_format,
-        "jobs": result.jobs,
-        "bytes_read": result.throughput.bytes_read,
-        "seconds": round(result.throughput.seconds, 6),
-        "bytes_per_second": result.throughput.bytes_per_second,
-        "checkpoints": checkpoints,
-        "files": result.report.as_json(),
-    }
-    if json:
-        print_json(
-            {**doc, "checkpoints": [bound_state(c, summary_limit(all_items)) for c in checkpoints]}, pretty
+        out.print(f"files: {files_line(doc['files'])}")
+        rate = (doc["bytes_per_second"] or 0) / 1e6
+        out.print(
+            f"read {doc['bytes_read']} bytes to rewrite in {doc['seconds']:.2f} s ({rate:.1f} MB/s)",
+            markup=False,
         )
-        return
-    out.print(
-        state_table(
-            f"{source} converted to {doc['trajectory_format']} into {target} ({doc['jobs']} jobs)",
-            [(Path(c["path"]).name, c) for c in checkpoints],
-            None if all_items else SUMMARY_ITEMS,
-        )
-    )
-    out.print(f"files: {files_line(doc['files'])}")
-    rate = (doc["bytes_per_second"] or 0) / 1e6
-    out.print(
-        f"read {doc['bytes_read']} bytes to rewrite in {doc['seconds']:.2f} s ({rate:.1f} MB/s)", markup=False
-    )

@@ -15,6 +15,8 @@ from rbtool.cli._common import (
     PrettyOpt,
     err,
     files_line,
+    is_url,
+    local_dir,
     out,
     print_json,
     progress_bar,
@@ -48,9 +50,11 @@ def ingest(
             show_default=False,
         ),
     ],
-    buffer: Annotated[
-        Path,
-        typer.Option("--buffer", "-b", help="Buffer directory (auto_save on) to add to; created if needed."),
+    buffer_arg: Annotated[
+        str,
+        typer.Option(
+            "--buffer", "-b", help="Buffer directory (auto_save on) to add to; created if needed (local)."
+        ),
     ],
     trajectory_format: FormatOpt = None,
     recursive: Annotated[
@@ -85,6 +89,16 @@ def ingest(
     `added trajectory ids FIRST-LAST` goes to stderr.
     """
     refuse_output_mix(json, pretty=pretty)
+    if is_url(buffer_arg):
+        # A buffer takes appends under a lock and publishes each batch by rename; an object
+        # store has neither, so two writers (or a reader during an append) could see a mix.
+        from rbtool.errors import UsageError
+
+        raise UsageError(
+            f"--buffer {buffer_arg}: a buffer in object storage cannot be appended to safely (no lock, "
+            "no atomic rename); ingest into a local buffer, then `rbtool checkpoint save BUFFER URL`"
+        )
+    buffer = local_dir(buffer_arg, "--buffer")
     from rbtool.errors import UsageError
     from rbtool.ingestion import ingest as ingest_sources
 

@@ -15,6 +15,7 @@ from rbtool.cli._common import (
     Group,
     JsonOpt,
     PrettyOpt,
+    StorageOpt,
     StrictOpt,
     err,
     files_line,
@@ -22,6 +23,7 @@ from rbtool.cli._common import (
     out,
     print_json,
     progress_bar,
+    reading,
     refuse_output_mix,
     refuse_overlap,
     show_progress,
@@ -86,9 +88,11 @@ def _key_value_table(title: str, rows: list[tuple[str, str]]) -> Table:
 
 # ------------------------------------------------------------------------ export
 def export(
-    source: Annotated[
-        Path,
-        typer.Argument(metavar="IN", help="A checkpoint, buffer directory or folder of rank_* checkpoints."),
+    source_arg: Annotated[
+        str,
+        typer.Argument(
+            metavar="IN", help="A checkpoint, buffer directory or folder of rank_* checkpoints (or a URL)."
+        ),
     ],
     target: Annotated[Path, typer.Argument(metavar="OUT", help="Dataset directory to write.")],
     to: Annotated[ExportFormat, typer.Option("--to", help="Format to write.", show_default=False)],
@@ -129,85 +133,92 @@ def export(
     force: ForceOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Write a checkpoint as a LeRobot v3.0 dataset that `rbtool import lerobot` turns back into it.
 
     One episode per (trajectory, env column) segment, split where the done flags end an episode.
     """
     refuse_output_mix(json, pretty=pretty)
-    from rbtool.dirs import open_view
-    from rbtool.errors import RbtoolError, UsageError
-    from rbtool.lerobot import CODEBASE_VERSION, export_lerobot, parse_field_map
+    with reading(source_arg, storage_option, data=True, enabled=show_progress(json)) as src:
+        source = src.local
+        from rbtool.dirs import open_view
+        from rbtool.errors import RbtoolError, UsageError
+        from rbtool.lerobot import CODEBASE_VERSION, export_lerobot, parse_field_map
 
-    refuse_overlap(target, [source], "OUT")
-    if video and not images:
-        raise UsageError("--video needs --images: video features are image fields")
-    mapping = parse_field_map(names or [], "--map")
-    enabled = show_progress(json)
-    total = None
-    if enabled:
-        try:
-            total = 2 * open_view(source, strict=strict).index.size
-        except RbtoolError:
-            total = None  # the export itself reports the problem
-    with progress_bar("exporting trajectories", total, enabled) as advance:
-        result = export_lerobot(
-            source,
-            target,
-            fps=fps,
-            robot_type=robot_type,
-            task=task,
-            names=mapping,
-            images=images,
-            video=video,
-            strict=strict,
-            data_file_size_mb=data_file_size_mb,
-            chunks_size=chunks_size,
-            overwrite=force,
-            progress=advance,
+        refuse_overlap(target, [source], "OUT")
+        if video and not images:
+            raise UsageError("--video needs --images: video features are image fields")
+        mapping = parse_field_map(names or [], "--map")
+        enabled = show_progress(json)
+        total = None
+        if enabled:
+            try:
+                total = 2 * open_view(source, strict=strict).index.size
+            except RbtoolError:
+                total = None  # the export itself reports the problem
+        with progress_bar("exporting trajectories", total, enabled) as advance:
+            result = export_lerobot(
+                source,
+                target,
+                fps=fps,
+                robot_type=robot_type,
+                task=task,
+                names=mapping,
+                images=images,
+                video=video,
+                strict=strict,
+                data_file_size_mb=data_file_size_mb,
+                chunks_size=chunks_size,
+                overwrite=force,
+                progress=advance,
+            )
+        fields = {feature: field for feature, field in result.columns.items()}
+        doc: dict[str, Any] = {
+            "out": str(result.out),
+            "source": src.show(result.source),
+            "format": to.value,
+            "codebase_version": CODEBASE_VERSION,
+            "fps": fps,
+            "trajectories": result.trajectories,
+            "episodes": result.episodes,
+            "frames": result.frames,
+            "features": [
+                {"name": name, "dtype": spec["dtype"], "shape": spec["shape"], "field": fields.get(name)}
+                for name, spec in result.features.items()
+            ],
+            "sidecar_fields": result.sidecar_fields,
+            "data_files": result.data_files,
+            "video_files": result.video_files,
+            "episode_files": result.episode_files,
+            "bytes": result.bytes,
+        }
+        if json:
+            print_json(doc, pretty)
+            return
+        rows = [
+            ("trajectories", str(result.trajectories)),
+            ("episodes", str(result.episodes)),
+            ("frames", str(result.frames)),
+            (
+                "files",
+                f"{result.data_files} data, {result.video_files} video, "
+                f"{result.episode_files} episode metadata, {result.bytes} bytes",
+            ),
+        ]
+        out.print(
+            _key_value_table(
+                f"export {src.show(result.source)} to LeRobot {CODEBASE_VERSION} {result.out}", rows
+            )
         )
-    fields = {feature: field for feature, field in result.columns.items()}
-    doc: dict[str, Any] = {
-        "out": str(result.out),
-        "source": str(result.source),
-        "format": to.value,
-        "codebase_version": CODEBASE_VERSION,
-        "fps": fps,
-        "trajectories": result.trajectories,
-        "episodes": result.episodes,
-        "frames": result.frames,
-        "features": [
-            {"name": name, "dtype": spec["dtype"], "shape": spec["shape"], "field": fields.get(name)}
-            for name, spec in result.features.items()
-        ],
-        "sidecar_fields": result.sidecar_fields,
-        "data_files": result.data_files,
-        "video_files": result.video_files,
-        "episode_files": result.episode_files,
-        "bytes": result.bytes,
-    }
-    if json:
-        print_json(doc, pretty)
-        return
-    rows = [
-        ("trajectories", str(result.trajectories)),
-        ("episodes", str(result.episodes)),
-        ("frames", str(result.frames)),
-        (
-            "files",
-            f"{result.data_files} data, {result.video_files} video, "
-            f"{result.episode_files} episode metadata, {result.bytes} bytes",
-        ),
-    ]
-    out.print(_key_value_table(f"export {result.source} to LeRobot {CODEBASE_VERSION} {result.out}", rows))
-    table = Table(title="features", title_justify="left")
-    for column in ("feature", "dtype", "shape", "buffer field"):
-        table.add_column(column)
-    for item in doc["features"]:
-        table.add_row(item["name"], item["dtype"], str(item["shape"]), item["field"] or "")
-    out.print(table)
-    if result.sidecar_fields:
-        out.print(f"kept whole in the sidecar: {', '.join(result.sidecar_fields)}", markup=False)
+        table = Table(title="features", title_justify="left")
+        for column in ("feature", "dtype", "shape", "buffer field"):
+            table.add_column(column)
+        for item in doc["features"]:
+            table.add_row(item["name"], item["dtype"], str(item["shape"]), item["field"] or "")
+        out.print(table)
+        if result.sidecar_fields:
+            out.print(f"kept whole in the sidecar: {', '.join(result.sidecar_fields)}", markup=False)
 
 
 # ------------------------------------------------------------------------ import

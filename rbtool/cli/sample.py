@@ -13,20 +13,23 @@ from rich.table import Table
 
 from rbtool.cli._common import (
     AllOpt,
-    ExistingPath,
+    DirArg,
     JsonOpt,
     KOpt,
     PrettyOpt,
     SeedOpt,
+    StorageOpt,
     Strategy,
     StrategyOpt,
     StrictOpt,
     TemperatureOpt,
     WindowOpt,
     bound,
+    is_url,
     out,
     print_json,
     progress_bar,
+    reading,
     refuse_k_without_topk,
     refuse_output_mix,
     show_progress,
@@ -87,7 +90,7 @@ def field_rows(batch: dict[str, Any], prefix: str = "") -> list[dict[str, Any]]:
 
 
 def sample(
-    path: ExistingPath,
+    path: DirArg,
     num_chunks: Annotated[
         int, typer.Option("--num-chunks", min=1, help="Rows to draw (clamped to the window).")
     ],
@@ -111,6 +114,7 @@ def sample(
     all_items: AllOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Load a checkpoint into a TrajectoryReplayBuffer and draw one batch from its window.
 
@@ -119,8 +123,8 @@ def sample(
     """
     refuse_output_mix(json, pretty=pretty)
     refuse_k_without_topk(strategy, k)
-    if out_path is not None:
-        refuse_out_inside(out_path, path)
+    if out_path is not None and not is_url(path):
+        refuse_out_inside(out_path, Path(path))
 
     from rbtool.buffer import TrajectoryReplayBuffer
     from rbtool.dirs import open_view
@@ -130,8 +134,11 @@ def sample(
     # The phases are counted; the files the first sample reads (headers of the window's files,
     # when no schema is recorded) are counted as they are read.
     phases = len(SAMPLE_PHASES) if out_path is not None else len(SAMPLE_PHASES) - 1
-    with progress_bar(SAMPLE_PHASES[0], phases, show_progress(json)) as advance:
-        view = open_view(path, strict=strict)
+    with (
+        reading(path, storage_option, data=True, enabled=show_progress(json)) as place,
+        progress_bar(SAMPLE_PHASES[0], phases, show_progress(json)) as advance,
+    ):
+        view = open_view(place.local, strict=strict)
         index = view.index
         missing = view.dropped_ids()
         advance.phase(1, SAMPLE_PHASES[1])
@@ -153,7 +160,7 @@ def sample(
     rows = draw.local_indices.tolist()
     widths = [index.entries[t]["shape"][1] for t in tids]
     doc = {
-        "path": str(path),
+        "path": place.show(),
         "seed": used_seed,
         "window": window,
         "window_trajectories": len(window_ids),

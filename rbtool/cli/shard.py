@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -14,6 +13,7 @@ from rbtool.cli._common import (
     JsonOpt,
     PrettyOpt,
     RanksForceOpt,
+    StorageOpt,
     StrictOpt,
     WorldSizeOpt,
     bound_state,
@@ -21,19 +21,23 @@ from rbtool.cli._common import (
     out,
     print_json,
     progress_bar,
+    reading,
     refuse_output_mix,
     refuse_overlap,
     show_progress,
     state_table,
     summary_limit,
+    writing,
 )
 
 
 def shard(
-    ckpt: Annotated[Path, typer.Argument(metavar="CKPT", help="Checkpoint or buffer directory to split.")],
+    ckpt_arg: Annotated[
+        str, typer.Argument(metavar="CKPT", help="Checkpoint or buffer directory (or URL) to split.")
+    ],
     world_size: WorldSizeOpt,
-    target: Annotated[
-        Path, typer.Option("--out", "-o", help="Directory to write rank_0 .. rank_{N-1} into.")
+    target_arg: Annotated[
+        str, typer.Option("--out", "-o", help="Directory (or URL) to write rank_0 .. rank_{N-1} into.")
     ],
     strict: StrictOpt = True,
     force: RanksForceOpt = False,
@@ -41,34 +45,42 @@ def shard(
     all_items: AllOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Write OUT/rank_r for every rank: exactly what a distributed load of CKPT by rank r yields."""
     refuse_output_mix(json, pretty=pretty)
-    from rbtool import checkpoint
+    with (
+        reading(ckpt_arg, storage_option, data=True, enabled=show_progress(json)) as src,
+        writing(target_arg, storage_option, overwrite=force) as dst,
+    ):
+        ckpt, target = src.local, dst.local
+        from rbtool import checkpoint
 
-    refuse_overlap(target, [ckpt], "--out")
-    with progress_bar("sharding", None, show_progress(json)) as advance:
-        shards, report = checkpoint.shard(
-            ckpt, world_size, target, strict=strict, overwrite=force, progress=advance, link=not copy
+        refuse_overlap(target, [ckpt], "--out")
+        with progress_bar("sharding", None, show_progress(json)) as advance:
+            shards, report = checkpoint.shard(
+                ckpt, world_size, target, strict=strict, overwrite=force, progress=advance, link=not copy
+            )
+        dst.finish()  # upload before printing (a URL's checkpoint exists only then)
+        ranks: list[dict[str, Any]] = [
+            {"rank": r, "path": dst.show(target / f"rank_{r}"), **part.state()}
+            for r, part in enumerate(shards)
+        ]
+        doc: dict[str, Any] = {
+            "source": src.show(),
+            "out": dst.show(),
+            "world_size": world_size,
+            "ranks": ranks,
+            "files": report.as_json(),
+        }
+        if json:
+            print_json({**doc, "ranks": [bound_state(r, summary_limit(all_items)) for r in ranks]}, pretty)
+            return
+        out.print(
+            state_table(
+                f"{src.show()} sharded over {world_size} ranks into {dst.show()}",
+                [(f"rank_{r['rank']}", r) for r in ranks],
+                None if all_items else SUMMARY_ITEMS,
+            )
         )
-    ranks: list[dict[str, Any]] = [
-        {"rank": r, "path": str(target / f"rank_{r}"), **part.state()} for r, part in enumerate(shards)
-    ]
-    doc: dict[str, Any] = {
-        "source": str(ckpt),
-        "out": str(target),
-        "world_size": world_size,
-        "ranks": ranks,
-        "files": report.as_json(),
-    }
-    if json:
-        print_json({**doc, "ranks": [bound_state(r, summary_limit(all_items)) for r in ranks]}, pretty)
-        return
-    out.print(
-        state_table(
-            f"{ckpt} sharded over {world_size} ranks into {target}",
-            [(f"rank_{r['rank']}", r) for r in ranks],
-            None if all_items else SUMMARY_ITEMS,
-        )
-    )
-    out.print(f"files: {files_line(doc['files'])}")
+        out.print(f"files: {files_line(doc['files'])}")

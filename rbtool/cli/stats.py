@@ -13,13 +13,14 @@ from rich.text import Text
 
 from rbtool.cli._common import (
     AllOpt,
-    ExistingPath,
+    DirArg,
     JobsOpt,
     JsonlOpt,
     JsonOpt,
     KOpt,
     PrettyOpt,
     SeedOpt,
+    StorageOpt,
     Strategy,
     StrategyOpt,
     TemperatureOpt,
@@ -33,6 +34,7 @@ from rbtool.cli._common import (
     print_json,
     print_jsonl,
     progress_bar,
+    reading,
     refuse_k_without_topk,
     refuse_output_mix,
     show_progress,
@@ -132,7 +134,7 @@ def dist_row(label: str, doc: dict[str, Any]) -> list[str | Text]:
 
 # ------------------------------------------------------------------ the command
 def stats(
-    path: ExistingPath,
+    path: DirArg,
     window: WindowOpt = 0,
     index_only: Annotated[
         bool,
@@ -154,6 +156,7 @@ def stats(
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
     jsonl: JsonlOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Show a checkpoint or buffer directory: index, trajectories, field schema, data statistics.
 
@@ -177,9 +180,12 @@ def stats(
     if sample_draws is not None:
         draws = DrawRequest(sample_draws, strategy.value, k, temperature, seed)
     enabled = show_progress(json or jsonl) and not index_only
-    with progress_bar("reading the index", None, enabled) as advance:
+    with (
+        reading(path, storage_option, data=not index_only, enabled=enabled) as place,
+        progress_bar("reading the index", None, enabled) as advance,
+    ):
         doc = collect_stats(
-            path,
+            place.local,
             window=window,
             index_only=index_only,
             bins=bins,
@@ -189,12 +195,14 @@ def stats(
             as_json=False,  # numpy columns and lazy file names: cut or streamed below
             read_data=not jsonl,  # JSON Lines list the trajectories, not the data statistics
         )
-    if jsonl:
-        print_jsonl(trajectory_rows(doc["trajectories"]))
-    elif json:
-        print_json(summarised(doc, summary_limit(all_items)), pretty)
-    else:
-        render(doc, view_console(), every=all_items)
+        if "path" in doc:
+            doc["path"] = place.show(doc["path"])
+        if jsonl:
+            print_jsonl(trajectory_rows(doc["trajectories"]))
+        elif json:
+            print_json(summarised(doc, summary_limit(all_items)), pretty)
+        else:
+            render(doc, view_console(), every=all_items)
 
 
 ROW_BLOCK = 65536  # JSON Lines rows are built from the columns this many at a time

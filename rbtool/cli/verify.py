@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -17,6 +16,7 @@ from rbtool.cli._common import (
     JsonlOpt,
     JsonOpt,
     PrettyOpt,
+    StorageOpt,
     bound,
     head,
     id_ranges,
@@ -26,6 +26,7 @@ from rbtool.cli._common import (
     print_json,
     print_jsonl,
     progress_bar,
+    reading,
     refuse_output_mix,
     show_progress,
     summary_limit,
@@ -122,10 +123,10 @@ def problem_rows(reports: list[CheckpointReport]) -> Iterator[dict[str, Any]]:
 
 def verify(
     path: Annotated[
-        Path,
+        str,
         typer.Argument(
             metavar="PATH",
-            help="A checkpoint or buffer directory, or a folder of rank_* checkpoints.",
+            help="A checkpoint or buffer directory, or a folder of rank_* checkpoints (or a URL).",
             show_default=False,
         ),
     ],
@@ -141,6 +142,7 @@ def verify(
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
     jsonl: JsonlOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Check that a checkpoint is consistent; exit 1 if any error is found.
 
@@ -152,8 +154,15 @@ def verify(
     from rbtool.verify import verify as run_verify
 
     enabled = show_progress(json or jsonl)
-    with progress_bar("checking index files and listings", None, enabled) as advance:
-        result = run_verify(path, deep=deep, progress=advance if enabled else None, jobs=jobs)
+    with (
+        reading(path, storage_option, data=deep, enabled=enabled) as place,
+        progress_bar("checking index files and listings", None, enabled) as advance,
+    ):
+        result = run_verify(place.local, deep=deep, progress=advance if enabled else None, jobs=jobs)
+    if place.url is not None:  # reports name the URL, not the local mirror they were made from
+        result.path = place.url  # type: ignore[assignment]
+        for report in result.checkpoints:
+            report.path = place.show(report.path)  # type: ignore[assignment]
     if jsonl:
         print_jsonl(problem_rows(result.checkpoints))
     elif json:

@@ -1,0 +1,513 @@
+"""Checkpoints in object storage: fsspec URLs (s3://, gs://, memory:// ...) wherever a directory is taken.
+
+Object stores have no atomic rename, so a remote checkpoint is published by an upload
+protocol (docs/format.md, "Checkpoints in object storage"): the checkpoint is built in a
+local staging directory, then its trajectory objects are uploaded, then the index and
+metadata objects, then a completion marker object last, which records the size and sha256
+of every object. A pending note written first tells readers that an upload is under way
+or was killed; they refuse such a checkpoint until a rerun completes it.
+
+Readers work on local mirrors: `index_mirror` holds the JSON objects and, for every other
+object, a sparse stand-in of its recorded size (what the quick checks read: names and
+sizes); `data_mirror` copies every object into a bounded local cache, verified against the
+marker. fsspec (and s3fs for s3://) is imported only when a URL is used: local paths never
+load it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rbtool.errors import CheckpointError, OutputExistsError, RbtoolError, UsageError
+from rbtool.format import INDEX_FILE, LEGACY_INDEX_FILE, MERGE_MAP_FILE, METADATA_FILE
+
+MARKER = "rbtool-upload-complete.json"  # written last: the upload is whole
+PENDING = "rbtool-upload-pending.json"  # written first: an upload is under way (or was killed)
+MARKER_FORMAT = "rbtool-upload"
+MARKER_VERSION = 1
+_CONTROL = (MARKER, PENDING)
+_JSON_OBJECTS = (METADATA_FILE, INDEX_FILE, LEGACY_INDEX_FILE, MERGE_MAP_FILE)
+_CHUNK = 1 << 20
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+DEFAULT_CACHE_BYTES = 20 << 30
+Progress = Callable[[int], None]
+
+
+# ------------------------------------------------------------------ URLs and options
+def is_url(value: str | os.PathLike[str]) -> bool:
+    """True for a URL naming object storage (`scheme://...`); file:// URLs and plain paths are local."""
+    return isinstance(value, str) and bool(_URL.match(value)) and not value.lower().startswith("file://")
+
+
+def local_path(value: str | os.PathLike[str]) -> Path:
+    """A local path as given; a file:// URL becomes its path."""
+    if isinstance(value, str) and value.lower().startswith("file://"):
+        from urllib.parse import unquote, urlsplit
+
+        parts = urlsplit(value)
+        if parts.netloc not in ("", "localhost"):
+            raise UsageError(f"{value}: a file:// URL names this machine (file:///path)")
+        return Path(unquote(parts.path))
+    return Path(value)
+
+
+def parse_storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
+    """`key=value` pairs as fsspec storage options: a value that parses as JSON is that value, else a string.
+
+    A dotted key nests (`client_kwargs.region_name=eu-west-1`).
+    """
+    options: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, sep, text = pair.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"storage option {pair!r}: expected key=value")
+        try:
+            value: Any = json.loads(text)
+        except ValueError:
+            value = text
+        *outer, last = key.strip().split(".")
+        place = options
+        for part in outer:
+            nested = place.setdefault(part, {})
+            if not isinstance(nested, dict):
+                raise UsageError(f"storage option {pair!r}: {part} is already set to a value")
+            place = nested
+        place[last] = value
+    return options
+
+
+@dataclass
+class Remote:
+    """A directory in object storage: the filesystem and the path in it (no trailing slash)."""
+
+    url: str
+    fs: Any
+    root: str
+
+    def key(self, rel: str) -> str:
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def child(self, name: str) -> Remote:
+        return Remote(f"{self.url.rstrip('/')}/{name}", self.fs, self.key(name))
+
+
+def open_remote(url: str, options: dict[str, Any] | None = None) -> Remote:
+    """The fsspec filesystem for `url`, with `options` on top of the environment's configuration."""
+    try:
+        import fsspec
+        from fsspec.core import url_to_fs
+    except ImportError:
+        raise RbtoolError(f"{url}: URLs need fsspec; install rbtool[s3] (pip install 'rbtool[s3]')") from None
+    del fsspec
+    try:
+        fs, root = url_to_fs(url, **(options or {}))
+    except ImportError as exc:
+        raise RbtoolError(f"{url}: {exc}; install rbtool[s3] for s3:// URLs") from None
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"{url}: {exc}") from None
+    return Remote(url.rstrip("/"), fs, str(root).rstrip("/"))
+
+
+def _listing(remote: Remote) -> dict[str, dict[str, Any]]:
+    """Relative name -> info of every object under the remote directory (empty if there is none)."""
+    try:
+        found = remote.fs.find(remote.root, detail=True)
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        raise CheckpointError(f"{remote.url}: {exc}") from None
+    prefix = remote.root + "/"
+    return {
+        name[len(prefix) :]: info
+        for name, info in found.items()
+        if name.startswith(prefix) and info.get("type", "file") != "directory"
+    }
+
+
+# ------------------------------------------------------------------ hashes
+@dataclass(frozen=True)
+class Digest:
+    size: int
+    sha256: str
+    md5: str | None = None
+
+
+def digest_file(path: Path) -> Digest:
+    """Size, sha256 and md5 of a local file, read a block at a time."""
+    sha, md5 = hashlib.sha256(), hashlib.md5(usedforsecurity=False)
+    size = 0
+    with open(path, "rb") as f:
+        while block := f.read(_CHUNK):
+            sha.update(block)
+            md5.update(block)
+            size += len(block)
+    return Digest(size, sha.hexdigest(), md5.hexdigest())
+
+
+def _remote_sha256(remote: Remote, rel: str) -> str:
+    sha = hashlib.sha256()
+    with remote.fs.open(remote.key(rel), "rb", block_size=_CHUNK) as f:
+        while block := f.read(_CHUNK):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def _etag_md5(info: dict[str, Any]) -> str | None:
+    """The md5 an S3-like store reports for a single-part object (its ETag), else None."""
+    etag = str(info.get("ETag") or info.get("etag") or "").strip('"').lower()
+    return etag if re.fullmatch(r"[0-9a-f]{32}", etag) else None
+
+
+def _matches(remote: Remote, rel: str, info: dict[str, Any] | None, want: Digest) -> bool:
+    """True if the remote object already holds exactly `want` (size, then md5 ETag or a streamed sha256)."""
+    if info is None or int(info.get("size") or 0) != want.size:
+        return False
+    etag = _etag_md5(info)
+    if etag is not None and want.md5 is not None:
+        return etag == want.md5
+    return _remote_sha256(remote, rel) == want.sha256
+
+
+# ------------------------------------------------------------------ the marker
+def _marker_doc(digests: dict[str, Digest]) -> bytes:
+    doc = {
+        "format": MARKER_FORMAT,
+        "version": MARKER_VERSION,
+        "files": {rel: {"size": d.size, "sha256": d.sha256} for rel, d in sorted(digests.items())},
+    }
+    return json.dumps(doc, indent=1).encode() + b"\n"
+
+
+def _read_marker(remote: Remote, rel: str) -> dict[str, Digest]:
+    where = f"{remote.url}/{rel}"
+    try:
+        doc = json.loads(remote.fs.cat_file(remote.key(rel)))
+        if doc.get("format") != MARKER_FORMAT or doc.get("version") != MARKER_VERSION:
+            raise ValueError(f"format {doc.get('format')!r} version {doc.get('version')!r}")
+        return {
+            str(name): Digest(int(entry["size"]), str(entry["sha256"]))
+            for name, entry in doc["files"].items()
+        }
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{where}: not an rbtool completion marker ({exc})") from None
+
+
+# ------------------------------------------------------------------ writing
+def check_target(remote: Remote, *, overwrite: bool) -> None:
+    """Refuse to write over a complete checkpoint (unless `overwrite`) or over objects rbtool did not write.
+
+    An incomplete rbtool upload (a pending note, no marker) is always continued.
+    """
+    listing = _listing(remote)
+    if not listing or overwrite:
+        return
+    if MARKER in listing:
+        raise OutputExistsError(f"{remote.url}: already holds a complete checkpoint")
+    if PENDING not in listing:
+        raise OutputExistsError(f"{remote.url}: not empty ({len(listing)} objects rbtool did not upload)")
+
+
+def upload_dir(
+    local: Path,
+    remote: Remote,
+    *,
+    overwrite: bool = False,
+    jobs: int | None = None,
+    progress: Progress | None = None,
+) -> dict[str, int]:
+    """Publish the local directory `local` at `remote` by the upload protocol; returns counts and bytes.
+
+    Objects already there with the right size and content are kept (a rerun after a kill
+    continues where the upload stopped); objects not in `local` are removed before the marker.
+    """
+    check_target(remote, overwrite=overwrite)
+    files = sorted(
+        str(p.relative_to(local)) for p in local.rglob("*") if p.is_file() and p.name not in _CONTROL
+    )
+    workers = jobs or min(16, (os.cpu_count() or 1) * 4)
+    with ThreadPoolExecutor(workers) as pool:
+        digests = dict(zip(files, pool.map(lambda rel: digest_file(local / rel), files), strict=True))
+    listing = _listing(remote)
+    if MARKER in listing:  # replacing a complete checkpoint: from now on it is incomplete
+        remote.fs.rm_file(remote.key(MARKER))
+    if PENDING not in listing:
+        remote.fs.pipe_file(remote.key(PENDING), json.dumps({"format": MARKER_FORMAT}).encode() + b"\n")
+
+    def rank(rel: str) -> int:
+        name = rel.rsplit("/", 1)[-1]
+        return 2 if name == METADATA_FILE else 1 if name in _JSON_OBJECTS else 0
+
+    counts = {"uploaded": 0, "kept": 0, "removed": 0, "bytes": 0}
+
+    def put(rel: str) -> bool:
+        if _matches(remote, rel, listing.get(rel), digests[rel]):
+            return False
+        remote.fs.put_file(str(local / rel), remote.key(rel))
+        return True
+
+    with ThreadPoolExecutor(workers) as pool:
+        for phase in (0, 1, 2):  # trajectory objects, then the index, then metadata
+            batch = [rel for rel in files if rank(rel) == phase]
+            for rel, sent in zip(batch, pool.map(put, batch), strict=True):
+                counts["uploaded" if sent else "kept"] += 1
+                counts["bytes"] += digests[rel].size if sent else 0
+                if progress is not None:
+                    progress(1)
+    stale = [rel for rel in listing if rel not in digests and rel not in _CONTROL]
+    for rel in stale:
+        remote.fs.rm_file(remote.key(rel))
+    counts["removed"] = len(stale)
+    remote.fs.pipe_file(remote.key(MARKER), _marker_doc(digests))
+    remote.fs.rm_file(remote.key(PENDING))
+    return counts
+
+
+def cache_root() -> Path:
+    """Where mirrors and staging directories live: $RBTOOL_CACHE_DIR, else ~/.cache/rbtool/remote."""
+    configured = os.environ.get("RBTOOL_CACHE_DIR")
+    base = Path(configured) if configured else Path.home() / ".cache" / "rbtool" / "remote"
+    base.mkdir(parents=True, exist_ok=True)
+    return base
+
+
+def cache_bytes() -> int:
+    """The most bytes the cache holds: $RBTOOL_CACHE_BYTES (default 20 GiB)."""
+    text = os.environ.get("RBTOOL_CACHE_BYTES")
+    if not text:
+        return DEFAULT_CACHE_BYTES
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"RBTOOL_CACHE_BYTES={text!r}: expected a number of bytes") from None
+
+
+@dataclass
+class Staging:
+    """A local path (not yet created) to build a checkpoint or rank tree in, and its upload."""
+
+    local: Path
+    remote: Remote
+    overwrite: bool
+    jobs: int | None = None
+    progress: Progress | None = None
+    counts: dict[str, int] | None = None
+
+    def publish(self) -> dict[str, int]:
+        """Upload what was built (once); nothing when nothing was built (a dry run)."""
+        if self.counts is None:
+            self.counts = {"uploaded": 0, "kept": 0, "removed": 0, "bytes": 0}
+            if self.local.exists():
+                self.counts = upload_dir(
+                    self.local, self.remote, overwrite=self.overwrite, jobs=self.jobs, progress=self.progress
+                )
+        return self.counts
+
+
+@contextmanager
+def writing(
+    url: str,
+    options: dict[str, Any] | None = None,
+    *,
+    overwrite: bool = False,
+    jobs: int | None = None,
+    progress: Progress | None = None,
+) -> Iterator[Staging]:
+    """Build a checkpoint locally and publish it at `url`: at `Staging.publish()`, else when the block ends.
+
+    The target is checked before anything is built; if the block raises, nothing is uploaded.
+    """
+    remote = open_remote(url, options)
+    check_target(remote, overwrite=overwrite)
+    with tempfile.TemporaryDirectory(prefix=".rbtool-staging-", dir=cache_root()) as tmp:
+        staging = Staging(Path(tmp) / "out", remote, overwrite, jobs, progress)
+        yield staging
+        staging.publish()
+
+
+# ------------------------------------------------------------------ reading
+@dataclass
+class RemoteCheckpoint:
+    """What a reader found at a URL: its objects with sizes and (for rbtool uploads) sha256."""
+
+    remote: Remote
+    objects: dict[str, Digest | None]  # relative name -> recorded digest (None: size only, from the store)
+    sizes: dict[str, int]
+    complete: bool  # an rbtool upload with its marker (False: written by another tool)
+
+
+def inspect(url: str, options: dict[str, Any] | None = None) -> RemoteCheckpoint:
+    """List a remote checkpoint and check it against its completion marker.
+
+    Refuses an rbtool upload without its marker (killed or under way) and objects that are
+    missing or of another size than the marker records. A rank directory inside an uploaded
+    rank tree is covered by the tree's marker (in its parent).
+    """
+    remote = open_remote(url, options)
+    listing = _listing(remote)
+    if not listing:
+        raise CheckpointError(f"{url}: no such checkpoint (no objects under it)")
+    parent_prefix = ""
+    marker_of: tuple[Remote, str] | None = None
+    pending = PENDING in listing
+    if MARKER in listing:
+        marker_of = (remote, MARKER)
+    elif not pending and "/" in remote.root:
+        parent = Remote(url.rsplit("/", 1)[0], remote.fs, remote.root.rsplit("/", 1)[0])
+        name = remote.root.rsplit("/", 1)[1]
+        if remote.fs.exists(parent.key(MARKER)):
+            marker_of, parent_prefix = (parent, MARKER), name + "/"
+        elif remote.fs.exists(parent.key(PENDING)):
+            pending = True
+    if marker_of is None and pending:
+        raise CheckpointError(
+            f"{url}: incomplete upload (no {MARKER}): the command that wrote it was interrupted or is "
+            "still running; rerun the command"
+        )
+    sizes = {rel: int(info.get("size") or 0) for rel, info in listing.items() if rel not in _CONTROL}
+    if marker_of is None:
+        return RemoteCheckpoint(remote, dict.fromkeys(sizes), sizes, complete=False)
+    recorded = _read_marker(*marker_of)
+    if parent_prefix:
+        recorded = {
+            rel[len(parent_prefix) :]: d for rel, d in recorded.items() if rel.startswith(parent_prefix)
+        }
+    wrong = [rel for rel, d in recorded.items() if sizes.get(rel) != d.size]
+    if wrong:
+        shown = ", ".join(wrong[:5]) + (" ..." if len(wrong) > 5 else "")
+        raise CheckpointError(
+            f"{url}: {len(wrong)} object(s) missing or of another size than {MARKER} records ({shown})"
+        )
+    return RemoteCheckpoint(remote, dict(recorded), {rel: d.size for rel, d in recorded.items()}, True)
+
+
+def _fetch(ckpt: RemoteCheckpoint, rel: str, dst: Path) -> None:
+    """Copy one object to `dst` (streamed, through a temporary name), checked against its record."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.part-{os.getpid()}")
+    try:
+        ckpt.remote.fs.get_file(ckpt.remote.key(rel), str(tmp))
+        got = digest_file(tmp)
+        want = ckpt.objects[rel]
+        if got.size != ckpt.sizes[rel] or (want is not None and got.sha256 != want.sha256):
+            raise CheckpointError(
+                f"{ckpt.remote.url}/{rel}: the object read back does not match its recorded size and "
+                "sha256 (changed during the read?); rerun"
+            )
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def index_mirror(url: str, options: dict[str, Any] | None = None) -> Iterator[Path]:
+    """A temporary local copy of the JSON objects, with sparse stand-ins of the right size for the rest.
+
+    For the commands that read only the index and the listing (names and sizes): nothing
+    but the JSON objects (and the marker) is read from the store. The stand-ins hold no
+    data: the directory is removed on exit.
+    """
+    ckpt = inspect(url, options)
+    with tempfile.TemporaryDirectory(prefix=".rbtool-index-", dir=cache_root()) as tmp:
+        root = Path(tmp) / "ckpt"
+        root.mkdir()
+        for rel, size in ckpt.sizes.items():
+            dst = root / rel
+            if rel.rsplit("/", 1)[-1] in _JSON_OBJECTS:
+                _fetch(ckpt, rel, dst)
+            else:
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                with open(dst, "wb") as f:
+                    f.truncate(size)
+        yield root
+
+
+def _mirror_state(mirror: Path) -> dict[str, Any]:
+    try:
+        return dict(json.loads((mirror / ".rbtool-mirror.json").read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _make_room(root: Path, keep: Path, needed: int, limit: int) -> None:
+    """Remove least recently used mirrors (never `keep`) until `needed` more bytes fit under `limit`."""
+    mirrors = [p for p in root.glob("mirror-*") if p.is_dir() and p != keep]
+    used = sum(_dir_bytes(p) for p in mirrors) + (_dir_bytes(keep) if keep.exists() else 0)
+    for old in sorted(mirrors, key=lambda p: p.stat().st_mtime):
+        if used + needed <= limit:
+            break
+        used -= _dir_bytes(old)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def data_mirror(
+    url: str,
+    options: dict[str, Any] | None = None,
+    *,
+    jobs: int | None = None,
+    progress: Progress | None = None,
+) -> Iterator[Path]:
+    """A local copy of every object at `url` in the bounded cache ($RBTOOL_CACHE_DIR, $RBTOOL_CACHE_BYTES).
+
+    Objects are copied streamed and in parallel, each checked against the marker's size and
+    sha256; a copy a previous run verified is reused while the marker records the same
+    digest. Least recently used mirrors of other URLs are removed to stay under the bound.
+    """
+    ckpt = inspect(url, options)
+    root = cache_root()
+    mirror = root / ("mirror-" + hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:24])
+    limit = cache_bytes()
+    needed = sum(ckpt.sizes.values())
+    if needed > limit:
+        raise CheckpointError(
+            f"{url}: {needed} bytes do not fit the local cache ({limit} bytes); raise RBTOOL_CACHE_BYTES"
+        )
+    state = _mirror_state(mirror)
+    known: dict[str, Any] = state.get("files", {}) if state.get("url") == url else {}
+
+    def fresh(rel: str) -> bool:
+        want = ckpt.objects[rel]
+        seen = known.get(rel)
+        path = mirror / "ckpt" / rel
+        return (
+            seen is not None
+            and want is not None
+            and seen == {"size": want.size, "sha256": want.sha256}
+            and path.is_file()
+            and path.stat().st_size == want.size
+        )
+
+    todo = [rel for rel in ckpt.sizes if not fresh(rel)]
+    _make_room(root, mirror, sum(ckpt.sizes[rel] for rel in todo), limit)
+    (mirror / "ckpt").mkdir(parents=True, exist_ok=True)
+    for stale in (mirror / "ckpt").rglob("*"):
+        rel = str(stale.relative_to(mirror / "ckpt"))
+        if stale.is_file() and rel not in ckpt.sizes:
+            stale.unlink()
+
+    def get(rel: str) -> None:
+        _fetch(ckpt, rel, mirror / "ckpt" / rel)
+        if progress is not None:
+            progress(1)
+
+    with ThreadPoolExecutor(jobs or min(16, (os.cpu_count() or 1) * 4)) as pool:
+        list(pool.map(get, todo))
+    files = {rel: {"size": d.size, "sha256": d.sha256} for rel, d in ckpt.objects.items() if d is not None}
+    (mirror / ".rbtool-mirror.json").write_text(json.dumps({"url": url, "files": files}))
+    os.utime(mirror)
+    yield mirror / "ckpt"

@@ -1,0 +1,300 @@
+"""Checkpoints in object storage: every command against a real S3 server (moto's) on 127.0.0.1.
+
+The upload protocol (docs/format.md): trajectory objects, then index and metadata, then the
+completion marker last; readers refuse an rbtool upload without its marker; a rerun of a
+killed upload completes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import FIXTURES, assert_one_error, make_traj, run, run_json
+
+from rbtool import remote
+
+pytestmark = pytest.mark.usefixtures("s3_server")
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("RBTOOL_CACHE_DIR", str(cache))
+    return cache
+
+
+def s3(bucket_url: str) -> Any:
+    return remote.open_remote(bucket_url).fs
+
+
+def keys(url: str) -> set[str]:
+    r = remote.open_remote(url)
+    return {name[len(r.root) + 1 :] for name in r.fs.find(r.root)}
+
+
+def save_to(url: str, source: Path = FIXTURES / "autosave_pt" / "autosave") -> dict[str, Any]:
+    return run_json("checkpoint", "save", source, url, "--window", "0")
+
+
+# ------------------------------------------------------------------ URLs and options
+def test_urls_and_local_paths() -> None:
+    assert remote.is_url("s3://b/x") and remote.is_url("memory://x") and remote.is_url("gs://b")
+    assert not remote.is_url("file:///tmp/x") and not remote.is_url("/tmp/x") and not remote.is_url("x")
+    assert remote.local_path("file:///tmp/a%20b") == Path("/tmp/a b")
+
+
+def test_storage_options_parse_json_where_they_can() -> None:
+    got = remote.parse_storage_options(
+        ["anon=false", "endpoint_url=http://h:1", "client_kwargs.region_name=x"]
+    )
+    assert got == {"anon": False, "endpoint_url": "http://h:1", "client_kwargs": {"region_name": "x"}}
+    with pytest.raises(Exception, match="key=value"):
+        remote.parse_storage_options(["novalue"])
+
+
+def test_storage_option_endpoint_reaches_the_server(
+    bucket: str, s3_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    url, option = f"{bucket}/ckpt", f"endpoint_url={s3_server}"
+    doc = run_json(
+        "checkpoint", "save", FIXTURES / "autosave_pt" / "autosave", url, "--storage-option", option
+    )
+    assert doc["out"] == url
+    r = remote.open_remote(url, {"endpoint_url": s3_server})
+    assert r.fs.exists(r.key(remote.MARKER))
+    assert run_json("verify", url, "--deep", "--storage-option", option)["ok"] is True
+
+
+# ------------------------------------------------------------------ writing
+def test_save_uploads_objects_then_marker_and_it_verifies(bucket: str) -> None:
+    url = f"{bucket}/ckpt"
+    doc = save_to(url)
+    assert doc["out"] == url
+    names = keys(url)
+    assert remote.MARKER in names and remote.PENDING not in names
+    assert {"metadata.json", "trajectory_index.json"} <= names
+    marker = json.loads(s3(bucket).cat_file(f"{bucket[5:]}/ckpt/{remote.MARKER}"))
+    assert marker["format"] == "rbtool-upload" and set(marker["files"]) == names - {remote.MARKER}
+    local = FIXTURES / "autosave_pt" / "autosave"
+    for name, entry in marker["files"].items():
+        if name.startswith("trajectory_") and name.endswith(".pt"):
+            assert entry["size"] == (local / name).stat().st_size
+    assert run_json("verify", url)["ok"] is True
+    assert run_json("verify", url, "--deep")["ok"] is True
+
+
+def test_existing_complete_checkpoint_needs_force(bucket: str) -> None:
+    url = f"{bucket}/ckpt"
+    save_to(url)
+    assert_one_error(run("checkpoint", "save", FIXTURES / "autosave_pt" / "autosave", url))
+    doc = run_json("checkpoint", "save", FIXTURES / "varying_shapes_pt" / "autosave", url, "--force")
+    assert doc["out"] == url
+    # objects of the replaced checkpoint are gone; the marker lists exactly what is there
+    local = {p.name for p in (FIXTURES / "varying_shapes_pt" / "autosave").glob("trajectory_*.pt")}
+    assert {n for n in keys(url) if n.endswith(".pt")} == local
+
+
+def test_objects_of_other_writers_are_not_overwritten(bucket: str) -> None:
+    s3(bucket).pipe_file(f"{bucket[5:]}/other/notes.txt", b"x")
+    assert_one_error(run("checkpoint", "save", FIXTURES / "autosave_pt" / "autosave", f"{bucket}/other"))
+    assert keys(f"{bucket}/other") == {"notes.txt"}
+
+
+def test_shard_reshard_merge_filter_convert_to_and_from_urls(bucket: str, tmp_path: Path) -> None:
+    src = FIXTURES / "autosave_pt" / "autosave"
+    local = run_json("shard", src, "-n", "2", "--out", tmp_path / "local_shards")
+    shards = run_json("shard", src, "-n", "2", "--out", f"{bucket}/shards")
+    assert shards["out"] == f"{bucket}/shards"
+    assert [r["trajectory_id_list"] for r in shards["ranks"]] == [
+        r["trajectory_id_list"] for r in local["ranks"]
+    ]
+    assert shards["ranks"][1]["path"] == f"{bucket}/shards/rank_1"
+    # a rank directory of an uploaded tree is covered by the tree's marker
+    assert run_json("verify", f"{bucket}/shards/rank_1", "--deep")["ok"] is True
+
+    re3 = run_json("reshard", f"{bucket}/shards", "-n", "3", "--out", f"{bucket}/re3")
+    assert re3["source"] == f"{bucket}/shards" and len(re3["ranks"]) == 3
+    merged = run_json("merge", f"{bucket}/re3", "--out", f"{bucket}/merged")
+    assert merged["inputs"][0] == f"{bucket}/re3/rank_0"
+    assert run_json("diff", src, f"{bucket}/merged")["equal"] is True
+
+    kept = run_json("filter", f"{bucket}/merged", "--out", f"{bucket}/last2", "--last", "2")
+    assert kept["size"] == 2
+    converted = run_json("convert", f"{bucket}/last2", "--out", f"{bucket}/pkl", "--format", "pkl")
+    assert converted["trajectory_format"] == "pkl"
+    assert run_json("verify", f"{bucket}/pkl", "--deep")["ok"] is True
+    back = run_json("convert", f"{bucket}/pkl", "--out", tmp_path / "back", "--format", "pt")
+    assert back["source"] == f"{bucket}/pkl"
+    assert run_json("diff", f"{bucket}/last2", tmp_path / "back", "--deep")["equal"] is True
+
+
+def test_dry_runs_upload_nothing(bucket: str) -> None:
+    url = f"{bucket}/dry"
+    run_json("reshard", FIXTURES / "ranks", "-n", "3", "--out", url, "--dry-run")
+    run_json("filter", FIXTURES / "ranks", "--out", url, "--last", "1", "--dry-run")
+    assert keys(url) == set()
+
+
+# ------------------------------------------------------------------ reading
+def test_index_only_commands_read_only_the_json_objects(bucket: str) -> None:
+    url = f"{bucket}/ckpt"
+    save_to(url)
+    local = FIXTURES / "autosave_pt" / "autosave"
+    # corrupt every trajectory object (same size): index-only commands cannot notice, data commands do
+    fs, root = s3(bucket), f"{bucket[5:]}/ckpt"
+    for name in keys(url):
+        if name.endswith(".pt"):
+            fs.pipe_file(f"{root}/{name}", b"\0" * (local / name).stat().st_size)
+    assert run_json("stats", url, "--index-only")["path"] == url
+    assert run_json("checkpoint", "load", url, "-n", "2")["checkpoint"] == url
+    assert run_json("verify", url)["ok"] is True
+    result = run("verify", url, "--deep", "--json")
+    assert result.exit_code == 1 and "sha256" in result.stderr
+
+
+def test_data_commands_match_local_results(bucket: str) -> None:
+    src = FIXTURES / "autosave_pt" / "autosave"
+    url = f"{bucket}/ckpt"
+    save_to(url)
+    local_stats, remote_stats = run_json("stats", src), run_json("stats", url)
+    assert remote_stats["path"] == url
+    for doc in (local_stats, remote_stats):
+        doc.pop("path")
+        for timing in ("seconds", "bytes_per_second"):
+            doc["data"].pop(timing, None)
+    assert remote_stats == local_stats
+    a = run_json("sample", src, "--num-chunks", "5", "--seed", "3")
+    b = run_json("sample", url, "--num-chunks", "5", "--seed", "3")
+    assert b["path"] == url and a["draws"] == b["draws"] and a["fields"] == b["fields"]
+    # a second read uses the verified copies in the cache
+    assert run_json("sample", url, "--num-chunks", "5", "--seed", "3")["draws"] == a["draws"]
+
+
+def test_the_cache_is_bounded(bucket: str, monkeypatch: pytest.MonkeyPatch, _cache: Path) -> None:
+    first, second = f"{bucket}/one", f"{bucket}/two"
+    save_to(first)
+    save_to(second)
+    size = sum(remote.inspect(first).sizes.values())
+    monkeypatch.setenv("RBTOOL_CACHE_BYTES", str(size + size // 2))
+    run_json("stats", first)
+    run_json("stats", second)
+    assert len(list(_cache.glob("mirror-*"))) == 1  # the first was removed to fit the second
+    monkeypatch.setenv("RBTOOL_CACHE_BYTES", str(size // 2))
+    result = run("stats", first)
+    assert_one_error(result)
+    assert "RBTOOL_CACHE_BYTES" in result.stderr
+
+
+def test_a_missing_or_resized_object_is_refused(bucket: str) -> None:
+    url = f"{bucket}/ckpt"
+    save_to(url)
+    fs, root = s3(bucket), f"{bucket[5:]}/ckpt"
+    victim = sorted(n for n in keys(url) if n.endswith(".pt"))[0]
+    fs.pipe_file(f"{root}/{victim}", b"short")
+    result = run("stats", url, "--index-only")
+    assert_one_error(result)
+    assert victim in result.stderr
+
+
+def test_a_checkpoint_another_tool_uploaded_is_read_without_a_marker(bucket: str) -> None:
+    src = FIXTURES / "autosave_pt" / "autosave"
+    fs = s3(bucket)
+    for p in src.iterdir():
+        fs.put_file(str(p), f"{bucket[5:]}/plain/{p.name}")
+    assert run_json("verify", f"{bucket}/plain", "--deep")["ok"] is True
+    assert run_json("stats", f"{bucket}/plain", "--index-only")["path"] == f"{bucket}/plain"
+
+
+def test_no_such_remote_checkpoint(bucket: str) -> None:
+    assert_one_error(run("stats", f"{bucket}/nothing", "--index-only"))
+
+
+def test_ingest_refuses_a_remote_buffer(bucket: str, five_files: list[Path]) -> None:
+    result = run("ingest", *five_files, "--buffer", f"{bucket}/buf")
+    assert_one_error(result, 2)
+    assert "checkpoint save" in result.stderr
+
+
+# ------------------------------------------------------------------ a killed upload
+def _big_checkpoint(root: Path, n: int = 30) -> Path:
+    """A local checkpoint large enough that an upload is still under way when it is killed."""
+    import torch
+
+    loose = root / "loose"
+    loose.mkdir()
+    for i in range(n):
+        torch.save(make_traj(t=8, b=4, seed=i, image=64, model_weights_id=f"w{i}"), loose / f"t{i}.pt")
+    assert run("checkpoint", "save", loose, root / "ckpt", "--window", "0").exit_code == 0
+    return root / "ckpt"
+
+
+def test_a_killed_upload_is_refused_then_a_rerun_completes_it(bucket: str, tmp_path: Path) -> None:
+    ckpt = _big_checkpoint(tmp_path)
+    url = f"{bucket}/killed"
+    # The upload runs in a subprocess with one upload at a time, each slowed by a pause in the
+    # filesystem's put, so the kill lands between objects (after some, before the marker).
+    code = (
+        "import sys, time\n"
+        "import s3fs\n"
+        "put = s3fs.S3FileSystem.put_file\n"
+        "def slow(self, *a, **k):\n"
+        "    put(self, *a, **k)\n"
+        "    print('put', flush=True)\n"
+        "    time.sleep(0.3)\n"
+        "s3fs.S3FileSystem.put_file = slow\n"
+        "from pathlib import Path\n"
+        "from rbtool import remote\n"
+        "remote.upload_dir(Path(sys.argv[1]), remote.open_remote(sys.argv[2]), jobs=1)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(ckpt), url], stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert proc.stdout is not None
+    for _ in range(3):  # three objects are up
+        assert proc.stdout.readline() == "put\n"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    names = keys(url)
+    assert remote.PENDING in names and remote.MARKER not in names
+    for argv in (["stats", url, "--index-only"], ["verify", url], ["checkpoint", "load", url]):
+        result = run(*argv)
+        assert_one_error(result)
+        assert "incomplete upload" in result.stderr and "rerun" in result.stderr
+    uploaded_before = {n for n in names if n.endswith(".pt")}
+    assert uploaded_before  # the rerun keeps these
+
+    # rerunning the command (here: the same upload) completes it without --force
+    counts = remote.upload_dir(ckpt, remote.open_remote(url))
+    assert counts["kept"] >= len(uploaded_before)
+    assert counts["uploaded"] == len(list(ckpt.iterdir())) - counts["kept"]
+    assert remote.PENDING not in keys(url)
+    assert run_json("verify", url, "--deep")["ok"] is True
+
+
+def test_a_failed_command_uploads_nothing(bucket: str, tmp_path: Path) -> None:
+    result = run("shard", tmp_path / "missing", "-n", "2", "--out", f"{bucket}/x")
+    assert_one_error(result)
+    assert keys(f"{bucket}/x") == set()
+
+
+def test_export_reads_a_remote_checkpoint(bucket: str, tmp_path: Path) -> None:
+    src = FIXTURES / "autosave_pt" / "autosave"
+    url = f"{bucket}/ckpt"
+    save_to(url)
+    local = run_json("export", src, tmp_path / "a", "--to", "lerobot", "--fps", "10")
+    got = run_json("export", url, tmp_path / "b", "--to", "lerobot", "--fps", "10")
+    assert got["source"] == url
+    assert (got["episodes"], got["frames"], got["features"]) == (
+        local["episodes"],
+        local["frames"],
+        local["features"],
+    )
