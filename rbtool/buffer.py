@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -397,12 +398,15 @@ class TrajectoryReplayBuffer:
         temperature: float = 1.0,
         *,
         progress: Progress | None = None,
+        before_gather: Callable[[Draw], None] | None = None,
     ) -> tuple[Draw, dict[str, Any]]:
         """`sample()`, also returning the Draw: which trajectory and row each batch row came from.
 
         Everything that can fail is checked before a random number is drawn. `progress` is
         told of the files read for the window's fields (the first sample of a checkpoint
         another writer made reads each file's header), as writers report their files.
+        `before_gather(draw)` is called once the rows are drawn and before any is read (a
+        reader of remote objects fetches the drawn trajectories' files there).
         """
         from rbtool.topk import check_strategy, draw_topk
 
@@ -434,6 +438,8 @@ class TrajectoryReplayBuffer:
                     "them); construct the buffer with extra_fields=True to sample them",
                     stacklevel=3,
                 )
+            if before_gather is not None:
+                before_gather(draw)
             base = self._counts.start(lo)
             self._rows.trim(lo, base)
             batch = gather(draw, schema, self._view, self._rows.covering(lo, hi, base), self._raw)

@@ -21,11 +21,10 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -281,6 +280,18 @@ def cache_root() -> Path:
     return base
 
 
+@contextmanager
+def _scratch(name: str) -> Iterator[Path]:
+    """A fresh directory in the cache, removed afterwards; those a killed run left are removed first."""
+    from rbtool.fsutil import new_staging_dir
+
+    path = new_staging_dir(cache_root() / name)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def cache_bytes() -> int:
     """The most bytes the cache holds: $RBTOOL_CACHE_BYTES (default 20 GiB)."""
     text = os.environ.get("RBTOOL_CACHE_BYTES")
@@ -329,8 +340,8 @@ def writing(
     """
     remote = open_remote(url, options)
     check_target(remote, overwrite=overwrite)
-    with tempfile.TemporaryDirectory(prefix=".rbtool-staging-", dir=cache_root()) as tmp:
-        staging = Staging(Path(tmp) / "out", remote, overwrite, jobs, progress)
+    with _scratch("upload") as tmp:
+        staging = Staging(tmp / "out", remote, overwrite, jobs, progress)
         yield staging
         staging.publish()
 
@@ -391,8 +402,12 @@ def inspect(url: str, options: dict[str, Any] | None = None) -> RemoteCheckpoint
     return RemoteCheckpoint(remote, dict(recorded), {rel: d.size for rel, d in recorded.items()}, True)
 
 
-def _fetch(ckpt: RemoteCheckpoint, rel: str, dst: Path) -> None:
-    """Copy one object to `dst` (streamed, through a temporary name), checked against its record."""
+def _fetch(ckpt: RemoteCheckpoint, rel: str, dst: Path, *, in_place: bool = False) -> None:
+    """Copy one object to `dst` (streamed, through a temporary name), checked against its record.
+
+    `in_place` writes the checked bytes into the existing file `dst` (same inode), so that a
+    reader that already holds it open (a loaded buffer pins its files) reads them.
+    """
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f".{dst.name}.part-{os.getpid()}")
     try:
@@ -404,22 +419,64 @@ def _fetch(ckpt: RemoteCheckpoint, rel: str, dst: Path) -> None:
                 f"{ckpt.remote.url}/{rel}: the object read back does not match its recorded size and "
                 "sha256 (changed during the read?); rerun"
             )
-        os.replace(tmp, dst)
+        if in_place:
+            with open(tmp, "rb") as src, open(dst, "r+b") as f:
+                shutil.copyfileobj(src, f, _CHUNK)
+        else:
+            os.replace(tmp, dst)
     finally:
         tmp.unlink(missing_ok=True)
 
 
-@contextmanager
-def index_mirror(url: str, options: dict[str, Any] | None = None) -> Iterator[Path]:
-    """A temporary local copy of the JSON objects, with sparse stand-ins of the right size for the rest.
+@dataclass
+class IndexMirror:
+    """A local copy of a remote checkpoint's JSON objects; every other object stands in by name and size.
 
-    For the commands that read only the index and the listing (names and sizes): nothing
-    but the JSON objects (and the marker) is read from the store. The stand-ins hold no
-    data: the directory is removed on exit.
+    The stand-ins are sparse files of the recorded size that hold no data: what the quick
+    checks read (names and sizes) is right, and `fetch` replaces stand-ins by the objects
+    (verified) before anything reads their bytes.
+    """
+
+    path: Path
+    checkpoint: RemoteCheckpoint
+    jobs: int | None = None
+    fetched: int = 0  # objects fetched beyond the JSON ones
+    fetched_bytes: int = 0
+    _done: set[str] = field(init=False, default_factory=set)  # objects that are here, not stood in for
+
+    def fetch(self, paths: Sequence[Path] | None = None) -> None:
+        """Replace the stand-ins of `paths` (under `self.path`; None: every object) by the objects."""
+        done = self._done
+        if paths is None:
+            names = list(self.checkpoint.sizes)
+        else:
+            names = [p.relative_to(self.path).as_posix() for p in paths]
+        todo = sorted({rel for rel in names if rel not in done})
+
+        def get(rel: str) -> None:
+            _fetch(self.checkpoint, rel, self.path / rel, in_place=True)
+
+        with ThreadPoolExecutor(self.jobs or min(16, (os.cpu_count() or 1) * 4)) as pool:
+            list(pool.map(get, todo))
+        done.update(todo)
+        self.fetched += len(todo)
+        self.fetched_bytes += sum(self.checkpoint.sizes[rel] for rel in todo)
+
+    def __post_init__(self) -> None:
+        self._done.update(rel for rel in self.checkpoint.sizes if rel.rsplit("/", 1)[-1] in _JSON_OBJECTS)
+
+
+@contextmanager
+def index_mirror(url: str, options: dict[str, Any] | None = None) -> Iterator[IndexMirror]:
+    """A temporary IndexMirror of `url`, removed on exit.
+
+    For the commands that read only the index and the listing (names and sizes), nothing
+    but the JSON objects (and the marker) is read from the store; `sample` fetches the
+    objects of the trajectories it draws, and nothing else.
     """
     ckpt = inspect(url, options)
-    with tempfile.TemporaryDirectory(prefix=".rbtool-index-", dir=cache_root()) as tmp:
-        root = Path(tmp) / "ckpt"
+    with _scratch("index") as tmp:
+        root = tmp / "ckpt"
         root.mkdir()
         for rel, size in ckpt.sizes.items():
             dst = root / rel
@@ -429,7 +486,7 @@ def index_mirror(url: str, options: dict[str, Any] | None = None) -> Iterator[Pa
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 with open(dst, "wb") as f:
                     f.truncate(size)
-        yield root
+        yield IndexMirror(root, ckpt)
 
 
 def _mirror_state(mirror: Path) -> dict[str, Any]:

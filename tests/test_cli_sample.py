@@ -67,6 +67,7 @@ def test_json_document_keys_and_field_list() -> None:
         "fields",
         "out",
         "out_bytes",
+        "fetched",
     ]
     fields = {row["field"]: row for row in doc["fields"]}
     assert fields["curr_obs.main_images"] == {

@@ -236,48 +236,63 @@ def _big_checkpoint(root: Path, n: int = 30) -> Path:
     return root / "ckpt"
 
 
-def test_a_killed_upload_is_refused_then_a_rerun_completes_it(bucket: str, tmp_path: Path) -> None:
+def test_a_killed_upload_is_refused_then_a_rerun_completes_it(
+    bucket: str, tmp_path: Path, _cache: Path
+) -> None:
     ckpt = _big_checkpoint(tmp_path)
     url = f"{bucket}/killed"
-    # The upload runs in a subprocess with one upload at a time, each slowed by a pause in the
-    # filesystem's put, so the kill lands between objects (after some, before the marker).
+    argv = ["checkpoint", "save", str(ckpt), url, "--window", "0", "--json"]
+    # `rbtool checkpoint save` in a subprocess whose uploads stop for good after the third
+    # object is up (each put still goes to the server): the kill lands mid-upload, before the
+    # index, the metadata and the marker.
     code = (
-        "import sys, time\n"
+        "import runpy, sys, threading\n"
         "import s3fs\n"
-        "put = s3fs.S3FileSystem.put_file\n"
-        "def slow(self, *a, **k):\n"
+        "put, done, lock = s3fs.S3FileSystem.put_file, [0], threading.Lock()\n"
+        "def stalled(self, *a, **k):\n"
         "    put(self, *a, **k)\n"
-        "    print('put', flush=True)\n"
-        "    time.sleep(0.3)\n"
-        "s3fs.S3FileSystem.put_file = slow\n"
-        "from pathlib import Path\n"
-        "from rbtool import remote\n"
-        "remote.upload_dir(Path(sys.argv[1]), remote.open_remote(sys.argv[2]), jobs=1)\n"
+        "    with lock:\n"
+        "        done[0] += 1\n"
+        "        if done[0] == 3:\n"
+        "            print('three up', flush=True)\n"
+        "    if done[0] >= 3:\n"
+        "        threading.Event().wait()\n"
+        "s3fs.S3FileSystem.put_file = stalled\n"
+        f"sys.argv = ['rbtool', *{argv!r}]\n"
+        "runpy.run_module('rbtool', run_name='__main__')\n"
     )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code, str(ckpt), url], stdout=subprocess.PIPE, text=True, env=env
-    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
-    for _ in range(3):  # three objects are up
-        assert proc.stdout.readline() == "put\n"
+    assert proc.stdout.readline() == "three up\n"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
+
     names = keys(url)
     assert remote.PENDING in names and remote.MARKER not in names
-    for argv in (["stats", url, "--index-only"], ["verify", url], ["checkpoint", "load", url]):
-        result = run(*argv)
+    assert "metadata.json" not in names
+    up_before = {n for n in names if n.endswith(".pt")}
+    assert len(up_before) >= 3
+    for command in (
+        ["stats", url, "--index-only"],
+        ["checkpoint", "load", url],
+        ["sample", url, "--num-chunks", "2"],
+    ):
+        result = run(*command)
         assert_one_error(result)
-        assert "incomplete upload" in result.stderr and "rerun" in result.stderr
-    uploaded_before = {n for n in names if n.endswith(".pt")}
-    assert uploaded_before  # the rerun keeps these
+        assert "incomplete upload" in result.stderr and "rerun the command" in result.stderr
+    verify = run("verify", url)
+    assert verify.exit_code == 1 and "incomplete upload" in verify.stderr
 
-    # rerunning the command (here: the same upload) completes it without --force
-    counts = remote.upload_dir(ckpt, remote.open_remote(url))
-    assert counts["kept"] >= len(uploaded_before)
-    assert counts["uploaded"] == len(list(ckpt.iterdir())) - counts["kept"]
+    # the same command again, without --force: it continues the upload
+    doc = run_json(*argv[:-1])
+    total = len(list(ckpt.iterdir()))
+    assert doc["upload"]["kept"] >= len(up_before)
+    assert doc["upload"]["uploaded"] + doc["upload"]["kept"] == total
     assert remote.PENDING not in keys(url)
     assert run_json("verify", url, "--deep")["ok"] is True
+    assert run_json("diff", ckpt, url)["equal"] is True
+    assert not list(_cache.rglob("*rbtool-staging*"))  # the killed run's staging is gone too
 
 
 def test_a_failed_command_uploads_nothing(bucket: str, tmp_path: Path) -> None:
@@ -298,3 +313,23 @@ def test_export_reads_a_remote_checkpoint(bucket: str, tmp_path: Path) -> None:
         local["frames"],
         local["features"],
     )
+
+
+def test_sample_fetches_only_the_drawn_trajectories(bucket: str, tmp_path: Path) -> None:
+    import torch
+    from conftest import assert_batches_equal
+
+    ckpt = _big_checkpoint(tmp_path)
+    url = f"{bucket}/big"
+    run_json("checkpoint", "save", ckpt, url, "--window", "0")
+    args = ["--num-chunks", "3", "--seed", "11"]
+    local = run_json("sample", ckpt, *args, "--out", tmp_path / "a.pt")
+    got = run_json("sample", url, *args, "--out", tmp_path / "b.pt")
+    assert local["fetched"] is None
+    assert got["draws"] == local["draws"] and got["fields"] == local["fields"]
+    drawn = set(got["draws"]["trajectory_id"])
+    assert got["fetched"]["objects"] == len(drawn) < 30
+    assert_batches_equal(torch.load(tmp_path / "b.pt"), torch.load(tmp_path / "a.pt"))
+    # top-k reads the window's rewards: every object is fetched
+    topk = run_json("sample", url, "--num-chunks", "3", "--strategy", "topk", "--k", "5")
+    assert topk["fetched"]["objects"] == 30

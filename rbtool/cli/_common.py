@@ -33,6 +33,8 @@ from rbtool.errors import (
 if TYPE_CHECKING:
     from rich.table import Table
 
+    from rbtool.remote import IndexMirror
+
 # Results go to stdout; progress, warnings and errors to stderr.
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -543,12 +545,14 @@ class Place:
         self.local = local
         self.url = url
         self._finish: Any = None
+        self.upload: dict[str, int] | None = None  # what the upload did (None: a local directory)
+        self.mirror: IndexMirror | None = None  # read without data: objects are fetched on demand
 
     def finish(self) -> None:
         """Publish what was written (upload it, for a URL) now, before the result is printed."""
         if self._finish is not None:
             finish, self._finish = self._finish, None
-            finish()
+            self.upload = finish()
 
     def show(self, path: str | os.PathLike[str] | None = None) -> str:
         if path is None:
@@ -585,7 +589,8 @@ def reading(
     """The directory `value` to read: itself if local; for a URL a local mirror.
 
     With `data`, every object is copied into the bounded cache (verified against the upload's
-    marker); without, only the JSON objects are read and the rest stand in by name and size.
+    marker); without, only the JSON objects are read and the rest stand in by name and size
+    (`Place.mirror.fetch` fetches some of them).
     """
     from rbtool.remote import local_path
 
@@ -596,8 +601,10 @@ def reading(
 
     options = remote.parse_storage_options(storage_options)
     if not data:
-        with remote.index_mirror(value, options) as local:
-            yield Place(value, local, value.rstrip("/"))
+        with remote.index_mirror(value, options) as mirror:
+            place = Place(value, mirror.path, value.rstrip("/"))
+            place.mirror = mirror
+            yield place
         return
     with (
         progress_bar(f"fetching {value}", None, enabled) as advance,

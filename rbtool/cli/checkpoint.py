@@ -181,6 +181,7 @@ def _save(
     doc: dict[str, Any] = {
         "mode": chosen.value,
         "out": shown,
+        "upload": place.upload,
         "window": window,
         **index.state(),
         "trajectory_format": index.trajectory_format,

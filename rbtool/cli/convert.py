@@ -83,6 +83,7 @@ def convert(
         doc: dict[str, Any] = {
             "source": src.show(),
             "out": dst.show(),
+            "upload": dst.upload,
             "trajectory_format": result.trajectory_format,
             "jobs": result.jobs,
             "bytes_read": result.throughput.bytes_read,

@@ -119,6 +119,7 @@ def filter_(
         doc: dict[str, Any] = {
             "source": src.show(),
             "out": dst.show(),
+            "upload": dst.upload,
             "dry_run": dry_run,
             "criteria": filtering.describe_criteria(criteria),
             **result.index.state(),

@@ -90,6 +90,7 @@ def merge(
         doc: dict[str, Any] = {
             "inputs": [_shown(shown, p) for p in inputs],
             "out": dst.show(),
+            "upload": dst.upload,
             "renumbered": result.renumbered,
             "mapping_file": dst.show(target / checkpoint.MERGE_MAP_FILE) if result.renumbered else None,
             **index.state(),

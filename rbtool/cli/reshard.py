@@ -95,6 +95,7 @@ def reshard(
             "source_dirs": [src.show(d) for d in view.dirs],
             "renumbered": view.renumbered,
             "out": dst.show(),
+            "upload": dst.upload,
             "world_size": world_size,
             "balance": balance.value,
             "dry_run": dry_run,

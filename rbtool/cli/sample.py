@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich import box
@@ -35,6 +35,10 @@ from rbtool.cli._common import (
     show_progress,
     summary_limit,
 )
+
+if TYPE_CHECKING:
+    from rbtool.dirs import CheckpointView
+    from rbtool.remote import IndexMirror
 
 DEFAULT_SEED = 1234  # the buffer's default, used when the checkpoint records no seed
 SHOWN_DRAWS = 16  # draws listed one per row in the human view
@@ -89,6 +93,20 @@ def field_rows(batch: dict[str, Any], prefix: str = "") -> list[dict[str, Any]]:
     return rows
 
 
+def _remote_reads(mirror: IndexMirror | None, view: CheckpointView, strategy: Strategy) -> Any:
+    """For a URL: what to fetch, and when. Uniform draws from a checkpoint whose index records
+    every trajectory's schema read only the drawn trajectories, so only their objects are
+    fetched, once drawn; top-k reads the window's rewards, and unrecorded schemas the window's
+    headers, so then every object is fetched first."""
+    if mirror is None:
+        return None
+    index = view.index
+    if strategy is Strategy.uniform and all(e.get("schema") in index.schemas for e in index.entries.values()):
+        return lambda draw: mirror.fetch([view.file_of(t) for t in set(draw.trajectory_ids)])
+    mirror.fetch()
+    return None
+
+
 def sample(
     path: DirArg,
     num_chunks: Annotated[
@@ -135,10 +153,11 @@ def sample(
     # when no schema is recorded) are counted as they are read.
     phases = len(SAMPLE_PHASES) if out_path is not None else len(SAMPLE_PHASES) - 1
     with (
-        reading(path, storage_option, data=True, enabled=show_progress(json)) as place,
+        reading(path, storage_option, data=False) as place,
         progress_bar(SAMPLE_PHASES[0], phases, show_progress(json)) as advance,
     ):
         view = open_view(place.local, strict=strict)
+        before_gather = _remote_reads(place.mirror, view, strategy)
         index = view.index
         missing = view.dropped_ids()
         advance.phase(1, SAMPLE_PHASES[1])
@@ -150,7 +169,9 @@ def sample(
             buffer.random_generator.manual_seed(seed)
         window_ids = buffer.window_ids()
         advance.phase(2, SAMPLE_PHASES[2])
-        draw, batch = buffer.sample_with_draw(num_chunks, strategy.value, k, temperature, progress=advance)
+        draw, batch = buffer.sample_with_draw(
+            num_chunks, strategy.value, k, temperature, progress=advance, before_gather=before_gather
+        )
         if out_path is not None:
             advance.start(phases, SAMPLE_PHASES[3])
             advance.phase(3, SAMPLE_PHASES[3])
@@ -182,6 +203,9 @@ def sample(
         "fields": field_rows(batch),
         "out": None if out_path is None else str(out_path),
         "out_bytes": written,
+        "fetched": None
+        if place.mirror is None
+        else {"objects": place.mirror.fetched, "bytes": place.mirror.fetched_bytes},
     }
     if json:
         bound(doc, "missing_ids", summary_limit(all_items))

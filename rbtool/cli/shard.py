@@ -69,6 +69,7 @@ def shard(
         doc: dict[str, Any] = {
             "source": src.show(),
             "out": dst.show(),
+            "upload": dst.upload,
             "world_size": world_size,
             "ranks": ranks,
             "files": report.as_json(),
