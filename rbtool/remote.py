@@ -204,17 +204,36 @@ def _read_marker(remote: Remote, rel: str) -> dict[str, Digest]:
 
 # ------------------------------------------------------------------ writing
 def check_target(remote: Remote, *, overwrite: bool) -> None:
-    """Refuse to write over a complete checkpoint (unless `overwrite`) or over objects rbtool did not write.
+    """Refuse to write over a checkpoint (unless `overwrite`), and over objects that are not one at all.
 
     An incomplete rbtool upload (a pending note, no marker) is always continued.
     """
     listing = _listing(remote)
-    if not listing or overwrite:
+    if not listing or PENDING in listing:
         return
-    if MARKER in listing:
-        raise OutputExistsError(f"{remote.url}: already holds a complete checkpoint")
-    if PENDING not in listing:
-        raise OutputExistsError(f"{remote.url}: not empty ({len(listing)} objects rbtool did not upload)")
+    if not (MARKER in listing or _looks_like_checkpoint(listing)):
+        # as for a local target, --force replaces only a checkpoint (or an empty place)
+        raise CheckpointError(
+            f"{remote.url}: holds {len(listing)} objects that are not a checkpoint; choose another URL"
+        )
+    if not overwrite:
+        raise OutputExistsError(f"{remote.url}: already holds a checkpoint")
+
+
+def _looks_like_checkpoint(listing: dict[str, Any]) -> bool:
+    """True if every object is a checkpoint's file, here or in `rank_<r>/` (another tool's upload)."""
+    from rbtool.format import parse_trajectory_file_name
+
+    def part(rel: str) -> bool:
+        parts = rel.split("/")
+        if len(parts) == 2 and re.fullmatch(r"rank_\d+", parts[0]):
+            parts = parts[1:]
+        return len(parts) == 1 and (
+            parts[0] in _JSON_OBJECTS or parse_trajectory_file_name(parts[0]) is not None
+        )
+
+    names = [rel for rel in listing if rel not in _CONTROL]
+    return bool(names) and all(part(rel) for rel in names)
 
 
 def upload_dir(

@@ -102,10 +102,27 @@ def test_existing_complete_checkpoint_needs_force(bucket: str) -> None:
     assert {n for n in keys(url) if n.endswith(".pt")} == local
 
 
-def test_objects_of_other_writers_are_not_overwritten(bucket: str) -> None:
+def test_objects_that_are_not_a_checkpoint_are_never_replaced(bucket: str) -> None:
     s3(bucket).pipe_file(f"{bucket[5:]}/other/notes.txt", b"x")
-    assert_one_error(run("checkpoint", "save", FIXTURES / "autosave_pt" / "autosave", f"{bucket}/other"))
+    src = FIXTURES / "autosave_pt" / "autosave"
+    for force in ([], ["--force"]):
+        result = run("checkpoint", "save", src, f"{bucket}/other", *force)
+        assert_one_error(result)
+        assert "not a checkpoint" in result.stderr
     assert keys(f"{bucket}/other") == {"notes.txt"}
+
+
+def test_a_checkpoint_another_tool_uploaded_is_replaced_only_with_force(bucket: str) -> None:
+    fs = s3(bucket)
+    for p in (FIXTURES / "ranks" / "rank_0").iterdir():
+        fs.put_file(str(p), f"{bucket[5:]}/plain/rank_0/{p.name}")
+    src = FIXTURES / "autosave_pt" / "autosave"
+    result = run("checkpoint", "save", src, f"{bucket}/plain")
+    assert_one_error(result)
+    assert "--force" in result.stderr  # the hint of the option that answers it
+    doc = run_json("checkpoint", "save", src, f"{bucket}/plain", "--force")
+    assert doc["upload"]["removed"] == len(list((FIXTURES / "ranks" / "rank_0").iterdir()))
+    assert not any(n.startswith("rank_0/") for n in keys(f"{bucket}/plain"))
 
 
 def test_shard_reshard_merge_filter_convert_to_and_from_urls(bucket: str, tmp_path: Path) -> None:
