@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from rbtool.errors import CheckpointError, OutputExistsError, RbtoolError, UsageError
-from rbtool.format import INDEX_FILE, LEGACY_INDEX_FILE, MERGE_MAP_FILE, METADATA_FILE
+from rbtool.format import INDEX_FILE, LEGACY_INDEX_FILE, MERGE_MAP_FILE, METADATA_FILE, one_line
 
 MARKER = "rbtool-upload-complete.json"  # written last: the upload is whole
 PENDING = "rbtool-upload-pending.json"  # written first: an upload is under way (or was killed)
@@ -111,8 +111,9 @@ def open_remote(url: str, options: dict[str, Any] | None = None) -> Remote:
     del fsspec
     try:
         fs, root = url_to_fs(url, **(options or {}))
-    except ImportError as exc:
-        raise RbtoolError(f"{url}: {exc}; install rbtool[s3] for s3:// URLs") from None
+    except ImportError as exc:  # the scheme's fsspec package is missing (s3fs, gcsfs, ...)
+        hint = "; install rbtool[s3]" if url.lower().startswith(("s3://", "s3a://")) else ""
+        raise RbtoolError(f"{url}: {one_line(str(exc))}{hint}") from None
     except (ValueError, TypeError) as exc:
         raise UsageError(f"{url}: {exc}") from None
     return Remote(url.rstrip("/"), fs, str(root).rstrip("/"))
@@ -132,6 +133,13 @@ def _listing(remote: Remote) -> dict[str, dict[str, Any]]:
         for name, info in found.items()
         if name.startswith(prefix) and info.get("type", "file") != "directory"
     }
+
+
+def _start(progress: Progress | None, total: int, description: str) -> None:
+    """Tell a progress callback with a `start(total, description)` method that a counted phase begins."""
+    start = getattr(progress, "start", None)
+    if start is not None:
+        start(total, description)
 
 
 # ------------------------------------------------------------------ hashes
@@ -256,6 +264,7 @@ def upload_dir(
     workers = jobs or min(16, (os.cpu_count() or 1) * 4)
     with ThreadPoolExecutor(workers) as pool:
         digests = dict(zip(files, pool.map(lambda rel: digest_file(local / rel), files), strict=True))
+    _start(progress, len(files), "uploading")
     listing = _listing(remote)
     if MARKER in listing:  # replacing a complete checkpoint: from now on it is incomplete
         remote.fs.rm_file(remote.key(MARKER))
@@ -269,9 +278,14 @@ def upload_dir(
     counts = {"uploaded": 0, "kept": 0, "removed": 0, "bytes": 0}
 
     def put(rel: str) -> bool:
-        if _matches(remote, rel, listing.get(rel), digests[rel]):
-            return False
-        remote.fs.put_file(str(local / rel), remote.key(rel))
+        try:
+            if _matches(remote, rel, listing.get(rel), digests[rel]):
+                return False
+            remote.fs.put_file(str(local / rel), remote.key(rel))
+        except OSError as exc:
+            raise CheckpointError(
+                f"{remote.url}/{rel}: upload failed ({exc.strerror or exc}); rerun the command to continue"
+            ) from None
         return True
 
     with ThreadPoolExecutor(workers) as pool:
@@ -542,7 +556,9 @@ def data_mirror(
 
     Objects are copied streamed and in parallel, each checked against the marker's size and
     sha256; a copy a previous run verified is reused while the marker records the same
-    digest. Least recently used mirrors of other URLs are removed to stay under the bound.
+    digest and the copy's size, inode and mtime are those it had then (an output that
+    hard-links it may have been written in place). Least recently used mirrors of other
+    URLs are removed to stay under the bound.
     """
     ckpt = inspect(url, options)
     root = cache_root()
@@ -556,19 +572,26 @@ def data_mirror(
     state = _mirror_state(mirror)
     known: dict[str, Any] = state.get("files", {}) if state.get("url") == url else {}
 
+    def identity(path: Path) -> list[int] | None:
+        """What tells a verified copy is untouched since: size, inode, mtime (outputs may hard-link it)."""
+        try:
+            info = path.stat()
+        except OSError:
+            return None
+        return [info.st_size, info.st_ino, info.st_mtime_ns]
+
     def fresh(rel: str) -> bool:
-        want = ckpt.objects[rel]
-        seen = known.get(rel)
-        path = mirror / "ckpt" / rel
+        want, seen = ckpt.objects[rel], known.get(rel)
         return (
-            seen is not None
-            and want is not None
-            and seen == {"size": want.size, "sha256": want.sha256}
-            and path.is_file()
-            and path.stat().st_size == want.size
+            want is not None
+            and seen is not None
+            and seen.get("sha256") == want.sha256
+            and seen.get("identity") == identity(mirror / "ckpt" / rel)
+            and seen["identity"][0] == want.size
         )
 
     todo = [rel for rel in ckpt.sizes if not fresh(rel)]
+    _start(progress, len(todo), f"fetching {url}")
     _make_room(root, mirror, sum(ckpt.sizes[rel] for rel in todo), limit)
     (mirror / "ckpt").mkdir(parents=True, exist_ok=True)
     for stale in (mirror / "ckpt").rglob("*"):
@@ -583,7 +606,11 @@ def data_mirror(
 
     with ThreadPoolExecutor(jobs or min(16, (os.cpu_count() or 1) * 4)) as pool:
         list(pool.map(get, todo))
-    files = {rel: {"size": d.size, "sha256": d.sha256} for rel, d in ckpt.objects.items() if d is not None}
+    files = {
+        rel: {"sha256": d.sha256, "identity": identity(mirror / "ckpt" / rel)}
+        for rel, d in ckpt.objects.items()
+        if d is not None
+    }
     (mirror / ".rbtool-mirror.json").write_text(json.dumps({"url": url, "files": files}))
     os.utime(mirror)
     yield mirror / "ckpt"

@@ -350,3 +350,67 @@ def test_sample_fetches_only_the_drawn_trajectories(bucket: str, tmp_path: Path)
     # top-k reads the window's rewards: every object is fetched
     topk = run_json("sample", url, "--num-chunks", "3", "--strategy", "topk", "--k", "5")
     assert topk["fetched"]["objects"] == 30
+
+
+def test_remote_sources_of_save_ingest_and_load(bucket: str, tmp_path: Path, five_files: list[Path]) -> None:
+    src = FIXTURES / "autosave_pt" / "autosave"
+    url = f"{bucket}/buf"
+    save_to(url)
+    local = run_json("checkpoint", "save", src, tmp_path / "a", "--window", "2")
+    got = run_json("checkpoint", "save", url, tmp_path / "b", "--window", "2")
+    assert (got["mode"], got["trajectory_id_list"]) == (local["mode"], local["trajectory_id_list"])
+    added = run_json("ingest", url, "--buffer", tmp_path / "buffer")
+    assert added["added"] == len(remote.inspect(url).sizes) - 2  # every trajectory object
+    restored = run_json("checkpoint", "load", url, "--buffer", tmp_path / "restored")
+    assert restored["checkpoint"] == url and restored["restored_to"] == str(tmp_path / "restored")
+    assert run_json("verify", tmp_path / "restored", "--deep")["ok"] is True
+
+
+def test_cached_copies_are_reused_until_changed(bucket: str, tmp_path: Path) -> None:
+    url = f"{bucket}/ckpt"
+    save_to(url)
+    calls: list[int] = []
+    with remote.data_mirror(url, progress=calls.append):
+        pass
+    first = len(calls)
+    assert first == len(remote.inspect(url).sizes)
+    with remote.data_mirror(url, progress=calls.append):
+        pass
+    assert len(calls) == first  # nothing fetched again
+    # an output hard-linked to the cache, written in place: the copy is fetched again
+    run_json("shard", url, "-n", "1", "--out", tmp_path / "shards")
+    victim = sorted((tmp_path / "shards" / "rank_0").glob("trajectory_*.pt"))[0]
+    assert victim.stat().st_nlink > 1  # linked to the cached copy
+    with open(victim, "r+b") as f:
+        f.write(b"\0" * 16)
+    assert run_json("verify", url, "--deep")["ok"] is True
+
+
+def test_a_replacement_that_fails_midway_leaves_nothing_that_verifies(
+    bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import s3fs
+
+    url = f"{bucket}/ckpt"
+    save_to(url)
+    put, done = s3fs.S3FileSystem.put_file, [0]
+
+    def failing(self: Any, *args: Any, **kwargs: Any) -> Any:
+        done[0] += 1
+        if done[0] > 2:
+            raise OSError(28, "No space left on device")  # the store fails after two objects
+        return put(self, *args, **kwargs)
+
+    # filesystems made from now on upload through `failing` (cached ones kept their methods)
+    monkeypatch.setattr(s3fs.S3FileSystem, "put_file", failing)
+    s3fs.S3FileSystem.clear_instance_cache()
+    result = run("checkpoint", "save", FIXTURES / "varying_shapes_pt" / "autosave", url, "--force")
+    assert_one_error(result)
+    assert "upload failed (No space left on device); rerun the command" in result.stderr
+    monkeypatch.setattr(s3fs.S3FileSystem, "put_file", put)
+    s3fs.S3FileSystem.clear_instance_cache()
+    assert remote.MARKER not in keys(url)  # the old checkpoint's marker went first
+    verify = run("verify", url)
+    assert verify.exit_code == 1 and "incomplete upload" in verify.stderr
+    assert run_json("checkpoint", "save", FIXTURES / "varying_shapes_pt" / "autosave", url)["upload"]
+    assert run_json("verify", url, "--deep")["ok"] is True

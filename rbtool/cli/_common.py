@@ -633,6 +633,12 @@ def writing(
     options = remote.parse_storage_options(storage_options)
     with remote.writing(value, options, overwrite=overwrite) as staging:
         place = Place(value, staging.local, value.rstrip("/"))
-        place._finish = staging.publish
+
+        def publish() -> dict[str, int]:
+            with progress_bar(f"uploading to {value}", None, enabled) as advance:
+                staging.progress = advance
+                return staging.publish()
+
+        place._finish = publish
         yield place
         place.finish()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -65,11 +66,12 @@ class SaveMode(str, enum.Enum):
 # ----------------------------------------------------------------------- save
 @checkpoint_app.command()
 def save(
-    sources: Annotated[
-        list[Path],
+    source_args: Annotated[
+        list[str],
         typer.Argument(
             metavar="SOURCE",
-            help="A buffer directory (auto-save), or trajectory files/folders/checkpoints (in-memory).",
+            help="A buffer directory (auto-save), or trajectory files/folders/checkpoints (in-memory); "
+            "directories may be URLs.",
             show_default=False,
         ),
     ],
@@ -104,7 +106,13 @@ def save(
 ) -> None:
     """Write the checkpoint a buffer's save_checkpoint would write, from files on disk."""
     refuse_output_mix(json, pretty=pretty)
-    with writing(target_arg, storage_option, overwrite=force) as place:
+    with ExitStack() as stack:
+        enabled = show_progress(json)
+        sources = [
+            stack.enter_context(reading(s, storage_option, data=True, enabled=enabled)).local
+            for s in source_args
+        ]
+        place = stack.enter_context(writing(target_arg, storage_option, overwrite=force, enabled=enabled))
         _save(
             sources,
             place,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -13,6 +14,7 @@ from rbtool.cli._common import (
     FormatOpt,
     JsonOpt,
     PrettyOpt,
+    StorageOpt,
     err,
     files_line,
     is_url,
@@ -20,6 +22,7 @@ from rbtool.cli._common import (
     out,
     print_json,
     progress_bar,
+    reading,
     refuse_output_mix,
     show_progress,
 )
@@ -42,11 +45,12 @@ def _count_items(sources: list[Path]) -> int | None:
 
 
 def ingest(
-    sources: Annotated[
-        list[Path],
+    source_args: Annotated[
+        list[str],
         typer.Argument(
             metavar="SOURCE",
-            help="Trajectory files (.pt/.pkl), folders of them, or buffer/checkpoint directories, in order.",
+            help="Trajectory files (.pt/.pkl), folders of them, or buffer/checkpoint directories (or their "
+            "URLs), in order.",
             show_default=False,
         ),
     ],
@@ -78,6 +82,7 @@ def ingest(
     copy: CopyOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Add trajectories to a buffer directory; ids continue from its trajectory_counter.
 
@@ -99,67 +104,76 @@ def ingest(
             "no atomic rename); ingest into a local buffer, then `rbtool checkpoint save BUFFER URL`"
         )
     buffer = local_dir(buffer_arg, "--buffer")
-    from rbtool.errors import UsageError
-    from rbtool.ingestion import ingest as ingest_sources
+    with ExitStack() as stack:
+        sources = [
+            stack.enter_context(reading(s, storage_option, data=True, enabled=show_progress(json))).local
+            for s in source_args
+        ]
+        from rbtool.errors import UsageError
+        from rbtool.ingestion import ingest as ingest_sources
 
-    if link and copy:
-        raise UsageError("--link and --copy exclude each other; give one of them")
+        if link and copy:
+            raise UsageError("--link and --copy exclude each other; give one of them")
 
-    def on_wait(holder: str) -> None:
-        err.print(f"waiting for {buffer} (locked by {holder})", markup=False)
+        def on_wait(holder: str) -> None:
+            err.print(f"waiting for {buffer} (locked by {holder})", markup=False)
 
-    def on_published(ids: list[int]) -> None:
-        err.print(f"added trajectory ids {id_range(ids)}", markup=False)
+        def on_published(ids: list[int]) -> None:
+            err.print(f"added trajectory ids {id_range(ids)}", markup=False)
 
-    enabled = show_progress(json)
-    total = _count_items(sources) if enabled else None
-    with progress_bar("checking sources", total, enabled) as advance:
-        result = ingest_sources(
-            sources,
-            buffer,
-            trajectory_format=None if trajectory_format is None else trajectory_format.value,
-            on_wait=on_wait,
-            on_checked=advance,
-            on_published=on_published,
-            recursive=recursive,
-            allow_duplicates=allow_duplicates,
-            link=True if link else False if copy else None,
+        enabled = show_progress(json)
+        total = _count_items(sources) if enabled else None
+        with progress_bar("checking sources", total, enabled) as advance:
+            result = ingest_sources(
+                sources,
+                buffer,
+                trajectory_format=None if trajectory_format is None else trajectory_format.value,
+                on_wait=on_wait,
+                on_checked=advance,
+                on_published=on_published,
+                recursive=recursive,
+                allow_duplicates=allow_duplicates,
+                link=True if link else False if copy else None,
+            )
+
+        index = result.index
+        doc: dict[str, Any] = {
+            "buffer": str(result.buffer),
+            "added": len(result.added_ids),
+            "trajectory_ids": result.added_ids,
+            "size": index.size,
+            "total_samples": index.total_samples,
+            "trajectory_counter": index.trajectory_counter,
+            "trajectory_format": index.trajectory_format,
+            "files": result.report.as_json(),
+            "removed_leftovers": result.removed_leftovers,
+            "duplicates": result.duplicates,
+            "skipped": [s.as_json() for s in result.skipped],
+        }
+        if json:
+            print_json(doc, pretty)
+            return
+        table = Table(title=f"ingest into {result.buffer}", show_header=False, title_justify="left")
+        table.add_column("key", style="bold")
+        table.add_column("value")
+        ids = result.added_ids
+        table.add_row(
+            "added", f"{len(ids)} (id{'s' if len(ids) > 1 else ''} {id_range(ids)})" if ids else "0"
         )
-
-    index = result.index
-    doc: dict[str, Any] = {
-        "buffer": str(result.buffer),
-        "added": len(result.added_ids),
-        "trajectory_ids": result.added_ids,
-        "size": index.size,
-        "total_samples": index.total_samples,
-        "trajectory_counter": index.trajectory_counter,
-        "trajectory_format": index.trajectory_format,
-        "files": result.report.as_json(),
-        "removed_leftovers": result.removed_leftovers,
-        "duplicates": result.duplicates,
-        "skipped": [s.as_json() for s in result.skipped],
-    }
-    if json:
-        print_json(doc, pretty)
-        return
-    table = Table(title=f"ingest into {result.buffer}", show_header=False, title_justify="left")
-    table.add_column("key", style="bold")
-    table.add_column("value")
-    ids = result.added_ids
-    table.add_row("added", f"{len(ids)} (id{'s' if len(ids) > 1 else ''} {id_range(ids)})" if ids else "0")
-    table.add_row("size", str(doc["size"]))
-    table.add_row("total samples", str(doc["total_samples"]))
-    table.add_row("trajectory counter", str(doc["trajectory_counter"]))
-    table.add_row("format", doc["trajectory_format"])
-    table.add_row("files", files_line(doc["files"]))
-    if result.removed_leftovers:
-        table.add_row("removed leftovers", ", ".join(result.removed_leftovers))
-    if result.skipped:
-        table.add_row("skipped", f"{len(result.skipped)} ({result.duplicates} already in the buffer)")
-    out.print(table)
-    shown = 20
-    for skipped in result.skipped[:shown]:
-        out.print(f"skipped {skipped.path}: {skipped.reason}", markup=False)
-    if len(result.skipped) > shown:
-        out.print(f"... and {len(result.skipped) - shown} more skipped (--json lists them all)", markup=False)
+        table.add_row("size", str(doc["size"]))
+        table.add_row("total samples", str(doc["total_samples"]))
+        table.add_row("trajectory counter", str(doc["trajectory_counter"]))
+        table.add_row("format", doc["trajectory_format"])
+        table.add_row("files", files_line(doc["files"]))
+        if result.removed_leftovers:
+            table.add_row("removed leftovers", ", ".join(result.removed_leftovers))
+        if result.skipped:
+            table.add_row("skipped", f"{len(result.skipped)} ({result.duplicates} already in the buffer)")
+        out.print(table)
+        shown = 20
+        for skipped in result.skipped[:shown]:
+            out.print(f"skipped {skipped.path}: {skipped.reason}", markup=False)
+        if len(result.skipped) > shown:
+            out.print(
+                f"... and {len(result.skipped) - shown} more skipped (--json lists them all)", markup=False
+            )

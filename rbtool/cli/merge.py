@@ -66,7 +66,9 @@ def merge(
             stack.enter_context(reading(d, storage_option, data=True, enabled=show_progress(json)))
             for d in dir_args
         ]
-        dst = stack.enter_context(writing(target_arg, storage_option, overwrite=force))
+        dst = stack.enter_context(
+            writing(target_arg, storage_option, overwrite=force, enabled=show_progress(json))
+        )
         dirs, target = [p.local for p in places], dst.local
         shown = {p.local: p for p in places}
         from rbtool import checkpoint

@@ -67,7 +67,7 @@ def reshard(
     refuse_output_mix(json, pretty=pretty)
     with (
         reading(source_arg, storage_option, data=not dry_run, enabled=show_progress(json)) as src,
-        writing(target_arg, storage_option, overwrite=force) as dst,
+        writing(target_arg, storage_option, overwrite=force, enabled=show_progress(json)) as dst,
     ):
         source, target = src.local, dst.local
         from rbtool import resharding

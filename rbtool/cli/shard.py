@@ -51,7 +51,7 @@ def shard(
     refuse_output_mix(json, pretty=pretty)
     with (
         reading(ckpt_arg, storage_option, data=True, enabled=show_progress(json)) as src,
-        writing(target_arg, storage_option, overwrite=force) as dst,
+        writing(target_arg, storage_option, overwrite=force, enabled=show_progress(json)) as dst,
     ):
         ckpt, target = src.local, dst.local
         from rbtool import checkpoint
