@@ -20,8 +20,6 @@ from conftest import FIXTURES, assert_one_error, make_traj, run, run_json
 
 from rbtool import remote
 
-pytestmark = pytest.mark.usefixtures("s3_server")
-
 
 @pytest.fixture(autouse=True)
 def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
@@ -414,3 +412,25 @@ def test_a_replacement_that_fails_midway_leaves_nothing_that_verifies(
     assert verify.exit_code == 1 and "incomplete upload" in verify.stderr
     assert run_json("checkpoint", "save", FIXTURES / "varying_shapes_pt" / "autosave", url)["upload"]
     assert run_json("verify", url, "--deep")["ok"] is True
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["repair", "RANKS", "--out", "s3://b/x"],
+        ["repair", "s3://b/x", "--out", "out"],
+        ["sample", "RANKS", "--num-chunks", "2", "--out", "s3://b/x.pt"],
+        ["checkpoint", "load", "RANKS", "--buffer", "s3://b/buf"],
+        ["export", "RANKS", "s3://b/ds", "--to", "lerobot", "--fps", "10"],
+        ["import", "lerobot", "s3://b/ds", "--buffer", "buf"],
+    ],
+    ids=["repair-out", "repair-in", "sample-out", "load-buffer", "export-out", "import-in"],
+)
+def test_paths_without_a_remote_form_refuse_urls(
+    argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A URL there is a usage error, never a local directory named `s3:`."""
+    monkeypatch.chdir(tmp_path)
+    result = run(*[str(FIXTURES / "ranks") if a == "RANKS" else a for a in argv])
+    assert result.exit_code == 2 and "takes a local path, not a URL" in result.stderr
+    assert not (tmp_path / "s3:").exists()

@@ -582,6 +582,18 @@ def local_dir(value: str, option: str) -> Path:
     return local_path(value)
 
 
+def local_path_arg(value: str) -> Path:
+    """Parser of a path argument that has no remote form: a URL there is a usage error (exit 2).
+
+    Without it `s3://b/x` would become the local path `s3:/b/x`.
+    """
+    from rbtool.remote import local_path
+
+    if is_url(value):
+        raise typer.BadParameter(f"{value}: takes a local path, not a URL")
+    return local_path(value)
+
+
 @contextmanager
 def reading(
     value: str, storage_options: list[str] | None, *, data: bool, enabled: bool = False

@@ -28,6 +28,7 @@ from rbtool.cli._common import (
     bound_state,
     files_line,
     format_ids,
+    local_path_arg,
     out,
     print_json,
     print_jsonl,
@@ -249,7 +250,12 @@ def load(
     strict: StrictOpt = True,
     buffer: Annotated[
         Path | None,
-        typer.Option("--buffer", "-b", help="Restore the load into this buffer directory (for ingest)."),
+        typer.Option(
+            "--buffer",
+            "-b",
+            help="Restore the load into this buffer directory (for ingest).",
+            parser=local_path_arg,
+        ),
     ] = None,
     force: Annotated[
         bool, typer.Option("--force", help="Replace the --buffer directory if it is a checkpoint or empty.")

@@ -20,6 +20,7 @@ from rbtool.cli._common import (
     err,
     files_line,
     format_ids,
+    local_path_arg,
     out,
     print_json,
     progress_bar,
@@ -94,7 +95,9 @@ def export(
             metavar="IN", help="A checkpoint, buffer directory or folder of rank_* checkpoints (or a URL)."
         ),
     ],
-    target: Annotated[Path, typer.Argument(metavar="OUT", help="Dataset directory to write.")],
+    target: Annotated[
+        Path, typer.Argument(metavar="OUT", help="Dataset directory to write.", parser=local_path_arg)
+    ],
     to: Annotated[ExportFormat, typer.Option("--to", help="Format to write.", show_default=False)],
     fps: Annotated[
         int, typer.Option("--fps", min=1, help="Frames per second of the data.", show_default=False)
@@ -224,10 +227,20 @@ def export(
 # ------------------------------------------------------------------------ import
 @import_app.command("lerobot")
 def import_lerobot(
-    source: Annotated[Path, typer.Argument(metavar="IN", help="A LeRobot dataset directory (v3.0 or v2.x).")],
+    source: Annotated[
+        Path,
+        typer.Argument(
+            metavar="IN", help="A LeRobot dataset directory (v3.0 or v2.x).", parser=local_path_arg
+        ),
+    ],
     buffer: Annotated[
         Path,
-        typer.Option("--buffer", "-b", help="Buffer directory (auto_save on) to add to; created if needed."),
+        typer.Option(
+            "--buffer",
+            "-b",
+            help="Buffer directory (auto_save on) to add to; created if needed.",
+            parser=local_path_arg,
+        ),
     ],
     episodes: Annotated[
         str | None,

@@ -26,6 +26,7 @@ from rbtool.cli._common import (
     WindowOpt,
     bound,
     is_url,
+    local_path_arg,
     out,
     print_json,
     progress_bar,
@@ -127,7 +128,10 @@ def sample(
         ),
     ] = False,
     out_path: Annotated[
-        Path | None, typer.Option("--out", help="Save the batch here with torch.save (written atomically).")
+        Path | None,
+        typer.Option(
+            "--out", help="Save the batch here with torch.save (written atomically).", parser=local_path_arg
+        ),
     ] = None,
     all_items: AllOpt = False,
     json: JsonOpt = False,
