@@ -352,10 +352,28 @@ class Staging:
         if self.counts is None:
             self.counts = {"uploaded": 0, "kept": 0, "removed": 0, "bytes": 0}
             if self.local.exists():
+                drop_link_records(self.local)
                 self.counts = upload_dir(
                     self.local, self.remote, overwrite=self.overwrite, jobs=self.jobs, progress=self.progress
                 )
         return self.counts
+
+
+def drop_link_records(local: Path) -> None:
+    """Rewrite the indexes under `local` without `link` records (entries of hard-linked files).
+
+    A link record is a local file's identity (inode, size, mtime): in object storage it names
+    nothing, and a copy read back whose inode happened to match would be reported as written
+    in place.
+    """
+    from rbtool.index import read_index, write_index
+
+    for metadata in sorted(local.rglob(METADATA_FILE)):
+        index = read_index(metadata.parent)
+        if any("link" in entry for entry in index.entries.values()):
+            for entry in index.entries.values():
+                entry.pop("link", None)
+            write_index(metadata.parent, index)
 
 
 @contextmanager

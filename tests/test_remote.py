@@ -85,6 +85,9 @@ def test_save_uploads_objects_then_marker_and_it_verifies(bucket: str) -> None:
     for name, entry in marker["files"].items():
         if name.startswith("trajectory_") and name.endswith(".pt"):
             assert entry["size"] == (local / name).stat().st_size
+    # hard-linked files' link records (local inodes) are not uploaded
+    index = json.loads(s3(bucket).cat_file(f"{bucket[5:]}/ckpt/trajectory_index.json"))
+    assert index["trajectory_index"] and not any("link" in e for e in index["trajectory_index"].values())
     assert run_json("verify", url)["ok"] is True
     assert run_json("verify", url, "--deep")["ok"] is True
 
