@@ -138,6 +138,8 @@ def test_shard_reshard_merge_filter_convert_to_and_from_urls(bucket: str, tmp_pa
     # a rank directory of an uploaded tree is covered by the tree's marker
     assert run_json("verify", f"{bucket}/shards/rank_1", "--deep")["ok"] is True
 
+    stats = run_json("stats", f"{bucket}/shards")
+    assert stats["rank_dirs"] == [f"{bucket}/shards/rank_0", f"{bucket}/shards/rank_1"]
     re3 = run_json("reshard", f"{bucket}/shards", "-n", "3", "--out", f"{bucket}/re3")
     assert re3["source"] == f"{bucket}/shards" and len(re3["ranks"]) == 3
     merged = run_json("merge", f"{bucket}/re3", "--out", f"{bucket}/merged")

@@ -195,8 +195,10 @@ def stats(
             as_json=False,  # numpy columns and lazy file names: cut or streamed below
             read_data=not jsonl,  # JSON Lines list the trajectories, not the data statistics
         )
-        if "path" in doc:
+        if "path" in doc:  # named as given (a URL, not the local mirror)
             doc["path"] = place.show(doc["path"])
+        if doc.get("rank_dirs"):
+            doc["rank_dirs"] = [place.show(d) for d in doc["rank_dirs"]]
         if jsonl:
             print_jsonl(trajectory_rows(doc["trajectories"]))
         elif json:
