@@ -18,7 +18,7 @@ from typing import Any
 from rbtool.dirs import CheckpointView, open_view, shard_counter, warn_layout
 from rbtool.errors import UsageError
 from rbtool.format import FORMATS, INDEX_FILE, MERGE_MAP_FILE, METADATA_FILE, trajectory_file_name
-from rbtool.fsutil import staged_dir, write_bytes_atomic
+from rbtool.fsutil import check_target, staged_dir, write_bytes_atomic
 from rbtool.index import Index, dumps, rank_bounds, window_of
 
 # Re-exported: the writer side and the sources moved to their own modules.
@@ -52,13 +52,16 @@ def save_from_autosave_dir(
     overwrite: bool = False,
     progress: Progress | None = None,
     link: bool = True,
+    dry_run: bool = False,
 ) -> tuple[Index, WriteReport]:
     """What a buffer with auto_save on over `directory` (or a rank tree's merge) saves: its window."""
     view = open_view(directory, strict=True)
     index = view.index
     sub = copied_entries(index.subset(window_of(index.id_list, window)))
     sub.extra_metadata.pop("shard", None)
-    report = write_checkpoint(Path(out), sub, view.file_of, overwrite=overwrite, progress=progress, link=link)
+    report = write_checkpoint(
+        Path(out), sub, view.file_of, overwrite=overwrite, progress=progress, link=link, dry_run=dry_run
+    )
     return sub, report
 
 
@@ -72,6 +75,7 @@ def build_from_files(
     overwrite: bool = False,
     progress: Progress | None = None,
     link: bool = True,
+    dry_run: bool = False,
 ) -> tuple[Index, WriteReport]:
     """What a buffer with auto_save off saves after adding the sources' trajectories in order.
 
@@ -102,7 +106,7 @@ def build_from_files(
     full.trajectory_counter = len(items)
     sub = full.subset(window_of(full.id_list, window))
     report = write_checkpoint(
-        Path(out), sub, paths.__getitem__, overwrite=overwrite, progress=progress, link=link
+        Path(out), sub, paths.__getitem__, overwrite=overwrite, progress=progress, link=link, dry_run=dry_run
     )
     return sub, report
 
@@ -154,6 +158,7 @@ def restore(
     overwrite: bool = False,
     progress: Progress | None = None,
     link: bool = True,
+    dry_run: bool = False,
 ) -> tuple[Index, WriteReport]:
     """Restore a (full or per-rank) load of `ckpt` as a buffer directory, so ingest continues its ids."""
     view = open_load_view(ckpt, world_size=world_size, rank=rank, strict=strict)
@@ -163,7 +168,13 @@ def restore(
     out = copied_entries(index)
     out.extra_metadata.pop("shard", None)
     report = write_checkpoint(
-        Path(buffer_dir), out, view.file_of, overwrite=overwrite, progress=progress, link=link
+        Path(buffer_dir),
+        out,
+        view.file_of,
+        overwrite=overwrite,
+        progress=progress,
+        link=link,
+        dry_run=dry_run,
     )
     return out, report
 
@@ -178,6 +189,7 @@ def shard(
     overwrite: bool = False,
     progress: Progress | None = None,
     link: bool = True,
+    dry_run: bool = False,
 ) -> tuple[list[Index], WriteReport]:
     """Write `out/rank_r` for each rank: exactly what a distributed load by rank r yields."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -188,7 +200,9 @@ def shard(
     shards = rank_parts(index, blocks)
     for rank, part in enumerate(shards):
         part.extra_metadata = {"shard": rank_layout(rank, world_size, "count", index, len(view.dirs))}
-    report = write_ranks(Path(out), shards, view.file_of, overwrite=overwrite, progress=progress, link=link)
+    report = write_ranks(
+        Path(out), shards, view.file_of, overwrite=overwrite, progress=progress, link=link, dry_run=dry_run
+    )
     return shards, report
 
 
@@ -209,6 +223,7 @@ def merge(
     overwrite: bool = False,
     progress: Progress | None = None,
     link: bool = True,
+    dry_run: bool = False,
 ) -> MergeResult:
     """Merge checkpoints into one (SPEC §4).
 
@@ -230,6 +245,9 @@ def merge(
         merged.trajectory_counter = max(merged.trajectory_counter, *map(shard_counter, view.indexes))
     mapping = view.mapping()
     result = MergeResult(merged, renumber, mapping)
+    if dry_run:
+        check_target(Path(out), overwrite=overwrite)
+        return result
     start_phase(progress, merged.size, "placing trajectory files")
     with staged_dir(Path(out), overwrite=overwrite) as staging:
         result.report = fill_dir(staging, merged, view.file_of, progress, link=link)

@@ -17,7 +17,7 @@ from typing import Any
 from rbtool.dirs import checkpoint_dirs, open_checkpoint
 from rbtool.errors import UsageError
 from rbtool.format import FORMATS, MERGE_MAP_FILE
-from rbtool.fsutil import link_or_copy, staged_dir
+from rbtool.fsutil import check_target, link_or_copy, staged_dir
 from rbtool.index import Index, write_index
 from rbtool.passes import Throughput, Timer, check_jobs, default_jobs, run_pass
 from rbtool.writer import Progress, WriteReport, copied_entries, place_trajectory, start_phase
@@ -73,11 +73,13 @@ def convert(
     overwrite: bool = False,
     progress: Progress | None = None,
     link: bool = True,
+    dry_run: bool = False,
 ) -> ConvertResult:
     """Write `out` holding `source`'s trajectories in `trajectory_format`, on `jobs` worker processes.
 
     Files to rewrite are read once each, the largest first (default jobs: the cores this
-    process may use); files already in the format are placed without being read.
+    process may use); files already in the format are placed without being read. With
+    `dry_run` nothing is read or written: the result lists the checkpoints `out` would hold.
     """
     if trajectory_format not in FORMATS:
         raise UsageError(f"format must be 'pt' or 'pkl', got {trajectory_format!r}")
@@ -87,6 +89,13 @@ def convert(
     opened = [open_checkpoint(d, strict=strict) for d in dirs]
     tree = dirs != [root]
     result = ConvertResult(root, trajectory_format, [], workers)
+    if dry_run:
+        check_target(Path(out), overwrite=overwrite)
+        for directory, index in opened:
+            converted = copied_entries(index)
+            converted.trajectory_format = trajectory_format
+            result.checkpoints.append((directory.name if tree else ".", converted))
+        return result
     with staged_dir(Path(out), overwrite=overwrite) as staging:
         tasks: list[_Task] = []
         targets: list[tuple[Path, Index]] = []

@@ -51,10 +51,30 @@ def checkpoint_dirs(path: str | os.PathLike[str]) -> list[Path]:
     ranks = rank_dirs(root)
     if not ranks:
         raise CheckpointError(
-            f"{root}: neither a checkpoint (no metadata.json, trajectory_index.json or trajectory files) "
-            "nor a folder of rank_* checkpoints"
+            parent_of_checkpoints(root)
+            or f"{root}: neither a checkpoint (no metadata.json, trajectory_index.json or trajectory "
+            "files) nor a folder of rank_* checkpoints"
         )
     return ranks
+
+
+def parent_of_checkpoints(root: Path) -> str | None:
+    """When `root` is no checkpoint but holds checkpoints that are not rank_* directories (a parent
+    of several runs), the message that names them and the path to give; else None."""
+    try:
+        with os.scandir(root) as it:
+            children = sorted(e.name for e in it if e.is_dir() and not e.name.startswith("."))
+    except OSError:
+        children = []
+    held = [name for name in children if is_checkpoint_dir(root / name)]
+    if held:
+        shown = ", ".join(held[:5]) + (f", ... ({len(held)} in all)" if len(held) > 5 else "")
+        return (
+            f"{root}: not a checkpoint but a folder holding {len(held)} checkpoint "
+            f"{'directory' if len(held) == 1 else 'directories'} ({shown}), not named rank_*; "
+            f"give one of them, e.g. {root / held[0]}"
+        )
+    return None
 
 
 def is_rank_tree(path: str | os.PathLike[str]) -> bool:

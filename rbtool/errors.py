@@ -9,6 +9,14 @@ class CheckpointError(RbtoolError):
     """A checkpoint or buffer directory is missing, malformed or inconsistent."""
 
 
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint's metadata or index is missing, unreadable or inconsistent (repair rebuilds them)."""
+
+    def __init__(self, message: str, directory: str = "") -> None:
+        super().__init__(message)
+        self.directory = directory
+
+
 class OutputExistsError(CheckpointError):
     """The output path exists and replacing it was not asked for."""
 

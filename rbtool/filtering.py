@@ -17,7 +17,7 @@ from rbtool import trajfile
 from rbtool.dirs import CheckpointView, open_view
 from rbtool.errors import CheckpointError, UsageError
 from rbtool.format import MERGE_MAP_FILE
-from rbtool.fsutil import staged_dir, write_bytes_atomic
+from rbtool.fsutil import check_target, staged_dir, write_bytes_atomic
 from rbtool.index import Index, dumps
 from rbtool.writer import Progress, WriteReport, copied_entries, fill_dir, start_phase
 
@@ -154,6 +154,7 @@ def filter_checkpoint(
     dropped = [i for i in view.index.id_list if i not in keep]
     result = FilterResult(view, index, dropped, versions, dry_run)
     if dry_run:
+        check_target(Path(out), overwrite=overwrite)  # fails where publishing would
         return result
     mapping = [m for m in view.mapping() if m["new_id"] in keep]
     start_phase(progress, index.size, "placing trajectory files")

@@ -825,7 +825,7 @@ def read_file(path: Path, missing: str, unreadable: str, found: list[Problem]) -
         # (a FIFO, a device such as /dev/zero) is refused before a byte is read
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
-        found.append(problem(missing, f"{name}: does not exist", file=name))
+        found.append(problem(missing, f"{name}: no such file or directory", file=name))
         return None
     except OSError as exc:
         found.append(problem(unreadable, one_line(f"{name}: cannot read ({exc.strerror})"), file=name))
@@ -901,12 +901,12 @@ class IndexCheck:
         return next((p for p in self.problems if p.severity == ERROR), None)
 
     def raise_first(self) -> None:
-        """Raise the first error as a CheckpointError naming the directory (what loaders do)."""
-        from rbtool.errors import CheckpointError
+        """Raise the first error as a DamagedCheckpointError naming the directory (what loaders do)."""
+        from rbtool.errors import DamagedCheckpointError
 
         first = self.first_error()
         if first is not None:
-            raise CheckpointError(f"{self.directory}{os.sep}{first.message}")
+            raise DamagedCheckpointError(f"{self.directory}{os.sep}{first.message}", str(self.directory))
 
     def listed_entries(self) -> list[Any]:
         """The entry of each listed id, in list order (needs entries_ok)."""
@@ -1170,6 +1170,17 @@ def _check_legacy(result: IndexCheck) -> None:
         )
 
 
+def not_a_file(mode: int) -> str:
+    """What a name that is no regular file is, from its st_mode: `a directory`, `a FIFO`, ..."""
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "a socket or other special file"
+
+
 def check_json(directory: str | os.PathLike[str]) -> IndexCheck:
     """Read and check a directory's metadata and index: the one validator of both files.
 
@@ -1180,7 +1191,11 @@ def check_json(directory: str | os.PathLike[str]) -> IndexCheck:
 
     path = Path(directory)
     if not path.is_dir():
-        raise CheckpointError(f"{path}: not a directory" if path.exists() else f"{path}: no such directory")
+        raise CheckpointError(
+            f"{path}: not a directory; give a checkpoint or buffer directory"
+            if path.exists()
+            else f"{path}: no such file or directory"
+        )
     found: list[Problem] = []
     raw_meta = parse_json_file(path / METADATA_FILE, "metadata_missing", "metadata_unreadable", found)
     meta, meta_problems = check_metadata(raw_meta)

@@ -247,18 +247,46 @@ def remove_dead_leftovers(parent: Path) -> list[str]:
     return removed
 
 
+def make_parents(target: Path) -> None:
+    """Create the missing parents of `target` (every writer's rule); a parent that is a file is refused.
+
+    The refusal names the file, so no writer reports mkdir's bare "File exists" for it.
+    """
+    refuse_file_parent(target)
+    with fs_errors(target.parent):
+        target.parent.mkdir(parents=True, exist_ok=True)
+
+
+def refuse_file_parent(target: Path) -> None:
+    """Refuse a `target` one of whose existing parents is a file (nothing can be made inside it)."""
+    for parent in (target.parent, *target.parent.parents):
+        if parent.exists() and not parent.is_dir():
+            raise FileSystemError(
+                f"{parent}: not a directory (a file), so {target} cannot be made in it; choose another path"
+            )
+        if parent.exists():
+            break
+
+
+def check_file_target(target: Path, *, overwrite: bool) -> None:
+    """The writers' rule for an output file: an existing one only with `overwrite`, and only a file."""
+    refuse_file_parent(target)
+    if target.is_dir():
+        raise FileSystemError(f"{target}: is a directory; give a file name")
+    if target.exists() or target.is_symlink():
+        if not overwrite:
+            raise OutputExistsError(f"{target}: already exists")
+        if not target.is_file():
+            raise FileSystemError(f"{target}: exists and is not a regular file; refusing to replace it")
+
+
 def new_staging_dir(target: Path) -> Path:
     """A fresh hidden directory beside `target`, on the same file system, for building it.
 
     What interrupted runs left beside it is removed first, with a warning naming it.
     """
     with fs_errors(target):
-        for parent in (target.parent, *target.parent.parents):
-            if parent.exists() and not parent.is_dir():
-                raise FileSystemError(f"{parent}: not a directory, so {target} cannot be made in it")
-            if parent.exists():
-                break
-        target.parent.mkdir(parents=True, exist_ok=True)
+        make_parents(target)
         removed = remove_dead_leftovers(target.parent)
         if removed:
             shown = ", ".join(removed[:5]) + (", ..." if len(removed) > 5 else "")
@@ -345,15 +373,41 @@ def _publish_dir(staging: Path, target: Path, *, overwrite: bool) -> None:
     fsync_dir(target.parent)
 
 
+def check_target(target: Path, *, overwrite: bool) -> None:
+    """Refuse, without creating anything, what publishing `target` would refuse (a dry run's check).
+
+    The same rules as `new_staging_dir` and `publish_dir`: a parent that is a file, an existing
+    target without `overwrite`, and with it a target that is not a checkpoint, an empty
+    directory or a folder of rank_* checkpoints.
+    """
+    refuse_file_parent(target)
+    with fs_errors(target):
+        if target.exists() or target.is_symlink():
+            if not overwrite:
+                raise OutputExistsError(f"{target}: already exists")
+            if not _may_replace(target):
+                raise CheckpointError(
+                    f"{target}: exists and is not a checkpoint directory; refusing to replace it"
+                )
+
+
 @contextlib.contextmanager
 def staged_dir(target: Path, *, overwrite: bool = False) -> Iterator[Path]:
     """Build a directory in a hidden staging directory; publish it only if the block succeeds."""
-    staging = new_staging_dir(target)
+    staging: Path | None = None
     try:
+        staging = new_staging_dir(target)
         yield staging
         publish_dir(staging, target, overwrite=overwrite)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)  # gone once published
+        if staging is None:  # Ctrl-C between making it and getting its name: find it by owner
+            mine = f".{target.name}{STAGING_MARK}{_owner_tag()}-"
+            with contextlib.suppress(OSError):
+                for entry in os.scandir(target.parent):
+                    if entry.name.startswith(mine):
+                        shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            shutil.rmtree(staging, ignore_errors=True)  # gone once published
         raise
 
 

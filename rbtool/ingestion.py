@@ -21,7 +21,7 @@ from rbtool import trajfile
 from rbtool.dirs import open_checkpoint
 from rbtool.errors import RbtoolError, UsageError
 from rbtool.format import FORMATS, INDEX_FILE, METADATA_FILE, is_checkpoint_dir, parse_trajectory_file_name
-from rbtool.fsutil import LOCK_FILE
+from rbtool.fsutil import LOCK_FILE, make_parents, refuse_file_parent
 from rbtool.index import Index, init_buffer_dir, read_index
 from rbtool.sources import Checked, Item, Skipped, check_item, collect_sources
 from rbtool.writer import BufferWriter, WriteReport, new_entry, record_schema
@@ -132,6 +132,72 @@ def _already_held(
     return hashes.get(digest)
 
 
+def _admit(
+    item: Item,
+    ready: Checked,
+    digest: str,
+    index: Index,
+    known: tuple[dict[str, int], dict[str, int]],
+    allow_duplicates: bool,
+    result: IngestResult,
+) -> int | None:
+    """Give a checked source its id and entry in `index` (not yet listed), or skip it as held already."""
+    uuids, hashes = known
+    source_uuid = item.entry.get("uuid") if item.entry else None
+    held = _already_held(source_uuid, digest, uuids, hashes)
+    if held is not None and not allow_duplicates:
+        result.skipped.append(Skipped(item.path, f"already in the buffer as id {held}"))
+        result.duplicates += 1
+        return None
+    tid = index.trajectory_counter
+    # a source's uuid is kept (so it is known next time), unless the buffer has it already
+    kept = source_uuid if isinstance(source_uuid, str) and source_uuid not in uuids else None
+    entry = new_entry(tid, ready.info, kept or uuid.uuid4().hex)
+    record_schema(index, entry, ready.schema)
+    index.entries[tid] = entry
+    uuids[entry["uuid"]] = tid
+    hashes.setdefault(digest, tid)
+    return tid
+
+
+def _plan(
+    sources: Sequence[str | os.PathLike[str]],
+    directory: Path,
+    trajectory_format: str | None,
+    recursive: bool,
+    allow_duplicates: bool,
+    on_checked: Callable[[int], None] | None,
+) -> IngestResult:
+    """What an ingest would add, every source checked as a real one checks it; nothing is written."""
+    refuse_file_parent(directory)
+    if is_checkpoint_dir(directory):
+        _, index = open_checkpoint(directory, strict=True)
+        _refuse_other_format(directory, index, trajectory_format)
+    else:
+        index = Index(trajectory_format=trajectory_format or "pt")
+    result = IngestResult(directory, index=index)
+    collected = collect_sources(sources, recursive=recursive, exclude=[Path(os.path.realpath(directory))])
+    result.skipped.extend(collected.skipped)
+    known = _identities(index)
+    for item in collected.items:
+        ready, digest = _check_and_hash(item)
+        if on_checked is not None:
+            on_checked(1)
+        tid = _admit(item, ready, digest, index, known, allow_duplicates, result)
+        if tid is not None:
+            index.id_list.append(tid)
+            index.trajectory_counter = tid + 1
+            result.added_ids.append(tid)
+    return result
+
+
+def _refuse_other_format(directory: Path, index: Index, trajectory_format: str | None) -> None:
+    if trajectory_format is not None and trajectory_format != index.trajectory_format:
+        raise UsageError(
+            f"{directory}: holds {index.trajectory_format} files; cannot ingest as {trajectory_format}"
+        )
+
+
 def _publish(writer: BufferWriter, index: Index, batch: list[int], result: IngestResult) -> list[int]:
     """Write the index listing `batch`; from then on its files belong to the directory."""
     writer.publish(index)
@@ -152,6 +218,7 @@ def ingest(
     recursive: bool = False,
     allow_duplicates: bool = False,
     link: bool | None = None,
+    dry_run: bool = False,
 ) -> IngestResult:
     """Add the trajectories of `sources` (files, folders of files, checkpoints) to `buffer_dir`.
 
@@ -170,6 +237,9 @@ def ingest(
     are copied, since whoever wrote them may write them again in place. `link` True links
     loose files too; `link` False links nothing. A reflink (copy-on-write clone) is used
     wherever the file system can, since it is a file of its own.
+
+    With `dry_run` every source is checked and the ids it would get are worked out, but
+    nothing is created, written or removed (the result's report counts no file).
     """
     directory = Path(buffer_dir)
     buffer_real = Path(os.path.realpath(directory))
@@ -182,9 +252,11 @@ def ingest(
     if trajectory_format is not None and trajectory_format not in FORMATS:
         raise UsageError(f"format must be 'pt' or 'pkl', got {trajectory_format!r}")
     if directory.exists() and not directory.is_dir():
-        raise UsageError(f"{directory}: exists and is not a directory")
+        raise UsageError(f"{directory}: exists and is not a directory; choose a directory path")
+    if dry_run:
+        return _plan(sources, directory, trajectory_format, recursive, allow_duplicates, on_checked)
     created = _first_missing(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
+    make_parents(directory)
     # A new directory appears with an empty index and metadata at once (built aside, renamed).
     init_buffer_dir(directory, Index(trajectory_format=trajectory_format or "pt"))
     with (
@@ -193,11 +265,7 @@ def ingest(
     ):
         if is_checkpoint_dir(directory):
             _, index = open_checkpoint(directory, strict=True)
-            if trajectory_format is not None and trajectory_format != index.trajectory_format:
-                raise UsageError(
-                    f"{directory}: holds {index.trajectory_format} files; "
-                    f"cannot ingest as {trajectory_format}"
-                )
+            _refuse_other_format(directory, index, trajectory_format)
         else:
             index = Index(trajectory_format=trajectory_format or "pt")
         result = IngestResult(directory, index=index)
@@ -210,32 +278,22 @@ def ingest(
             checked.append((item, *_check_and_hash(item)))
             if on_checked is not None:
                 on_checked(1)
-        uuids, hashes = _identities(index)
+        known = _identities(index)
 
         batch: list[int] = []
         last_publish = time.monotonic()
         try:
             for item, ready, digest in checked:
-                source_uuid = item.entry.get("uuid") if item.entry else None
-                held = _already_held(source_uuid, digest, uuids, hashes)
-                if held is not None and not allow_duplicates:
-                    result.skipped.append(Skipped(item.path, f"already in the buffer as id {held}"))
-                    result.duplicates += 1
+                tid = _admit(item, ready, digest, index, known, allow_duplicates, result)
+                if tid is None:
                     continue
-                tid = index.trajectory_counter
-                # a source's uuid is kept (so it is known next time), unless the buffer has it already
-                kept = source_uuid if isinstance(source_uuid, str) and source_uuid not in uuids else None
-                entry = new_entry(tid, ready.info, kept or uuid.uuid4().hex)
-                record_schema(index, entry, ready.schema)
-                index.entries[tid] = entry
+                entry = index.entries[tid]
                 linked = item.entry is not None if link is None else link  # from a checkpoint?
                 writer.place(ready.path, index.file_name(tid), entry, result.report, link=linked)
                 if "sha256" not in entry and ready.path.suffix == f".{index.trajectory_format}":
                     entry["sha256"] = digest  # the file is the source's bytes
                 elif entry.get("sha256") != digest:
                     entry["source_sha256"] = digest  # rewritten: remember what it came from
-                uuids[entry["uuid"]] = tid
-                hashes.setdefault(digest, tid)
                 index.id_list.append(tid)
                 index.trajectory_counter = tid + 1
                 batch.append(tid)

@@ -37,8 +37,8 @@ import orjson
 from rbtool import trajfile
 from rbtool.dirs import open_checkpoint, open_view
 from rbtool.errors import CheckpointError, RbtoolError, UsageError
-from rbtool.format import check_weights_id
-from rbtool.fsutil import fsync_dir, new_staging_dir, write_bytes_atomic
+from rbtool.format import check_weights_id, is_checkpoint_dir
+from rbtool.fsutil import fsync_dir, make_parents, new_staging_dir, refuse_file_parent, write_bytes_atomic
 from rbtool.index import Index, init_buffer_dir, read_index
 from rbtool.layout import DONE_LIKE, done_extra_rows, drop_bootstrap_rows, with_stored_defaults
 from rbtool.writer import BufferWriter, WriteReport, new_entry
@@ -721,6 +721,18 @@ def _episode_ends(traj: dict[str, Any], t: int, b: int) -> np.ndarray:
     return ends
 
 
+def _episode_bounds(ends: np.ndarray, t: int, b: int) -> list[tuple[int, int]]:
+    """Episode frame ranges in (b, t) frame order: a new one after every done flag."""
+    bounds: list[tuple[int, int]] = []
+    for bi in range(b):
+        start = 0
+        for ti in range(t):
+            if ends[ti, bi] or ti == t - 1:
+                bounds.append((bi * t + start, bi * t + ti + 1))
+                start = ti + 1
+    return bounds
+
+
 def _digest(traj: dict[str, Any]) -> str:
     """A hash of a trajectory's content: every entry's path, dtype, shape and bytes, in order."""
     digest = hashlib.sha256()
@@ -906,6 +918,18 @@ def _decode_video(path: Path, feature: str, channels: int) -> tuple[np.ndarray, 
     return np.asarray(times), np.stack(frames)
 
 
+def _check_dataset_target(out: Path, overwrite: bool) -> None:
+    """Refuse, creating nothing, what publishing a dataset at `out` would refuse (a dry run's check)."""
+    from rbtool.errors import OutputExistsError
+
+    refuse_file_parent(out)
+    if out.exists() or out.is_symlink():
+        if not overwrite:
+            raise OutputExistsError(f"{out}: already exists")
+        if not out.is_dir() or not (not any(out.iterdir()) or (out / INFO_FILE).is_file()):
+            raise CheckpointError(f"{out}: exists and is not a LeRobot dataset; refusing to replace it")
+
+
 def _publish_dataset(staging: Path, out: Path, overwrite: bool) -> None:
     """Rename a finished dataset into place; replace only an empty directory or an earlier dataset."""
     from rbtool.errors import OutputExistsError
@@ -957,6 +981,7 @@ def export_lerobot(
     chunks_size: int = DEFAULT_CHUNK_SIZE,
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
+    dry_run: bool = False,
 ) -> ExportResult:
     """Write the checkpoint, buffer directory or rank tree at `source` as a LeRobot v3.0 dataset.
 
@@ -966,7 +991,9 @@ def export_lerobot(
     False. With `video`, RGB image fields of even height and width are `video` features
     instead (H.264 mp4 files, lossy); the sidecar keeps their exact rows, so that an import
     of the export is still bit for bit. `progress(1)` is called twice per trajectory
-    (planning, then writing).
+    (planning, then writing). With `dry_run` only the planning pass runs (every trajectory
+    read, features, episodes and frames counted), `out` is checked as publishing would check
+    it, and nothing is written (no file counts, no bytes).
     """
     import numpy as np
 
@@ -1008,6 +1035,8 @@ def export_lerobot(
         if sid == len(schemas):
             schemas.append(nodes)
         records.append({"trajectory_id": tid, "T": t, "B": b, "schema": sid, "values": values})
+        if dry_run:
+            records[-1]["episodes"] = len(_episode_bounds(_episode_ends(traj, t, b), t, b))
         if progress is not None:
             progress(1)
     unused = sorted(set(registry.names) - registry.used_names)
@@ -1037,6 +1066,12 @@ def export_lerobot(
     result = ExportResult(out=out, source=Path(source), trajectories=len(ids))
     result.columns = {name: f for c in columns for name, f in c.fields().items()}
     sidecar_fields: set[str] = set()
+    if dry_run:
+        _check_dataset_target(out, overwrite)
+        result.features = features
+        result.episodes = sum(r["episodes"] for r in records)
+        result.frames = sum(r["T"] * r["B"] for r in records)
+        return result
     staging = new_staging_dir(out)
     try:
         data = _RollingParquet(staging, DATA_PATH, data_file_size_mb * (1 << 20), chunks_size)
@@ -1113,14 +1148,7 @@ def export_lerobot(
             ends = _episode_ends(traj, t, b)
             env = np.repeat(np.arange(b, dtype=np.int64), t)
             step = np.tile(np.arange(t, dtype=np.int64), b)
-            # Episode ranges in (b, t) frame order: a new one after every done flag.
-            bounds: list[tuple[int, int]] = []
-            for bi in range(b):
-                start = 0
-                for ti in range(t):
-                    if ends[ti, bi] or ti == t - 1:
-                        bounds.append((bi * t + start, bi * t + ti + 1))
-                        start = ti + 1
+            bounds = _episode_bounds(ends, t, b)
             frame_index = np.zeros(n, dtype=np.int64)
             episode_index = np.zeros(n, dtype=np.int64)
             first_episode = len(episodes)
@@ -1416,6 +1444,8 @@ class LeRobotSource:
         self.root = Path(root)
         info_path = self.root / INFO_FILE
         if not info_path.is_file():
+            if not self.root.exists():
+                raise CheckpointError(f"{self.root}: no such file or directory")
             raise CheckpointError(f"{self.root}: not a LeRobot dataset (no {INFO_FILE})")
         try:
             self.info = orjson.loads(info_path.read_bytes())
@@ -1725,13 +1755,13 @@ def _target(
     if trajectory_format is not None and trajectory_format not in ("pt", "pkl"):
         raise UsageError(f"format must be 'pt' or 'pkl', got {trajectory_format!r}")
     if directory.exists() and not directory.is_dir():
-        raise UsageError(f"{directory}: exists and is not a directory")
+        raise UsageError(f"{directory}: exists and is not a directory; choose a directory path")
     created = None
     for path in (directory, *directory.parents):
         if path.exists():
             break
         created = path
-    directory.parent.mkdir(parents=True, exist_ok=True)
+    make_parents(directory)
     init_buffer_dir(directory, Index(trajectory_format=trajectory_format or "pt"))
     try:
         with BufferWriter(directory, wait=True, on_wait=on_wait) as writer:
@@ -1743,6 +1773,31 @@ def _target(
                 if not read_index(directory).id_list:
                     shutil.rmtree(created, ignore_errors=True)
         raise
+
+
+class _NoWriter:
+    """What a dry-run import writes through: nothing."""
+
+    def place(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def publish(self, index: Index) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _dry_target(directory: Path, trajectory_format: str | None) -> Iterator[tuple[Any, Index, bool]]:
+    """_target without creating, locking or writing anything: (a writer that writes nothing, index, new)."""
+    if trajectory_format is not None and trajectory_format not in ("pt", "pkl"):
+        raise UsageError(f"format must be 'pt' or 'pkl', got {trajectory_format!r}")
+    if directory.exists() and not directory.is_dir():
+        raise UsageError(f"{directory}: exists and is not a directory; choose a directory path")
+    refuse_file_parent(directory)
+    if is_checkpoint_dir(directory):
+        _, index = open_checkpoint(directory, strict=True)
+        yield _NoWriter(), index, False
+    else:
+        yield _NoWriter(), Index(trajectory_format=trajectory_format or "pt"), not directory.exists()
 
 
 def import_lerobot(
@@ -1759,6 +1814,7 @@ def import_lerobot(
     on_wait: Callable[[str], None] | None = None,
     progress: Callable[[int], None] | None = None,
     on_published: Callable[[list[int]], None] | None = None,
+    dry_run: bool = False,
 ) -> ImportResult:
     """Add the episodes of the LeRobot dataset at `source` to the buffer directory `buffer_dir`.
 
@@ -1767,6 +1823,8 @@ def import_lerobot(
     and metadata. Any other dataset, or a selection of `episodes`, or `use_sidecar=False`,
     gives one trajectory per episode with B = 1 (see docs/lerobot.md for the fields).
     `field_map` maps feature names to dotted buffer fields; `drop` leaves features out.
+    With `dry_run` every episode is read and given its id as a real import would, but nothing
+    is created, locked or written (`on_published` is not called).
     """
     _require_arrow()
     dataset = LeRobotSource(source)
@@ -1774,7 +1832,12 @@ def import_lerobot(
     sidecar = dataset.sidecar() if use_sidecar and episodes is None and not field_map and not drop else None
     if model_weights_id is not None:
         check_weights_id(model_weights_id, "model_weights_id")
-    with _target(directory, trajectory_format, on_wait) as (writer, index, is_new):
+    target = (
+        _dry_target(directory, trajectory_format)
+        if dry_run
+        else _target(directory, trajectory_format, on_wait)
+    )
+    with target as (writer, index, is_new):
         if trajectory_format is not None and not is_new and trajectory_format != index.trajectory_format:
             raise UsageError(
                 f"{directory}: holds {index.trajectory_format} files; cannot import as {trajectory_format}"
@@ -1813,7 +1876,7 @@ def import_lerobot(
         def publish() -> None:
             writer.publish(index)
             result.added_ids.extend(batch)
-            if on_published is not None and batch:
+            if on_published is not None and batch and not dry_run:
                 on_published(list(batch))
             batch.clear()
 

@@ -392,7 +392,7 @@ def open_regular(path: Path) -> tuple[int, int]:
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
-        raise TrajectoryFileError(f"{path}: file not found") from None
+        raise TrajectoryFileError(f"{path}: no such file or directory") from None
     except OSError as exc:
         raise TrajectoryFileError(f"{path}: cannot read ({exc.strerror})") from None
     try:

@@ -27,7 +27,7 @@ from rbtool.format import (
     parse_trajectory_file_name,
     trajectory_file_name,
 )
-from rbtool.fsutil import staged_dir
+from rbtool.fsutil import check_target, staged_dir
 from rbtool.index import Index
 from rbtool.passes import Throughput, Timer, check_jobs, run_pass
 from rbtool.writer import WriteReport, fill_dir, new_entry, start_phase
@@ -332,13 +332,15 @@ def repair(
     progress: Progress | None = None,
     link: bool = True,
     jobs: int | None = None,
+    dry_run: bool = False,
 ) -> RepairResult:
     """Write a consistent copy of the checkpoint at `path` (or of each of its rank_* checkpoints) to `out`.
 
     A folder of rank_* directories gives `out/rank_<r>` for each. The source is never modified;
     with `link` False no file is a hard link of its files (a reflink or a copy). Each file is
     read once (loaded and hashed from the same bytes), on `jobs` worker processes (default:
-    the cores this process may use).
+    the cores this process may use). With `dry_run` the files are checked and the plan made,
+    but nothing is written (`out` is only checked as publishing would check it).
     """
     workers = check_jobs(jobs)
     source, target = Path(path), Path(out)
@@ -349,6 +351,9 @@ def repair(
     plans = [planner.plan(progress, workers) for planner in planners]
     throughput = Throughput(workers, sum(p.bytes_read for p in planners), sum(p.seconds for p in planners))
     result = RepairResult(source, target, plans, throughput=throughput)
+    if dry_run:
+        check_target(target, overwrite=overwrite)
+        return result
     with staged_dir(target, overwrite=overwrite) as staging:
         for plan in plans:
             directory = staging if single else staging / plan.source.name

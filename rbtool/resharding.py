@@ -15,7 +15,7 @@ from typing import Any
 from rbtool.dirs import CheckpointView, open_view
 from rbtool.errors import UsageError
 from rbtool.format import MERGE_MAP_FILE
-from rbtool.fsutil import staged_dir, write_bytes_atomic
+from rbtool.fsutil import check_target, staged_dir, write_bytes_atomic
 from rbtool.index import Index, balanced_blocks, dumps, rank_bounds
 from rbtool.writer import Progress, WriteReport, fill_dir, rank_layout, rank_parts, start_phase
 
@@ -100,6 +100,7 @@ def reshard(
     ranks = [RankPlan(r, p, sum(_size(view.file_of(i)) for i in p.id_list)) for r, p in enumerate(parts)]
     result = ReshardResult(view, world_size, split, ranks, dry_run)
     if dry_run:
+        check_target(Path(out), overwrite=overwrite)  # fails where publishing would
         return result
     mapping = {m["new_id"]: m for m in view.mapping()}
     start_phase(progress, sum(part.size for part in parts), "placing trajectory files")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rbtool import trajfile
-from rbtool.dirs import is_rank_tree, open_checkpoint, open_view
+from rbtool.dirs import is_rank_tree, open_checkpoint, open_view, parent_of_checkpoints
 from rbtool.errors import CheckpointError
 from rbtool.format import is_checkpoint_dir
 from rbtool.layout import TrajectoryInfo, describe_stored, field_schema
@@ -125,7 +125,9 @@ def collect_sources(
             if inner is not None:
                 found.items.extend(inner)
             elif _walk(path, recursive, exclude, found) == 0:
-                raise CheckpointError(f"{path}: holds no trajectory files (.pt or .pkl)")
+                raise CheckpointError(
+                    parent_of_checkpoints(path) or f"{path}: holds no trajectory files (.pt or .pkl)"
+                )
         elif path.is_file():
             if path.suffix not in (".pt", ".pkl"):
                 raise CheckpointError(f"{path}: not a trajectory file (expected .pt or .pkl)")

@@ -28,7 +28,7 @@ from rbtool.errors import (
     TrajectoryFileError,
     UsageError,
 )
-from rbtool.format import IndexCheck, check_json, escapes, trajectory_file_name
+from rbtool.format import IndexCheck, check_json, escapes, not_a_file, trajectory_file_name
 from rbtool.index import Index, read_index
 from rbtool.passes import Throughput, Timer, check_jobs, run_pass
 
@@ -263,13 +263,24 @@ def weights_groups(table: IndexTable, in_window: np.ndarray) -> list[dict[str, A
     ]
 
 
+# What file_sizes returns for a listed name that is there but no regular file (-1: missing).
+NOT_A_FILE = {-2: "a directory", -3: "a FIFO", -4: "a device", -5: "a socket or other special file"}
+_NOT_A_FILE_CODE = {what: code for code, what in NOT_A_FILE.items()}
+
+
+def not_a_file_code(mode: int) -> int:
+    """file_sizes' code for what a listed name is when it is not a regular file."""
+    return _NOT_A_FILE_CODE[not_a_file(mode)]
+
+
 def file_sizes(
     file_of: Callable[[int], Path],
     index: Index,
     progress: Progress | None = None,
     directory: Path | None = None,
 ) -> np.ndarray:
-    """Size of each listed trajectory file in list order; -1 where it is missing or not a file.
+    """Size of each listed trajectory file in list order; -1 where it is missing, and where the name
+    is there but not a regular file the NOT_A_FILE code of what it is (a directory, a FIFO, ...).
 
     With `directory` (every file of the index lives there), the directory is listed once
     and only the files it holds are looked at: a million-entry index whose files are
@@ -282,7 +293,7 @@ def file_sizes(
             if target is not None:  # never read, never counted as the checkpoint's
                 raise CheckpointError(f"{path}: a symlink to {target}, outside the checkpoint; refused")
             st = os.stat(path)
-        return st.st_size if stat.S_ISREG(st.st_mode) else -1
+        return st.st_size if stat.S_ISREG(st.st_mode) else not_a_file_code(st.st_mode)
 
     def size(path: Path) -> int:
         try:
@@ -348,13 +359,20 @@ def index_report(
         "present": None,
         "missing": None,
         "missing_ids": None,
+        "not_files": None,
     }
     if exists is None or sizes is None:
         file_bytes = table.file_bytes
     else:
-        missing_ids = table.ids[~exists]
+        missing_ids = table.ids[sizes == -1]
+        odd = np.flatnonzero(sizes < -1)
         files.update(
-            present=int(exists.sum()), missing=int(missing_ids.size), missing_ids=missing_ids.tolist()
+            present=int(exists.sum()),
+            missing=int(missing_ids.size),
+            missing_ids=missing_ids.tolist(),
+            not_files=[
+                {"trajectory_id": int(table.ids[pos]), "is": NOT_A_FILE[int(sizes[pos])]} for pos in odd
+            ],
         )
         file_bytes = sizes
     known = file_bytes >= 0

@@ -20,6 +20,7 @@ import io
 import os
 import pickle
 import stat
+import struct
 import warnings
 from pathlib import Path
 from typing import Any
@@ -205,7 +206,7 @@ def _open_regular(path: Path) -> None:
     try:
         info = os.stat(path)
     except FileNotFoundError:
-        raise TrajectoryFileError(f"{path}: file not found") from None
+        raise TrajectoryFileError(f"{path}: no such file or directory") from None
     except OSError as exc:
         raise TrajectoryFileError(f"{path}: cannot read ({exc.strerror})") from None
     if not stat.S_ISREG(info.st_mode):
@@ -239,7 +240,8 @@ def _check_zip_records(path: Path, data: bytes | None = None, *, mapped: bool = 
             try:
                 pickled = [archive.read(r) for r in pickles]
             except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
-                raise TrajectoryFileError(f"{path}: not a readable .pt trajectory ({exc})") from None
+                damage = pt_damage(path, data) or f"not a readable .pt trajectory ({exc})"
+                raise TrajectoryFileError(f"{path}: {damage}") from None
     except (zipfile.BadZipFile, OSError, ValueError):
         return  # not a zip (a legacy .pt) or unreadable: torch's loader names the problem
     from rbtool.safepickle import refuse_opcodes
@@ -340,11 +342,52 @@ def _storage_itemsize(name: str) -> int | None:
         return None
 
 
+_ZIP_HEAD = b"PK\x03\x04"  # a zip's first local record: what torch.save writes
+_ZIP_END = b"PK\x05\x06"  # the end-of-central-directory record, in the last 64 KiB + 22 bytes
+_ZIP_END_SPAN = 65536 + 22
+_PICKLE_PROTO = 0x80  # torch.save's legacy (non-zip) format starts with a pickle PROTO opcode
+
+
+def pt_damage(path: Path, data: bytes | None = None) -> str | None:
+    """What is wrong with a `.pt` file that torch could not load, in plain words (None: no diagnosis).
+
+    `empty`, `truncated` (a zip cut before its end record or its directory) and `not a zip`
+    (neither torch.save's zip nor its legacy pickle) are told apart from the file's first and
+    last bytes; torch's own messages for these ("[Errno 22] Invalid argument", "negative seek
+    value", "failed finding central directory") say none of it.
+    """
+    try:
+        if data is None:
+            with open(path, "rb") as handle:
+                size = os.fstat(handle.fileno()).st_size
+                head = handle.read(4)
+                handle.seek(max(0, size - _ZIP_END_SPAN))
+                tail = handle.read()
+        else:
+            size, head, tail = len(data), data[:4], data[-_ZIP_END_SPAN:]
+    except OSError:
+        return None
+    if size == 0:
+        return "empty (0 bytes); the file was never written or was cut to nothing"
+    if head != _ZIP_HEAD:
+        if head[:1] == bytes([_PICKLE_PROTO]):
+            return None  # a legacy .pt: torch's message stands
+        return f"not a zip ({size} bytes starting {head!r}); a .pt trajectory is the zip torch.save writes"
+    at = tail.rfind(_ZIP_END)
+    if at < 0 or len(tail) - at < 22:
+        return f"truncated ({size} bytes): the zip ends before its end record"
+    cd_size, cd_offset = struct.unpack_from("<II", tail, at + 12)
+    if cd_offset + cd_size > size:
+        return f"truncated ({size} bytes): the zip's directory lies past the end of the file"
+    return None
+
+
 def _torch_load(path: Path, source: Any, mmap: bool) -> Any:
     """torch.load with weights_only, its failures as one-line errors naming `path`."""
     import pickle
 
     torch = require_torch()
+    data = source.getvalue() if isinstance(source, io.BytesIO) else None
     try:
         with warnings.catch_warnings():
             # torch warns about odd files (e.g. a plain pickle named .pt) before it refuses them;
@@ -353,14 +396,20 @@ def _torch_load(path: Path, source: Any, mmap: bool) -> Any:
             return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unpickling failed"
+        damage = pt_damage(path, data)
+        if damage is not None:
+            raise TrajectoryFileError(f"{path}: {damage}") from None
         if "Weights only load failed" in str(exc) or "Unsupported global" in str(exc):
             raise UnsafePickleError(
                 f"{path}: refused: the file holds objects other than tensors and plain data ({first})"
             ) from None
         raise TrajectoryFileError(f"{path}: not a readable .pt trajectory ({first})") from None
     except FileNotFoundError:
-        raise TrajectoryFileError(f"{path}: file not found") from None
+        raise TrajectoryFileError(f"{path}: no such file or directory") from None
     except Exception as exc:  # torch raises RuntimeError, EOFError, ValueError... on bad bytes
+        damage = pt_damage(path, data)
+        if damage is not None:
+            raise TrajectoryFileError(f"{path}: {damage}") from None
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise TrajectoryFileError(f"{path}: not a readable .pt trajectory ({message})") from None
 

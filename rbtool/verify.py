@@ -11,6 +11,7 @@ metadata lacks rbtool's keys, SPEC §2), those records are hints: a mismatch is 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from rbtool.format import (
     check_json,
     escapes,
     gc_paused,
+    not_a_file,
     one_line,
     parse_trajectory_file_name,
     preview,
@@ -134,6 +136,7 @@ class _Listing:
     by_id: dict[int, list[str]] = field(default_factory=dict)
     badly_named: list[str] = field(default_factory=list)
     outside: dict[int, list[tuple[str, str]]] = field(default_factory=dict)  # symlinks leaving the dir
+    not_files: dict[str, str] = field(default_factory=dict)  # trajectory names that are no file: what
 
 
 def _list_files(directory: Path) -> _Listing:
@@ -150,6 +153,8 @@ def _list_files(directory: Path) -> _Listing:
                     listing.badly_named.append(name)
                 continue
             if not entry.is_file():
+                with contextlib.suppress(OSError):
+                    listing.not_files[name] = not_a_file(entry.stat().st_mode)
                 continue
             target = escapes(directory, name) if entry.is_symlink() else None
             if target is not None:
@@ -207,8 +212,12 @@ class _FileChecker:
             fmt = self.fmt
             weights = [entries[t]["model_weights_id"] for t in missing]
             names = [f"trajectory_{t}_{w}.{fmt}" for t, w in zip(missing, weights, strict=True)]
+            odd = listing.not_files
             messages = [
-                f"{n}: listed trajectory {t} has no file" for n, t in zip(names, missing, strict=True)
+                f"{n}: listed trajectory {t} has no file"
+                if n not in odd
+                else f"{n}: listed trajectory {t} has no file: the name is {odd[n]}"
+                for n, t in zip(names, missing, strict=True)
             ]
             report.problems.extend(
                 map(Problem, repeat("file_missing"), repeat(ERROR), missing, names, messages)
@@ -216,9 +225,11 @@ class _FileChecker:
         else:
             for tid in missing:
                 expected = self._expected_name(tid, entries.get(tid))
+                what = listing.not_files.get(expected or "")
                 report.add(
                     "file_missing",
-                    f"{expected or f'trajectory_{tid}_*'}: listed trajectory {tid} has no file",
+                    f"{expected or f'trajectory_{tid}_*'}: listed trajectory {tid} has no file"
+                    + (f": the name is {what}" if what else ""),
                     trajectory_id=tid,
                     file=expected,
                 )

@@ -17,7 +17,7 @@ from typing import Any
 
 from rbtool import trajfile
 from rbtool.errors import RbtoolError
-from rbtool.fsutil import DirLock, link_or_copy, staged_dir, write_bytes_atomic
+from rbtool.fsutil import DirLock, check_target, link_or_copy, staged_dir, write_bytes_atomic
 from rbtool.index import Index, write_index
 from rbtool.layout import TrajectoryInfo, schema_digest
 
@@ -125,13 +125,18 @@ def write_checkpoint(
     overwrite: bool = False,
     progress: Progress | None = None,
     link: bool = True,
+    dry_run: bool = False,
 ) -> WriteReport:
     """Write a checkpoint listing `index` at `out`, published atomically.
 
     `source_of(id)` gives the trajectory's current file or its dict. Entries are updated
     in place with each written file's size and hash, so pass a copy you may change. With
-    `link` False no file is a hard link of its source.
+    `link` False no file is a hard link of its source. With `dry_run` nothing is written:
+    `out` is only checked as publishing would check it, and the report is empty.
     """
+    if dry_run:
+        check_target(out, overwrite=overwrite)
+        return WriteReport()
     start_phase(progress, index.size, "placing trajectory files")
     with staged_dir(out, overwrite=overwrite) as staging:
         return fill_dir(staging, index, source_of, progress, link=link)
@@ -169,9 +174,14 @@ def write_ranks(
     overwrite: bool = False,
     progress: Progress | None = None,
     link: bool = True,
+    dry_run: bool = False,
 ) -> WriteReport:
-    """Write `out/rank_r` for each part, the whole tree published at once (`link` as for fill_dir)."""
+    """Write `out/rank_r` for each part, the whole tree published at once (`link` as for fill_dir;
+    `dry_run` as for write_checkpoint)."""
     report = WriteReport()
+    if dry_run:
+        check_target(out, overwrite=overwrite)
+        return report
     start_phase(progress, sum(part.size for part in parts), "placing trajectory files")
     with staged_dir(out, overwrite=overwrite) as staging:
         for rank, part in enumerate(parts):

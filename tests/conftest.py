@@ -287,3 +287,14 @@ def bucket(s3_server: str, request: pytest.FixtureRequest) -> str:
 
     name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:60].strip("-") + f"-{_free_port()}"
     return f"s3://rbtool-tests/{name}"
+
+
+@pytest.fixture(params=[80, 200], ids=["80cols", "200cols"])
+def columns(request: pytest.FixtureRequest) -> Iterator[int]:
+    """Both consoles of the command line at a terminal width of 80 or 200 columns for the test."""
+    from rbtool.cli import _common
+
+    saved = (_common.out._fixed_width, _common.err._width)  # stdout's console follows the terminal when None
+    _common.out.width = _common.err.width = request.param
+    yield request.param
+    _common.out._fixed_width, _common.err._width = saved

@@ -26,6 +26,7 @@ def test_json_document(tmp_path: Path) -> None:
         "seconds",
         "bytes_per_second",
         "checkpoints",
+        "dry_run",
         "files",
     }
     assert doc["trajectory_format"] == "pkl" and doc["jobs"] == 3 and doc["files"]["written"] == 7

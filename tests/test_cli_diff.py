@@ -61,7 +61,7 @@ def test_other_formats_are_compared_only_by_content(tmp_path: Path) -> None:
     run_json("convert", AUTOSAVE, "--out", tmp_path / "pkl", "--format", "pkl")
     shallow = run("diff", AUTOSAVE, tmp_path / "pkl")
     assert shallow.exit_code == 1  # the metadata's format differs
-    assert shallow.stderr.startswith("Warning: 5 file(s)") and "--deep" in shallow.stderr
+    assert shallow.stderr.startswith("Warning: 5 files are") and "--deep" in shallow.stderr
     run_json("convert", tmp_path / "pkl", "--out", tmp_path / "pt", "--format", "pt")
     assert run_json("diff", AUTOSAVE, tmp_path / "pt", "--deep")["equal"] is True
 

@@ -153,6 +153,7 @@ def test_stats_jsonl_is_one_object_per_trajectory_and_complete(big: Path) -> Non
     assert len(lines) == BIG and result.stdout.endswith("\n")
     first, last = json.loads(lines[0]), json.loads(lines[-1])
     assert set(first) == {
+        "path",
         "id",
         "T",
         "B",
@@ -177,7 +178,10 @@ def test_stats_jsonl_of_a_real_checkpoint_agrees_with_the_columns() -> None:
     doc = json.loads(output("stats", AUTOSAVE, "--json").stdout)
     rows = [json.loads(line) for line in output("stats", AUTOSAVE, "--jsonl").stdout.splitlines()]
     columns = {key: col for key, col in doc["trajectories"].items() if key != "left_out"}
-    assert rows == [dict(zip(columns, values, strict=True)) for values in zip(*columns.values(), strict=True)]
+    assert rows == [
+        {"path": str(AUTOSAVE), **dict(zip(columns, values, strict=True))}
+        for values in zip(*columns.values(), strict=True)
+    ]
 
 
 def test_verify_jsonl_is_one_object_per_problem_and_complete(big: Path) -> None:
@@ -185,7 +189,7 @@ def test_verify_jsonl_is_one_object_per_problem_and_complete(big: Path) -> None:
     rows = [json.loads(line) for line in result.stdout.splitlines()]
     everything = json.loads(output("verify", big, "--json", "--all", status=1).stdout)["checkpoints"][0]
     assert len(rows) == len(everything["problems"]) >= BIG
-    assert rows[0] == {"checkpoint": str(big), **everything["problems"][0]}
+    assert rows[0] == {"path": str(big), "checkpoint": str(big), **everything["problems"][0]}
     assert [r["trajectory_id"] for r in rows if r["code"] == "file_missing"] == list(range(BIG))
     assert result.stderr.startswith("Error: ")  # the verdict still goes to stderr, exit 1
 

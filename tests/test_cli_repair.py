@@ -17,7 +17,17 @@ from rbtool.index import read_index
 runner = CliRunner()
 DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 NOSAVE = ["nosave_window2_pt/ckpt", "nosave_window2_pkl/ckpt"]
-TOP_KEYS = {"source", "out", "checkpoints", "files", "jobs", "bytes_read", "seconds", "bytes_per_second"}
+TOP_KEYS = {
+    "source",
+    "out",
+    "checkpoints",
+    "files",
+    "dry_run",
+    "jobs",
+    "bytes_read",
+    "seconds",
+    "bytes_per_second",
+}
 CKPT_KEYS = {
     "source",
     "out",

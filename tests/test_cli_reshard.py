@@ -71,7 +71,7 @@ def test_dry_run_writes_nothing(tmp_path: Path) -> None:
     assert [r["size"] for r in doc["ranks"]] == [2, 2, 2, 1]
     assert list(tmp_path.iterdir()) == []
     human = run("reshard", RANKS, "-n", "4", "--out", out, "--dry-run")
-    assert human.exit_code == 0 and "dry run: nothing written" in human.stdout
+    assert human.exit_code == 0 and "; nothing written" in human.stdout
     assert list(tmp_path.iterdir()) == []
 
 

@@ -60,7 +60,7 @@ def test_nosave_fixtures_exit_1_with_their_report(rel: str, deep: list[str]) -> 
     result = run(FIXTURES / rel, *deep, "--json")
     assert result.exit_code == 1
     assert_error_line(result)
-    assert "3 error(s): file_missing x3" in result.stderr
+    assert "3 errors: file_missing x3" in result.stderr
     doc = json.loads(result.stdout)
     assert doc["path"] == str(FIXTURES / rel) and doc["ok"] is False
     (ckpt,) = doc["checkpoints"]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from rbtool import fsutil
 from rbtool.errors import CheckpointError, FileSystemError, OutputExistsError
 from rbtool.fsutil import (
     LOCK_FILE,
@@ -311,3 +312,20 @@ def test_staging_of_a_dead_run_is_removed_by_the_next_writer(tmp_path: Path) -> 
     (warning,) = [w for w in caught if issubclass(w.category, LeftoversRemovedWarning)]
     assert "removed 1 staging directory that interrupted runs left" in str(warning.message)
     assert left.name in str(warning.message)
+
+
+def test_ctrl_c_right_after_the_staging_directory_is_made_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt between making the staging directory and entering the block (where
+    a real SIGINT can land) still removes it."""
+    made = fsutil.new_staging_dir
+
+    def interrupted(target: Path) -> Path:
+        made(target)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fsutil, "new_staging_dir", interrupted)
+    with pytest.raises(KeyboardInterrupt), fsutil.staged_dir(tmp_path / "out"):
+        pass
+    assert list(tmp_path.iterdir()) == []

@@ -110,7 +110,7 @@ def test_read_index_names_the_file_and_the_problem(tmp_path: Path) -> None:
     (tmp_path / "c" / "metadata.json").write_text("{")
     with pytest.raises(CheckpointError, match=r"c/metadata.json: invalid JSON"):
         read_index(tmp_path / "c")
-    with pytest.raises(CheckpointError, match="no such directory"):
+    with pytest.raises(CheckpointError, match="no such file or directory"):
         read_index(tmp_path / "nope")
 
 

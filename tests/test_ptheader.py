@@ -174,7 +174,7 @@ def test_only_regular_files_are_read(tmp_path: Path) -> None:
     os.mkfifo(fifo)
     with pytest.raises(TrajectoryFileError, match="not a regular file"):
         read_header(fifo)
-    with pytest.raises(TrajectoryFileError, match="file not found"):
+    with pytest.raises(TrajectoryFileError, match="no such file or directory"):
         read_header(tmp_path / "missing.pt")
 
 

@@ -163,6 +163,96 @@ def test_dry_runs_upload_nothing(bucket: str) -> None:
     assert keys(url) == set()
 
 
+def test_every_writer_dry_runs_to_a_url_as_it_would_write_it(bucket: str) -> None:
+    """A dry run checks the URL as the real run would, names it, and uploads nothing."""
+    src, url = FIXTURES / "autosave_pt" / "autosave", f"{bucket}/dry"
+    runs = [
+        ["checkpoint", "save", src, url, "--window", "0"],
+        ["shard", src, "-n", "2", "--out", url],
+        ["merge", FIXTURES / "ranks", "--out", url],
+        ["convert", src, "--out", url, "--format", "pkl"],
+    ]
+    for argv in runs:
+        doc = run_json(*argv, "--dry-run")
+        assert doc["dry_run"] is True and doc["out"] == url and doc["files"] is None
+        human = run(*argv, "--dry-run")
+        assert human.exit_code == 0, human.stderr
+        assert human.stdout.splitlines()[-1].startswith(f"dry run: would write {url} (")
+    assert keys(url) == set()
+    save_to(url)
+    before = keys(url)
+    for argv in runs:  # a checkpoint is there now: refused without --force, as a real run is
+        result = run(*argv, "--dry-run")
+        assert_one_error(result)
+        assert "already holds a checkpoint" in result.stderr
+        assert run(*argv, "--dry-run", "--force").exit_code == 0
+    assert keys(url) == before
+
+
+def test_a_dry_run_from_a_url_reads_only_its_json_objects(bucket: str) -> None:
+    url = f"{bucket}/ckpt"
+    save_to(url)
+    fs, root = s3(bucket), f"{bucket[5:]}/ckpt"
+    local = FIXTURES / "autosave_pt" / "autosave"
+    for name in keys(url):  # every trajectory object unreadable (same size): a dry run cannot notice
+        if name.endswith(".pt"):
+            fs.pipe_file(f"{root}/{name}", b"\0" * (local / name).stat().st_size)
+    for argv in (["shard", url, "-n", "2"], ["merge", url], ["convert", url, "--format", "pkl"]):
+        doc = run_json(*argv, "--out", f"{bucket}/out", "--dry-run")
+        assert doc["dry_run"] is True and doc["upload"] == {
+            "uploaded": 0,
+            "kept": 0,
+            "removed": 0,
+            "bytes": 0,
+        }
+    assert run("shard", url, "-n", "2", "--out", f"{bucket}/out").exit_code == 1  # the real run does
+
+
+def test_the_human_view_of_a_remote_write_says_what_was_uploaded(bucket: str, tmp_path: Path) -> None:
+    src, url = FIXTURES / "autosave_pt" / "autosave", f"{bucket}/shards"
+    result = run("shard", src, "-n", "2", "--out", url)
+    assert result.exit_code == 0, result.stderr
+    assert f"into {url}" in result.stdout
+    marker = json.loads(s3(bucket).cat_file(f"{bucket[5:]}/shards/{remote.MARKER}"))["files"]
+    uploaded = _iec(sum(entry["size"] for entry in marker.values()))
+    assert result.stdout.splitlines()[-1] == (
+        f"upload: {len(marker)} objects uploaded ({uploaded}), 0 kept, 0 removed"
+    )
+    local = run("shard", src, "-n", "2", "--out", tmp_path / "local")
+    assert local.exit_code == 0 and "upload:" not in local.stdout
+
+
+def _iec(n: int) -> str:
+    from rbtool.cli._output import size
+
+    return size(n)
+
+
+def test_verify_and_stats_take_several_paths_urls_among_them(bucket: str) -> None:
+    src, url = FIXTURES / "autosave_pt" / "autosave", f"{bucket}/ckpt"
+    save_to(url)
+    doc = run_json("verify", src, url)
+    assert doc["ok"] is True and [d["path"] for d in doc["paths"]] == [str(src), url]
+    stats = run_json("stats", url, src, "--index-only")
+    assert [d["path"] for d in stats["paths"]] == [url, str(src)]
+    missing = run("stats", url, f"{bucket}/none", "--index-only", "--json")
+    assert missing.exit_code == 1
+    got = json.loads(missing.stdout)
+    assert got["ok"] is False and got["paths"][0]["path"] == url and "error" in got["paths"][1]
+    human = run("verify", url, src)
+    assert human.exit_code == 0 and f"OK {url}" in human.stdout
+
+
+def test_remote_sample_says_what_it_fetched(bucket: str) -> None:
+    url = f"{bucket}/ckpt"
+    save_to(url)
+    doc = run_json("sample", url, "--num-chunks", "2", "--seed", "5")
+    result = run("sample", url, "--num-chunks", "2", "--seed", "5")
+    assert result.exit_code == 0, result.stderr
+    fetched = doc["fetched"]
+    assert f"fetched {fetched['objects']} object" in result.stdout and _iec(fetched["bytes"]) in result.stdout
+
+
 # ------------------------------------------------------------------ reading
 def test_index_only_commands_read_only_the_json_objects(bucket: str) -> None:
     url = f"{bucket}/ckpt"
@@ -313,6 +403,51 @@ def test_a_killed_upload_is_refused_then_a_rerun_completes_it(
     assert run_json("verify", url, "--deep")["ok"] is True
     assert run_json("diff", ckpt, url)["equal"] is True
     assert not list(_cache.rglob("*rbtool-staging*"))  # the killed run's staging is gone too
+
+
+def test_ctrl_c_mid_upload_says_what_readers_see_then_a_rerun_completes_it(
+    bucket: str, tmp_path: Path, _cache: Path
+) -> None:
+    ckpt = _big_checkpoint(tmp_path)
+    url = f"{bucket}/interrupted"
+    argv = ["checkpoint", "save", str(ckpt), url, "--window", "0"]
+    # Each put after the third is slowed, so SIGINT lands while trajectory objects go up.
+    code = (
+        "import runpy, sys, threading, time\n"
+        "import s3fs\n"
+        "put, done, lock = s3fs.S3FileSystem.put_file, [0], threading.Lock()\n"
+        "def slowed(self, *a, **k):\n"
+        "    put(self, *a, **k)\n"
+        "    with lock:\n"
+        "        done[0] += 1\n"
+        "        if done[0] == 3:\n"
+        "            print('three up', flush=True)\n"
+        "    if done[0] >= 3:\n"
+        "        time.sleep(0.05)\n"
+        "s3fs.S3FileSystem.put_file = slowed\n"
+        f"sys.argv = ['rbtool', *{argv!r}]\n"
+        "runpy.run_module('rbtool', run_name='__main__')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "three up\n"
+    os.kill(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert stderr.splitlines()[-1] == (
+        f"interrupted: {url} holds no new checkpoint unless its upload had finished; readers refuse "
+        "a cut-short upload, and running the command again completes it"
+    )
+    names = keys(url)
+    assert remote.PENDING in names and remote.MARKER not in names
+    assert "incomplete upload" in run("verify", url).stderr
+    assert not list(_cache.rglob("*rbtool-staging*"))  # the interrupted run removed its staging
+    doc = run_json(*argv)
+    assert doc["upload"]["kept"] >= 3
+    assert run_json("diff", ckpt, url)["equal"] is True
 
 
 def test_a_failed_command_uploads_nothing(bucket: str, tmp_path: Path) -> None:

@@ -8,6 +8,8 @@ the library. Library errors become exit statuses in one place, `_common.Group.in
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from rbtool.cli import (
@@ -26,20 +28,34 @@ from rbtool.cli import (
     verify,
     version,
 )
-from rbtool.cli._common import Group
+from rbtool.cli._common import Command, Group
 
 app = typer.Typer(
     cls=Group,
     name="rbtool",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        version.version()
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    show_version: Annotated[
+        bool,
+        typer.Option(
+            "--version", "-V", is_eager=True, callback=_print_version, help="Print rbtool's version and exit."
+        ),
+    ] = False,
+) -> None:
     """Build, inspect, shard, reshard, merge, filter, diff, convert and check replay-buffer checkpoints.
 
     Every command prints a human view, or with --json exactly one JSON document on stdout.
@@ -48,21 +64,21 @@ def _root() -> None:
 
 
 # The command set, in the order `rbtool --help` lists it.
-app.command()(ingest.ingest)
+app.command(cls=Command)(ingest.ingest)
 app.add_typer(checkpoint.checkpoint_app)  # checkpoint save, checkpoint load
-app.command()(shard.shard)
-app.command()(merge.merge)
-app.command()(reshard.reshard)
-app.command(name="filter")(filter.filter_)
-app.command()(diff.diff)
-app.command()(convert.convert)
-app.command()(lerobot.export)  # export --to lerobot
+app.command(cls=Command)(shard.shard)
+app.command(cls=Command)(merge.merge)
+app.command(cls=Command)(reshard.reshard)
+app.command(name="filter", cls=Command)(filter.filter_)
+app.command(cls=Command)(diff.diff)
+app.command(cls=Command)(convert.convert)
+app.command(cls=Command)(lerobot.export)  # export --to lerobot
 app.add_typer(lerobot.import_app)  # import lerobot
-app.command()(stats.stats)
-app.command()(sample.sample)
-app.command()(verify.verify)
-app.command()(repair.repair)
-app.command()(version.version)
+app.command(cls=Command)(stats.stats)
+app.command(cls=Command)(sample.sample)
+app.command(cls=Command)(verify.verify)
+app.command(cls=Command)(repair.repair)
+app.command(cls=Command)(version.version)
 
 
 def main() -> None:

@@ -19,10 +19,22 @@ from typing import TYPE_CHECKING, Annotated, Any
 import orjson
 import typer
 from rich.console import Console
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
+from rbtool.cli._output import Column as Column
+from rbtool.cli._output import Fitted as Fitted
+from rbtool.cli._output import ResultConsole, id_runs, size
+from rbtool.cli._output import count as count
+from rbtool.cli._output import head as head
+from rbtool.cli._output import id_ranges as id_ranges
+from rbtool.cli._output import key_values as key_values
+from rbtool.cli._output import left_out as left_out
+from rbtool.cli._output import number as number
+from rbtool.cli._output import side_by_side as side_by_side
+from rbtool.cli._output import unique_prefixes as unique_prefixes
 from rbtool.errors import (
     FieldsLeftOutWarning,
+    LeftoversRemovedWarning,
     MissingTrajectoryFilesError,
     NeedsTrajectoryFilesError,
     OutputExistsError,
@@ -31,12 +43,10 @@ from rbtool.errors import (
 )
 
 if TYPE_CHECKING:
-    from rich.table import Table
-
     from rbtool.remote import IndexMirror
 
-# Results go to stdout; progress, warnings and errors to stderr.
-out = Console(highlight=False, soft_wrap=True)
+# Results go to stdout (see _output.ResultConsole); progress, warnings and errors to stderr.
+out = ResultConsole(highlight=False)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
@@ -78,6 +88,8 @@ def print_error(message: str) -> None:
 
 def print_warning(warning: Warning | str, command: Any) -> None:
     """A library warning as one line `Warning: ...` on stderr, in the command line's terms."""
+    if settings.quiet and isinstance(warning, INFORMATION):
+        return
     if isinstance(warning, FieldsLeftOutWarning) and "--all-fields" in _options(command):
         text = (
             f"sampled batches leave out {', '.join(warning.fields)} (RLinf's sampler ignores them); "
@@ -105,6 +117,30 @@ class Group(TyperGroup):
     traceback. Library warnings become one line `Warning: ...` each.
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        root = self.name == ROOT
+        adopt(self, "" if root else str(self.name))
+        for name, command in self.commands.items():
+            adopt(command, name if root else f"{self.name} {name}")
+
+    def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
+        if parent is None:
+            reset_settings()
+        return super().make_context(info_name, args, parent=parent, **extra)
+
+    def format_commands(self, ctx: Any, formatter: Any) -> None:
+        """Each command with the whole first paragraph of its description, wrapped, never cut."""
+        rows = []
+        for name in self.list_commands(ctx):
+            command = self.get_command(ctx, name)
+            if command is not None and not command.hidden:
+                text = command.short_help or (command.help or "").split("\n\n")[0]
+                rows.append((name, " ".join(text.split())))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
     def resolve_command(self, ctx: Any, args: list[str]) -> Any:
         name, command, rest = super().resolve_command(ctx, args)
         ctx.meta[_COMMAND] = command
@@ -121,14 +157,79 @@ class Group(TyperGroup):
             warnings.showwarning = show_warning
             try:
                 return super().invoke(ctx)
+            except typer.BadParameter as exc:  # the parser's own words about a value, made plain
+                from rbtool.cli._errors import plain_option_error
+
+                plain_option_error(exc)
+                raise
             except RbtoolError as exc:
-                print_error(str(exc) + option_hint(exc, ctx.meta.get(_COMMAND)))
+                from rbtool.cli._errors import fix_hint
+
+                command = ctx.meta.get(_COMMAND)
+                print_error(str(exc) + option_hint(exc, command) + fix_hint(exc, command))
                 raise typer.Exit(exit_status(exc)) from None
             except OSError as exc:  # the library maps these itself; this is the last net
                 from rbtool.fsutil import os_error
 
                 print_error(str(os_error(exc, exc.filename or "?")))
                 raise typer.Exit(1) from None
+
+
+# ------------------------------------------------------------ help
+def plain_metavar(param: Any) -> str:
+    """What a value is called in help: N, X, PATH, TEXT, or its choices `[pt|pkl]`; never a Python type."""
+    desc = getattr(param, "type_descriptor", None)
+    choices = getattr(desc, "choices", None)
+    if choices:
+        return "[" + "|".join(str(getattr(c, "value", c)) for c in choices) + "]"
+    annotation = getattr(desc, "annotation", None)
+    if getattr(desc, "is_list", False):
+        args = getattr(annotation, "__args__", ())
+        annotation = args[0] if args else None
+    if getattr(desc, "is_path", False) or annotation is Path:
+        return "PATH"
+    return {int: "N", float: "X", str: "TEXT"}.get(annotation, "VALUE")  # type: ignore[arg-type]
+
+
+def _argument_name(param: Any) -> str:
+    name = param.metavar or (param.name or "").upper()
+    return name + ("..." if param.nargs != 1 else "")
+
+
+class Command(TyperCommand):
+    """A command whose help names values plainly (`PATH...`, `N`, `[pt|pkl]`) rather than by
+    Python type (`<list[Path]>`, `<int range>`); ranges and defaults stay in the brackets after
+    each option's help."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if param.param_type_name == "argument":
+                name = _argument_name(param)
+                pieces.append(name if param.required else f"[{name}]")
+        return pieces
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        arguments, options = [], []
+        for param in self.get_params(ctx):
+            if param.param_type_name == "argument":
+                record = param.get_help_record(ctx)
+                if record is not None:
+                    arguments.append((_argument_name(param), record[1]))
+            elif param.param_type_name == "option":
+                given = param.metavar
+                if given is None and not (getattr(param, "is_flag", False) or getattr(param, "count", False)):
+                    param.metavar = plain_metavar(param)
+                try:
+                    record = param.get_help_record(ctx)
+                finally:
+                    param.metavar = given
+                if record is not None:
+                    options.append(record)
+        for title, rows in (("Arguments", arguments), ("Options", options)):
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
 
 
 # ------------------------------------------------------------ options
@@ -198,9 +299,31 @@ StrictOpt = Annotated[
     ),
 ]
 FormatOpt = Annotated[
-    TrajectoryFormat | None, typer.Option("--format", help="Trajectory file format.", show_default=False)
+    TrajectoryFormat | None,
+    typer.Option(
+        "--format",
+        help="Trajectory file format (default: the format the buffer or input already has, else pt).",
+        show_default=False,
+    ),
 ]
 ExistingPath = Annotated[Path, typer.Argument(exists=False, help="A checkpoint or buffer directory.")]
+PathsArg = Annotated[
+    list[str],
+    typer.Argument(
+        metavar="PATH",
+        help="Checkpoints or buffer directories, or folders of rank_* checkpoints (or URLs); each is "
+        "reported.",
+        show_default=False,
+    ),
+]
+WideOpt = Annotated[
+    bool,
+    typer.Option(
+        "--wide",
+        help="At a terminal, keep every column and whole model_weights_ids even where lines get "
+        "longer than the terminal (piped output always has them).",
+    ),
+]
 
 
 class Strategy(str, enum.Enum):
@@ -254,29 +377,6 @@ def refuse_output_mix(json: bool, jsonl: bool = False, pretty: bool = False) -> 
 def summary_limit(all_items: bool) -> int | None:
     """How many items a summarised list keeps: None (all) with --all."""
     return None if all_items else SUMMARY_ITEMS
-
-
-def head(items: Any, limit: int | None) -> Any:
-    """The first `limit` items of a list, numpy array or lazy column (all of them when None)."""
-    return items if limit is None or len(items) <= limit else items[:limit]
-
-
-def left_out(items: Any, limit: int | None) -> int:
-    """How many items `head(items, limit)` leaves out."""
-    return 0 if limit is None else max(0, len(items) - limit)
-
-
-def id_ranges(ids: Any) -> list[list[int]]:
-    """Runs of consecutive ids, in list order, as [first, last] pairs: [0, 1, 2, 5] -> [[0, 2], [5, 5]]."""
-    import numpy as np
-
-    values = np.asarray(ids, dtype=np.int64).reshape(-1)
-    if values.size == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(values) != 1)
-    starts = np.concatenate(([0], breaks + 1))
-    ends = np.concatenate((breaks, [values.size - 1]))
-    return np.stack((values[starts], values[ends]), axis=1).tolist()  # type: ignore[no-any-return]
 
 
 def bound(doc: dict[str, Any], key: str, limit: int | None, *, ranges: str | None = None) -> None:
@@ -404,8 +504,21 @@ def print_jsonl(rows: Iterable[Any]) -> None:
 
 
 def show_progress(json_mode: bool) -> bool:
-    """Progress bars only for a person at a terminal, never with --json or --jsonl."""
-    return not json_mode and err.is_terminal
+    """Progress bars only for a person at a terminal, never with --json, --jsonl, -q or --no-progress."""
+    return not json_mode and settings.progress and _stderr_is_terminal()
+
+
+def _stderr_is_terminal() -> bool:
+    # FORCE_COLOR (set by many CI systems for colour in their logs) makes Rich treat a log as a
+    # terminal; colour, yes, but a log gets no progress bars: then the device itself decides.
+    if not err.is_terminal:
+        return False
+    if "FORCE_COLOR" not in os.environ:
+        return True
+    try:
+        return err.file.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 class Advance:
@@ -433,14 +546,64 @@ class Advance:
             self._progress.reset(self._task, **changes)
 
 
+class _PhaseLog(Advance):
+    """An Advance for -v without a bar: one stderr line per phase, with the time the last one took."""
+
+    def __init__(self, description: str) -> None:
+        import time
+
+        super().__init__()
+        self._clock = time.perf_counter
+        self._description = description
+        self._started = self._clock()
+        self._done = 0
+        detail(f"{description} ...")
+
+    def __call__(self, n: int = 1) -> None:
+        self._done += n
+
+    def _finished(self, now: float) -> None:
+        done = f"{self._done} done " if self._done else ""
+        detail(f"{self._description}: {done}in {now - self._started:.2f} s")
+
+    def _next(self, description: str | None) -> None:
+        now = self._clock()
+        self._finished(now)
+        self._description = description or self._description
+        self._started, self._done = now, 0
+        detail(f"{self._description} ...")
+
+    def phase(self, done: int, description: str) -> None:
+        if description != self._description:
+            self._next(description)
+
+    def start(self, total: int | None, description: str | None = None) -> None:
+        self._next(description)
+
+    def finish(self) -> None:
+        self._finished(self._clock())
+
+
+@contextmanager
+def _phases(description: str) -> Iterator[Advance]:
+    log = _PhaseLog(description)
+    yield log
+    log.finish()
+
+
 @contextmanager
 def progress_bar(description: str, total: int | None, enabled: bool) -> Iterator[Advance]:
     """A Rich progress bar on stderr with a count, the time taken and an ETA; yields an Advance.
 
-    Disabled, the Advance does nothing. Transient: the bar is gone once the work is done.
+    Disabled, the Advance does nothing (with -v it names each phase and its time on stderr).
+    Transient: the bar is gone once the work is done.
     """
     if not enabled:
-        yield Advance()
+        if settings.verbose:
+            with _phases(description) as advance:
+                yield advance
+        else:
+            yield Advance()
         return
     from rich.progress import (
         BarColumn,
@@ -476,38 +639,31 @@ def refuse_overlap(target: Path, inputs: Sequence[Path], option: str) -> None:
             )
 
 
-def state_table(title: str, rows: list[tuple[str, dict[str, Any]]], limit: int | None = None) -> Table:
+def state_table(title: str, rows: list[tuple[str, dict[str, Any]]], limit: int | None = None) -> Fitted:
     """A table of (label, state) rows: size, samples, counter and ids of each (the first `limit` runs)."""
-    from rich.table import Table
-
-    table = Table(title=title, title_justify="left")
-    table.add_column("", style="bold")
-    table.add_column("size", justify="right")
-    table.add_column("total samples", justify="right")
-    table.add_column("counter", justify="right")
-    table.add_column("trajectory ids")
-    for label, state in rows:
-        table.add_row(
+    columns = [
+        Column("", style="bold"),
+        Column("size", right=True),
+        Column("total samples", right=True),
+        Column("counter", right=True),
+        Column("trajectory ids", wrap=True),
+    ]
+    cells = [
+        [
             label,
-            str(state["size"]),
-            str(state["total_samples"]),
-            str(state["trajectory_counter"]),
+            f"{state['size']}",
+            f"{state['total_samples']}",
+            f"{state['trajectory_counter']}",
             format_ids(state["trajectory_id_list"], limit),
-        )
-    return table
+        ]
+        for label, state in rows
+    ]
+    return Fitted(columns, cells, title=title)
 
 
 def format_ids(ids: Sequence[int], limit: int | None = None) -> str:
     """Ids for a person: runs of consecutive ids as `a-b`; past `limit` runs, how many ids remain."""
-    if not len(ids):
-        return "(none)"
-    runs = id_ranges(ids)
-    shown = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in head(runs, limit))
-    hidden = left_out(runs, limit)
-    if hidden:
-        rest = sum(b - a + 1 for a, b in runs[len(runs) - hidden :])
-        shown += f", ... {rest} more ids in {hidden} runs"
-    return shown
+    return id_runs(ids, limit)
 
 
 def files_line(files: dict[str, int]) -> str:
@@ -516,7 +672,7 @@ def files_line(files: dict[str, int]) -> str:
         f"{files['reflinked']} reflinked, {files['linked']} linked, "
         f"{files['copied']} copied, {files['written']} written"
     )
-    return f"{placed}, {files['bytes']} bytes"
+    return f"{placed}, {size(files['bytes'])}"
 
 
 # ------------------------------------------------------------ object storage
@@ -564,6 +720,20 @@ class Place:
         except ValueError:
             return str(path)
         return self.url if str(rel) == "." else f"{self.url}/{rel.as_posix()}"
+
+
+def upload_line(upload: dict[str, int]) -> str:
+    """What an upload did, for a person: `upload: 12 objects uploaded (3.4 MiB), 0 kept, 0 removed`."""
+    return (
+        f"upload: {count(upload['uploaded'], 'object')} uploaded ({size(upload['bytes'])}), "
+        f"{upload['kept']} kept, {upload['removed']} removed"
+    )
+
+
+def upload_note(upload: dict[str, int] | None) -> None:
+    """The human view's upload line of a write to a URL (none for a local OUT)."""
+    if upload is not None:
+        out.print(upload_line(upload), markup=False)
 
 
 def is_url(value: str | os.PathLike[str]) -> bool:
@@ -654,3 +824,335 @@ def writing(
         place._finish = publish
         yield place
         place.finish()
+
+
+# ------------------------------------------------------------ conventions
+# Options every command and group takes, before or after the command name (`rbtool -q stats X`
+# and `rbtool stats X -q` alike). They are declared once, on `_conventions` below, and copied
+# onto every command by `Group`; their values live in `settings`, not in command arguments.
+class ColorMode(str, enum.Enum):
+    """When output carries colour and style escape codes."""
+
+    auto = "auto"
+    always = "always"
+    never = "never"
+
+
+# Warnings that only inform (nothing is wrong with the result): -q leaves them out.
+INFORMATION: tuple[type[Warning], ...] = (FieldsLeftOutWarning, LeftoversRemovedWarning)
+
+# Environment defaults of options that several commands share, by option name. `Group`
+# attaches them wherever the option appears, so every command reads the same variable.
+OPTION_ENVVARS: dict[str, str] = {
+    "--jobs": "RBTOOL_JOBS",
+    "--window": "RBTOOL_WINDOW",
+    "--format": "RBTOOL_FORMAT",  # only where --format takes a trajectory file format (pt, pkl)
+}
+
+
+class Settings:
+    """The shared options of the running command line: what was given, and where from."""
+
+    def __init__(self) -> None:
+        self.given: dict[str, Any] = {}  # on the command line (the last occurrence wins)
+        self.environment: dict[str, Any] = {}  # from RBTOOL_* variables
+
+    def _value(self, name: str, default: Any) -> Any:
+        return self.given.get(name, self.environment.get(name, default))
+
+    @property
+    def quiet(self) -> bool:
+        if "verbose" in self.given and "quiet" not in self.given:
+            return False
+        return bool(self._value("quiet", False))
+
+    @property
+    def verbose(self) -> bool:
+        if "quiet" in self.given and "verbose" not in self.given:
+            return False
+        return bool(self._value("verbose", False)) and not self.quiet
+
+    @property
+    def progress(self) -> bool:
+        return not self._value("no_progress", False) and not self.quiet
+
+    @property
+    def color(self) -> ColorMode:
+        return ColorMode(self._value("color", ColorMode.auto))
+
+
+settings = Settings()
+
+# The command line's long-lived Rich consoles; `configure_consoles` sets their colour.
+_consoles: list[Console] = [out, err]
+
+
+def make_console(**kwargs: Any) -> Console:
+    """A Rich console made while a command runs, following --color and NO_COLOR like `out` and `err`."""
+    console = Console(**kwargs)
+    _set_color(console)
+    return console
+
+
+def _set_color(console: Console) -> None:
+    # Rich fixes a console's colour system when the console is made, at import time; the
+    # mode (and NO_COLOR / FORCE_COLOR) is known only once the command line is parsed.
+    from rich.color import ColorSystem
+
+    mode = settings.color
+    if mode is ColorMode.auto and os.environ.get("NO_COLOR", ""):
+        mode = ColorMode.never
+    if mode is ColorMode.never:
+        console._color_system = None
+    else:
+        detected = console._detect_color_system()  # honours FORCE_COLOR, TERM, COLORTERM
+        console._color_system = (detected or ColorSystem.STANDARD) if mode is ColorMode.always else detected
+    console.no_color = mode is ColorMode.never
+
+
+def configure_consoles() -> None:
+    """Apply the colour mode to every console of the command line."""
+    for console in _consoles:
+        _set_color(console)
+
+
+def note(message: str) -> None:
+    """A line for a person on stderr (what the command is waiting for, what it kept); none with -q."""
+    if not settings.quiet:
+        err.print(message, markup=False, highlight=False)
+
+
+def progress_line(message: str, bar_shown: bool) -> None:
+    """A line of progress on stderr (a published batch): the log's form of a progress bar, so none
+    beside a bar, with -q or with --no-progress; always with -v."""
+    if settings.verbose or (settings.progress and not bar_shown):
+        err.print(message, markup=False, highlight=False)
+
+
+def detail(message: str) -> None:
+    """A line of detail on stderr (phases, timings), only with -v."""
+    if settings.verbose:
+        err.print(message, markup=False, highlight=False)
+
+
+def _conventions(
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "--quiet",
+            "-q",
+            envvar="RBTOOL_QUIET",
+            help="Print results only: no progress, notes or merely informative warnings on stderr "
+            "(errors still).",
+        ),
+    ] = False,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose", "-v", envvar="RBTOOL_VERBOSE", help="Print more on stderr: phases and timings."
+        ),
+    ] = False,
+    no_progress: Annotated[
+        bool,
+        typer.Option("--no-progress", envvar="RBTOOL_NO_PROGRESS", help="Show no progress bars or lines."),
+    ] = False,
+    color: Annotated[
+        ColorMode,
+        typer.Option(
+            "--color",
+            envvar="RBTOOL_COLOR",
+            help="Colour and style in the output: auto (at a terminal, unless NO_COLOR is set), "
+            "always or never.",
+        ),
+    ] = ColorMode.auto,
+) -> None:
+    """The shared options' declarations (never run: `Group` copies its parameters)."""
+
+
+# The context of the command being run, set while its options are parsed.
+_running: dict[str, Any] = {}
+
+
+def reset_settings() -> None:
+    """Forget the shared options of an earlier command line (the CLI may run several in one process)."""
+    settings.given.clear()
+    settings.environment.clear()
+    _running.clear()
+    configure_consoles()
+
+
+def _record(ctx: Any, param: Any, value: Any) -> Any:
+    """Callback of a shared option: note where its value came from in `settings`."""
+    if not isinstance(ctx.command, TyperGroup):
+        _running["leaf"] = ctx
+    source = ctx.get_parameter_source(param.name)
+    if source is None or source.name == "DEFAULT":
+        return value
+    if source.name == "ENVIRONMENT":
+        settings.environment[param.name] = value
+    else:
+        if param.name in ("quiet", "verbose") and value:
+            other = "verbose" if param.name == "quiet" else "quiet"
+            if settings.given.get(other):
+                raise typer.BadParameter(
+                    "give one of them, not both", ctx=ctx, param_hint="-q/--quiet, -v/--verbose"
+                )
+        settings.given[param.name] = value
+    configure_consoles()
+    return value
+
+
+_SHARED: list[Any] = []
+
+
+def shared_params() -> list[Any]:
+    """Click parameters of the shared options, built once from `_conventions`."""
+    if not _SHARED:
+        template = typer.Typer(add_completion=False)
+        template.command()(_conventions)
+        for param in typer.main.get_command(template).params:
+            param.expose_value = False
+            param.callback = _record
+            _SHARED.append(param)
+    return _SHARED
+
+
+def _trajectory_formats(param: Any) -> bool:
+    from typing import get_args
+
+    annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+    return annotation is TrajectoryFormat or TrajectoryFormat in get_args(annotation)
+
+
+ROOT = "rbtool"  # the root group's name
+
+
+def adopt(command: Any, path: str) -> None:
+    """Give a command (or group) the shared options, the RBTOOL_* environment defaults of its
+    options and its examples (`path`: the command as typed after `rbtool`); guard what it
+    writes against Ctrl-C."""
+    from rbtool.cli._examples import epilog
+
+    if command.epilog is None:
+        command.epilog = epilog(path)
+    names = {opt for p in command.params for opt in p.opts}
+    for param in command.params:
+        for option, variable in OPTION_ENVVARS.items():
+            if option in param.opts and (option != "--format" or _trajectory_formats(param)):
+                param.envvar, param.show_envvar = variable, True
+    command.params.extend(p for p in shared_params() if not names & set(p.opts))
+    if not isinstance(command, TyperGroup) and not getattr(command.callback, "_rbtool_guarded", False):
+        command.callback = _guarded(command.callback)
+
+
+# ------------------------------------------------------------ Ctrl-C
+def _targets(leaf: Any) -> tuple[Path | str | None, Path | None]:
+    """(OUT, buffer) of the running command: where it writes a new output (a path, or a URL as
+    given), or the buffer it adds to."""
+    target = buffer = None
+    for param in leaf.command.params:
+        value = leaf.params.get(param.name)
+        if isinstance(value, str) and not is_url(value):  # a path that may also be a URL
+            value = Path(value)
+        if not isinstance(value, (Path, str)):
+            continue
+        if "--buffer" in param.opts:
+            if isinstance(value, Path):  # a URL buffer is refused before anything is written
+                buffer = value
+        elif "--out" in param.opts or param.metavar == "OUT":
+            target = value
+    return target, buffer
+
+
+def _state(path: Path | str) -> tuple[int, int] | None:
+    if isinstance(path, str):  # a URL: its objects change only at the upload, after the work
+        return None
+    try:
+        stat = os.lstat(path)
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
+
+
+def interrupted_line(
+    target: Path | str | None,
+    before: tuple[int, int] | None,
+    buffer: Path | None = None,
+    index_before: tuple[int, int] | None = None,
+) -> str:
+    """What an interrupted command kept, in one line. `before` is the state (`_state`) of
+    `target` when the command began, `index_before` that of the buffer's index."""
+    if buffer is not None:
+        index = buffer / "trajectory_index.json"
+        after = _state(index)
+        if after is None:
+            return f"interrupted: nothing was written to {buffer}"
+        if after == index_before:
+            return f"interrupted: the buffer {buffer} is left as it was"
+        from rbtool.index import read_index
+
+        try:
+            ids = read_index(buffer).id_list
+        except (RbtoolError, OSError):
+            return f"interrupted: {buffer} holds the batches published before the interrupt"
+        held = f"ids {format_ids(ids, SUMMARY_ITEMS)}" if ids else "no trajectories"
+        return f"interrupted: the buffer {buffer} holds {held}; nothing half-written"
+    if isinstance(target, str):  # a URL: published by an upload whose marker goes last
+        return (
+            f"interrupted: {target} holds no new checkpoint unless its upload had finished; readers "
+            "refuse a cut-short upload, and running the command again completes it"
+        )
+    if target is not None:
+        if _state(target) == before:
+            if before is None:
+                return f"interrupted: nothing was written to {target}"
+            return f"interrupted: {target} is left as it was"
+        return f"interrupted: {target} had been written in full"
+    return "interrupted: nothing was written"  # every writer names an OUT or a --buffer
+
+
+def _detail_environment(leaf: Any) -> None:
+    """With -v, name each option whose value came from an RBTOOL_* variable (once each)."""
+    contexts = []
+    while leaf is not None:
+        contexts.append(leaf)
+        leaf = leaf.parent
+    named: set[str] = set()
+    for ctx in reversed(contexts):
+        for param in ctx.command.params:
+            source = ctx.get_parameter_source(param.name)
+            variable = param.envvar
+            if source is None or source.name != "ENVIRONMENT" or not isinstance(variable, str):
+                continue
+            if variable not in named:
+                named.add(variable)
+                detail(f"{max(param.opts, key=len)} from {variable}={os.environ.get(variable, '')}")
+
+
+def _guarded(callback: Any) -> Any:
+    """Wrap a command's function: one line on Ctrl-C saying what was kept (exit 130), and the
+    time taken with -v."""
+    import functools
+    import time
+
+    @functools.wraps(callback)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        ctx = _running.get("leaf")
+        target, buffer = _targets(ctx) if ctx is not None else (None, None)
+        before = None if target is None else _state(target)
+        index_before = None if buffer is None else _state(buffer / "trajectory_index.json")
+        if ctx is not None:
+            _detail_environment(ctx)
+        started = time.perf_counter()
+        try:
+            result = callback(*args, **kwargs)
+        except KeyboardInterrupt:
+            line = interrupted_line(target, before, buffer, index_before)
+            err.print(line, markup=False, highlight=False)
+            raise typer.Exit(130) from None
+        if ctx is not None:
+            detail(f"{ctx.command_path}: done in {time.perf_counter() - started:.2f} s")
+        return result
+
+    run._rbtool_guarded = True  # type: ignore[attr-defined]
+    return run

@@ -13,6 +13,7 @@ import typer
 from rbtool.cli._common import (
     SUMMARY_ITEMS,
     AllOpt,
+    Command,
     CopyOpt,
     ForceOpt,
     FormatOpt,
@@ -39,8 +40,11 @@ from rbtool.cli._common import (
     show_progress,
     state_table,
     summary_limit,
+    upload_note,
     writing,
 )
+from rbtool.cli._window import DEFAULT_WINDOW, window_line
+from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
 
 if TYPE_CHECKING:
     from rbtool.index import Index
@@ -53,8 +57,6 @@ checkpoint_app = typer.Typer(
     rich_markup_mode=None,
 )
 
-DEFAULT_WINDOW = 100  # the buffer's default sample_window_size
-
 
 class SaveMode(str, enum.Enum):
     """Which buffer's save to reproduce."""
@@ -65,7 +67,7 @@ class SaveMode(str, enum.Enum):
 
 
 # ----------------------------------------------------------------------- save
-@checkpoint_app.command()
+@checkpoint_app.command(cls=Command)
 def save(
     source_args: Annotated[
         list[str],
@@ -100,6 +102,7 @@ def save(
     ] = None,
     force: ForceOpt = False,
     copy: CopyOpt = False,
+    dry_run: DryRunOpt = False,
     all_items: AllOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
@@ -123,6 +126,7 @@ def save(
             seed,
             force,
             copy,
+            dry_run,
             all_items,
             json,
             pretty,
@@ -138,6 +142,7 @@ def _save(
     seed: int | None,
     force: bool,
     copy: bool,
+    dry_run: bool,
     all_items: bool,
     json: bool,
     pretty: bool,
@@ -157,13 +162,14 @@ def _save(
             and (is_checkpoint_dir(sources[0]) or is_rank_tree(sources[0]))
         )
         chosen = SaveMode.auto_save if single_dir else SaveMode.in_memory
-    enabled = show_progress(json)
+    enabled = show_progress(json) and not dry_run
     if chosen is SaveMode.auto_save:
         if len(sources) != 1:
             raise typer.BadParameter("auto-save mode takes exactly one buffer directory", param_hint="SOURCE")
         if seed is not None:
             raise typer.BadParameter("applies to --mode in-memory only", param_hint="--seed")
-        own_format = open_view(sources[0], check_files=False).index.trajectory_format
+        own = open_view(sources[0], check_files=False).index
+        own_format, listed = own.trajectory_format, own.id_list
         if fmt is not None and fmt != own_format:
             raise typer.BadParameter(
                 f"a buffer with auto_save on saves its own files; {sources[0]} holds {own_format} files",
@@ -171,7 +177,13 @@ def _save(
             )
         with progress_bar("saving", None, enabled) as advance:
             index, report = checkpoint.save_from_autosave_dir(
-                sources[0], target, window, overwrite=force, progress=advance, link=not copy
+                sources[0],
+                target,
+                window,
+                overwrite=force,
+                progress=advance,
+                link=not copy,
+                dry_run=dry_run,
             )
     else:
         with progress_bar("saving", None, enabled) as advance:
@@ -184,7 +196,9 @@ def _save(
                 overwrite=force,
                 progress=advance,
                 link=not copy,
+                dry_run=dry_run,
             )
+        listed = list(range(index.trajectory_counter))  # an in-memory buffer numbers them 0..n-1
 
     place.finish()
     doc: dict[str, Any] = {
@@ -194,15 +208,21 @@ def _save(
         "window": window,
         **index.state(),
         "trajectory_format": index.trajectory_format,
-        "files": report.as_json(),
+        "dry_run": dry_run,
+        "files": None if dry_run else report.as_json(),
     }
     limit = summary_limit(all_items)
     if json:
         print_json(bound_state(doc, limit), pretty)
         return
-    title = f"saved {shown} ({chosen.value}, window {window})"
+    title = f"{'would save' if dry_run else 'saved'} {shown} ({chosen.value}, window {window})"
     out.print(state_table(title, [("checkpoint", doc)], None if all_items else SUMMARY_ITEMS))
-    out.print(f"format {doc['trajectory_format']}; files: {files_line(doc['files'])}")
+    out.print(window_line(window, index.id_list, listed), markup=False)
+    if dry_run:
+        dry_run_note(shown, f"{trajectories(index.size)}, format {doc['trajectory_format']}")
+    else:
+        out.print(f"format {doc['trajectory_format']}; files: {files_line(doc['files'])}")
+        upload_note(place.upload)
 
 
 # ----------------------------------------------------------------------- load
@@ -232,7 +252,7 @@ def trajectory_rows(index: Index, world_size: int | None, rank: int | None) -> I
             }
 
 
-@checkpoint_app.command()
+@checkpoint_app.command(cls=Command)
 def load(
     ckpt_arg: Annotated[
         str,
@@ -261,6 +281,7 @@ def load(
         bool, typer.Option("--force", help="Replace the --buffer directory if it is a checkpoint or empty.")
     ] = False,
     copy: CopyOpt = False,
+    dry_run: DryRunOpt = False,
     all_items: AllOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
@@ -283,6 +304,7 @@ def load(
             buffer,
             force,
             copy,
+            dry_run,
             all_items,
             json,
             pretty,
@@ -298,6 +320,7 @@ def _load(
     buffer: Path | None,
     force: bool,
     copy: bool,
+    dry_run: bool,
     all_items: bool,
     json: bool,
     pretty: bool,
@@ -310,6 +333,8 @@ def _load(
         refuse_overlap(buffer, [ckpt], "--buffer")
     elif copy:
         raise typer.BadParameter("applies only with --buffer", param_hint="--copy")
+    elif dry_run:
+        raise typer.BadParameter("applies only with --buffer (nothing else writes)", param_hint="--dry-run")
 
     # The library checks --world-size and --rank (both or neither, rank in range) before it
     # reads anything; without --rank every rank's block is shown.
@@ -334,7 +359,7 @@ def _load(
 
     doc["restored_to"] = None
     if buffer is not None:
-        with progress_bar("restoring", shown.size, show_progress(json or jsonl)) as advance:
+        with progress_bar("restoring", shown.size, show_progress(json or jsonl) and not dry_run) as advance:
             checkpoint.restore(
                 ckpt,
                 buffer,
@@ -344,8 +369,10 @@ def _load(
                 overwrite=force,
                 progress=advance,
                 link=not copy,
+                dry_run=dry_run,
             )
-        doc["restored_to"] = str(buffer)
+        doc["restored_to"] = None if dry_run else str(buffer)
+    doc["dry_run"] = dry_run
 
     limit = summary_limit(all_items)
     if jsonl:
@@ -367,5 +394,7 @@ def _load(
     out.print(state_table(f"{display} ({how})", rows, limit))
     if dropped:
         out.print(f"dropped for missing files (non-strict): ids {format_ids(dropped, limit)}")
-    if buffer is not None:
+    if buffer is not None and dry_run:
+        dry_run_note(buffer, f"a buffer directory of {trajectories(shown.size)}")
+    elif buffer is not None:
         out.print(f"restored into {buffer}; `rbtool ingest ... --buffer {buffer}` continues the ids")

@@ -18,6 +18,7 @@ from rbtool.cli._common import (
     StrictOpt,
     TrajectoryFormat,
     bound_state,
+    count,
     files_line,
     out,
     print_json,
@@ -26,10 +27,13 @@ from rbtool.cli._common import (
     refuse_output_mix,
     refuse_overlap,
     show_progress,
+    size,
     state_table,
     summary_limit,
+    upload_note,
     writing,
 )
+from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
 
 
 def convert(
@@ -49,6 +53,7 @@ def convert(
         ),
     ] = False,
     copy: CopyOpt = False,
+    dry_run: DryRunOpt = False,
     all_items: AllOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
@@ -57,14 +62,14 @@ def convert(
     """Write OUT with every trajectory file of IN in FORMAT (a rank tree keeps its rank_* layout)."""
     refuse_output_mix(json, pretty=pretty)
     with (
-        reading(source_arg, storage_option, data=True, enabled=show_progress(json)) as src,
+        reading(source_arg, storage_option, data=not dry_run, enabled=show_progress(json)) as src,
         writing(target_arg, storage_option, overwrite=force, enabled=show_progress(json)) as dst,
     ):
         source, target = src.local, dst.local
         from rbtool import conversion
 
         refuse_overlap(target, [source], "--out")
-        with progress_bar("converting", None, show_progress(json)) as advance:
+        with progress_bar("converting", None, show_progress(json) and not dry_run) as advance:
             result = conversion.convert(
                 source,
                 target,
@@ -74,6 +79,7 @@ def convert(
                 overwrite=force,
                 progress=advance,
                 link=not copy,
+                dry_run=dry_run,
             )
         dst.finish()  # upload before printing (a URL's checkpoint exists only then)
         checkpoints: list[dict[str, Any]] = [
@@ -90,7 +96,8 @@ def convert(
             "seconds": round(result.throughput.seconds, 6),
             "bytes_per_second": result.throughput.bytes_per_second,
             "checkpoints": checkpoints,
-            "files": result.report.as_json(),
+            "dry_run": dry_run,
+            "files": None if dry_run else result.report.as_json(),
         }
         if json:
             print_json(
@@ -100,15 +107,20 @@ def convert(
             return
         out.print(
             state_table(
-                f"{src.show()} converted to {doc['trajectory_format']} into {dst.show()} "
-                f"({doc['jobs']} jobs)",
+                f"{src.show()} {'would be ' if dry_run else ''}converted to {doc['trajectory_format']} "
+                f"into {dst.show()} ({count(doc['jobs'], 'job')})",
                 [(c["path"].rstrip("/").rsplit("/", 1)[-1], c) for c in checkpoints],
                 None if all_items else SUMMARY_ITEMS,
             )
         )
+        if dry_run:
+            total = sum(c["size"] for c in checkpoints)
+            dry_run_note(dst.show(), f"{trajectories(total)} in {doc['trajectory_format']}")
+            return
         out.print(f"files: {files_line(doc['files'])}")
+        upload_note(dst.upload)
         rate = (doc["bytes_per_second"] or 0) / 1e6
         out.print(
-            f"read {doc['bytes_read']} bytes to rewrite in {doc['seconds']:.2f} s ({rate:.1f} MB/s)",
+            f"read {size(doc['bytes_read'])} to rewrite in {doc['seconds']:.2f} s ({rate:.1f} MB/s)",
             markup=False,
         )

@@ -9,11 +9,14 @@ import typer
 from rbtool.cli._common import (
     SUMMARY_ITEMS,
     AllOpt,
+    Column,
+    Fitted,
     JsonOpt,
     PrettyOpt,
     StorageOpt,
     StrictOpt,
     bound,
+    count,
     err,
     format_ids,
     out,
@@ -67,8 +70,10 @@ def diff(
         else:
             render(doc, None if all_items else SUMMARY_ITEMS)
         if doc["files_unchecked"] and not deep:
+            n = doc["files_unchecked"]
+            is_, was = ("is", "was") if n == 1 else ("are", "were")
             err.print(
-                f"Warning: {doc['files_unchecked']} file(s) are in different formats and were not compared; "
+                f"Warning: {count(n, 'file')} {is_} in different formats and {was} not compared; "
                 "pass --deep to compare their contents",
                 markup=False,
                 highlight=False,
@@ -79,40 +84,43 @@ def diff(
 
 def render(doc: dict[str, Any], limit: int | None = SUMMARY_ITEMS) -> None:
     """The human view: a verdict, then a table of what differs (the first `limit` id runs and changes)."""
-    from rich.table import Table
+    from rich.text import Text
 
     how = "by content" if doc["deep"] else "by recorded hash or size"
     if doc["equal"]:
-        out.print(f"equal ({how}): {doc['a']} and {doc['b']}, {doc['unchanged']} trajectories")
+        unchanged = count(doc["unchanged"], "trajectory", "trajectories")
+        out.print(Text(f"equal ({how}): {doc['a']} and {doc['b']}, {unchanged}"))
         return
-    out.print(f"[bold]differ[/bold] ({how}): {doc['a']} -> {doc['b']}")
-    table = Table(box=None, pad_edge=False, show_header=True)
-    for name in ("what", "A", "B"):
-        table.add_column(name)
+    out.print(Text.assemble(("differ", "bold"), f" ({how}): {doc['a']} -> {doc['b']}"))
+    rows: list[list[str | Text]] = []
+
+    def add(*cells: str) -> None:
+        rows.append([Text(c) for c in cells])
+
     for m in doc["metadata"]:
-        table.add_row(f"metadata {m['key']}", str(m["a"]), str(m["b"]))
+        add(f"metadata {m['key']}", str(m["a"]), str(m["b"]))
     if doc["removed"]:
-        table.add_row(f"removed ({len(doc['removed'])})", format_ids(doc["removed"], limit), "")
+        add(f"removed ({len(doc['removed'])})", format_ids(doc["removed"], limit), "")
     if doc["added"]:
-        table.add_row(f"added ({len(doc['added'])})", "", format_ids(doc["added"], limit))
+        add(f"added ({len(doc['added'])})", "", format_ids(doc["added"], limit))
     if doc["order_changed"]:
-        table.add_row("list order", "differs", "")
+        add("list order", "differs", "")
     shown = doc["changed"] if limit is None else doc["changed"][:limit]
     for c in shown:
         what = ", ".join(c["fields"] + ([c["file"]] if c["file"] else []))
-        table.add_row(f"changed {c['trajectory_id']}", what, c["detail"] or "")
+        add(f"changed {c['trajectory_id']}", what, c["detail"] or "")
     if len(doc["changed"]) > len(shown):
-        table.add_row(f"... {len(doc['changed']) - len(shown)} more changed", "", "")
+        add(f"... {len(doc['changed']) - len(shown)} more changed", "", "")
     schema = doc["schema"]
     for f in schema["removed"]:
-        table.add_row(f"field {f['field']}", f"{f['dtype']} {f['shape']}", "(absent)")
+        add(f"field {f['field']}", f"{f['dtype']} {f['shape']}", "(absent)")
     for f in schema["added"]:
-        table.add_row(f"field {f['field']}", "(absent)", f"{f['dtype']} {f['shape']}")
+        add(f"field {f['field']}", "(absent)", f"{f['dtype']} {f['shape']}")
     for f in schema["changed"]:
-        table.add_row(
+        add(
             f"field {f['field']}",
             f"{f['a']['dtype']} {f['a']['shape']}",
             f"{f['b']['dtype']} {f['b']['shape']}",
         )
-    out.print(table)
-    out.print(f"{doc['unchanged']} trajectories unchanged")
+    out.print(Fitted([Column("what"), Column("A", wrap=True), Column("B", wrap=True)], rows))
+    out.print(f"{count(doc['unchanged'], 'trajectory', 'trajectories')} unchanged")

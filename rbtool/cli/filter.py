@@ -29,8 +29,10 @@ from rbtool.cli._common import (
     show_progress,
     state_table,
     summary_limit,
+    upload_note,
     writing,
 )
+from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
 
 
 def filter_(
@@ -73,9 +75,7 @@ def filter_(
         int | None,
         typer.Option("--min-samples", min=0, metavar="N", help="Keep trajectories with >= N samples (T*B)."),
     ] = None,
-    dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="List what would be kept; write nothing.")
-    ] = False,
+    dry_run: DryRunOpt = False,
     strict: StrictOpt = True,
     force: ForceOpt = False,
     copy: CopyOpt = False,
@@ -140,6 +140,7 @@ def filter_(
             f"dropped {len(result.dropped)} of {doc['source_size']}: ids {format_ids(result.dropped, limit)}"
         )
         if dry_run:
-            out.print("dry run: nothing written")
+            dry_run_note(dst.show(), f"{trajectories(result.index.size)} kept")
         else:
             out.print(f"files: {files_line(doc['files'])}")
+            upload_note(dst.upload)

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from rbtool.cli._common import (
     CopyOpt,
@@ -15,17 +14,21 @@ from rbtool.cli._common import (
     JsonOpt,
     PrettyOpt,
     StorageOpt,
-    err,
     files_line,
+    format_ids,
     is_url,
+    key_values,
     local_dir,
+    note,
     out,
     print_json,
     progress_bar,
+    progress_line,
     reading,
     refuse_output_mix,
     show_progress,
 )
+from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
 
 
 def id_range(ids: list[int]) -> str:
@@ -80,6 +83,7 @@ def ingest(
         ),
     ] = False,
     copy: CopyOpt = False,
+    dry_run: DryRunOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
     storage_option: StorageOpt = None,
@@ -91,7 +95,8 @@ def ingest(
     natural order (t2 before t10). Loose files are copied (--link links them), the files of
     buffer and checkpoint directories are hard-linked (--copy copies them); a reflink
     (copy-on-write) is used wherever the file system can. After each published batch a line
-    `added trajectory ids FIRST-LAST` goes to stderr.
+    `added trajectory ids FIRST-LAST` goes to stderr (not beside a progress bar; none with -q
+    or --no-progress). Ctrl-C stops after the last published batch and says which ids it holds.
     """
     refuse_output_mix(json, pretty=pretty)
     if is_url(buffer_arg):
@@ -116,10 +121,10 @@ def ingest(
             raise UsageError("--link and --copy exclude each other; give one of them")
 
         def on_wait(holder: str) -> None:
-            err.print(f"waiting for {buffer} (locked by {holder})", markup=False)
+            note(f"waiting for {buffer} (locked by {holder})")
 
         def on_published(ids: list[int]) -> None:
-            err.print(f"added trajectory ids {id_range(ids)}", markup=False)
+            progress_line(f"added trajectory ids {id_range(ids)}", enabled)
 
         enabled = show_progress(json)
         total = _count_items(sources) if enabled else None
@@ -134,6 +139,7 @@ def ingest(
                 recursive=recursive,
                 allow_duplicates=allow_duplicates,
                 link=True if link else False if copy else None,
+                dry_run=dry_run,
             )
 
         index = result.index
@@ -149,31 +155,33 @@ def ingest(
             "removed_leftovers": result.removed_leftovers,
             "duplicates": result.duplicates,
             "skipped": [s.as_json() for s in result.skipped],
+            "dry_run": dry_run,
         }
+        if dry_run:
+            doc["files"] = None
         if json:
             print_json(doc, pretty)
             return
-        table = Table(title=f"ingest into {result.buffer}", show_header=False, title_justify="left")
-        table.add_column("key", style="bold")
-        table.add_column("value")
         ids = result.added_ids
-        table.add_row(
-            "added", f"{len(ids)} (id{'s' if len(ids) > 1 else ''} {id_range(ids)})" if ids else "0"
-        )
-        table.add_row("size", str(doc["size"]))
-        table.add_row("total samples", str(doc["total_samples"]))
-        table.add_row("trajectory counter", str(doc["trajectory_counter"]))
-        table.add_row("format", doc["trajectory_format"])
-        table.add_row("files", files_line(doc["files"]))
+        rows = [
+            ("added", f"{len(ids)} ({'id' if len(ids) == 1 else 'ids'} {format_ids(ids)})" if ids else "0"),
+            ("size", f"{doc['size']}"),
+            ("total samples", f"{doc['total_samples']}"),
+            ("trajectory counter", f"{doc['trajectory_counter']}"),
+            ("format", doc["trajectory_format"]),
+        ]
+        if not dry_run:
+            rows.append(("files", files_line(doc["files"])))
         if result.removed_leftovers:
-            table.add_row("removed leftovers", ", ".join(result.removed_leftovers))
+            rows.append(("removed leftovers", ", ".join(result.removed_leftovers)))
         if result.skipped:
-            table.add_row("skipped", f"{len(result.skipped)} ({result.duplicates} already in the buffer)")
-        out.print(table)
+            rows.append(("skipped", f"{len(result.skipped)} ({result.duplicates} already in the buffer)"))
+        out.print(key_values(f"{'would ingest' if dry_run else 'ingest'} into {result.buffer}", rows))
         shown = 20
         for skipped in result.skipped[:shown]:
             out.print(f"skipped {skipped.path}: {skipped.reason}", markup=False)
         if len(result.skipped) > shown:
-            out.print(
-                f"... and {len(result.skipped) - shown} more skipped (--json lists them all)", markup=False
-            )
+            more = len(result.skipped) - shown
+            out.print(f"... and {more} more skipped (--json lists them all)", markup=False)
+        if dry_run:
+            dry_run_note(result.buffer, f"{trajectories(len(ids))} added")

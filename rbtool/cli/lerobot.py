@@ -7,9 +7,12 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
+from rich.text import Text
 
 from rbtool.cli._common import (
+    Column,
+    Command,
+    Fitted,
     ForceOpt,
     FormatOpt,
     Group,
@@ -17,18 +20,22 @@ from rbtool.cli._common import (
     PrettyOpt,
     StorageOpt,
     StrictOpt,
-    err,
     files_line,
     format_ids,
+    key_values,
     local_path_arg,
+    note,
     out,
     print_json,
     progress_bar,
+    progress_line,
     reading,
     refuse_output_mix,
     refuse_overlap,
     show_progress,
+    size,
 )
+from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
 
 import_app = typer.Typer(
     cls=Group,
@@ -78,15 +85,6 @@ def parse_episodes(text: str | None) -> list[int] | None:
     return episodes
 
 
-def _key_value_table(title: str, rows: list[tuple[str, str]]) -> Table:
-    table = Table(title=title, show_header=False, title_justify="left")
-    table.add_column("key", style="bold")
-    table.add_column("value")
-    for key, value in rows:
-        table.add_row(key, value)
-    return table
-
-
 # ------------------------------------------------------------------------ export
 def export(
     source_arg: Annotated[
@@ -134,6 +132,7 @@ def export(
     ] = 1000,
     strict: StrictOpt = True,
     force: ForceOpt = False,
+    dry_run: DryRunOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
     storage_option: StorageOpt = None,
@@ -175,6 +174,7 @@ def export(
                 chunks_size=chunks_size,
                 overwrite=force,
                 progress=advance,
+                dry_run=dry_run,
             )
         fields = {feature: field for feature, field in result.columns.items()}
         doc: dict[str, Any] = {
@@ -195,37 +195,45 @@ def export(
             "video_files": result.video_files,
             "episode_files": result.episode_files,
             "bytes": result.bytes,
+            "dry_run": dry_run,
         }
+        if dry_run:  # files are only known once written
+            for key in ("data_files", "video_files", "episode_files", "bytes"):
+                doc[key] = None
         if json:
             print_json(doc, pretty)
             return
         rows = [
-            ("trajectories", str(result.trajectories)),
-            ("episodes", str(result.episodes)),
-            ("frames", str(result.frames)),
-            (
-                "files",
-                f"{result.data_files} data, {result.video_files} video, "
-                f"{result.episode_files} episode metadata, {result.bytes} bytes",
-            ),
+            ("trajectories", f"{result.trajectories}"),
+            ("episodes", f"{result.episodes}"),
+            ("frames", f"{result.frames}"),
         ]
-        out.print(
-            _key_value_table(
-                f"export {src.show(result.source)} to LeRobot {CODEBASE_VERSION} {result.out}", rows
+        if not dry_run:
+            rows.append(
+                (
+                    "files",
+                    f"{result.data_files} data, {result.video_files} video, "
+                    f"{result.episode_files} episode metadata, {size(result.bytes)}",
+                )
             )
+        verb = "would export" if dry_run else "export"
+        out.print(
+            key_values(f"{verb} {src.show(result.source)} to LeRobot {CODEBASE_VERSION} {result.out}", rows)
         )
-        table = Table(title="features", title_justify="left")
-        for column in ("feature", "dtype", "shape", "buffer field"):
-            table.add_column(column)
-        for item in doc["features"]:
-            table.add_row(item["name"], item["dtype"], str(item["shape"]), item["field"] or "")
-        out.print(table)
+        columns = [Column("feature"), Column("dtype"), Column("shape"), Column("buffer field", wrap=True)]
+        features = [
+            [Text(item["name"]), item["dtype"], str(item["shape"]), Text(item["field"] or "")]
+            for item in doc["features"]
+        ]
+        out.print(Fitted(columns, features, title="features"))
         if result.sidecar_fields:
             out.print(f"kept whole in the sidecar: {', '.join(result.sidecar_fields)}", markup=False)
+        if dry_run:
+            dry_run_note(result.out, f"{result.episodes} episodes, {result.frames} frames")
 
 
 # ------------------------------------------------------------------------ import
-@import_app.command("lerobot")
+@import_app.command("lerobot", cls=Command)
 def import_lerobot(
     source: Annotated[
         Path,
@@ -273,6 +281,7 @@ def import_lerobot(
         ),
     ] = None,
     trajectory_format: FormatOpt = None,
+    dry_run: DryRunOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
 ) -> None:
@@ -280,7 +289,7 @@ def import_lerobot(
 
     A dataset rbtool exported comes back as the checkpoint it was (into a new buffer directory,
     with its own ids). After each published batch a line `added trajectory ids FIRST-LAST` goes
-    to stderr.
+    to stderr (not beside a progress bar; none with -q or --no-progress).
     """
     refuse_output_mix(json, pretty=pretty)
     from rbtool.errors import RbtoolError
@@ -292,11 +301,11 @@ def import_lerobot(
     mapping = parse_field_map(field_map or [], "--map")
 
     def on_wait(holder: str) -> None:
-        err.print(f"waiting for {buffer} (locked by {holder})", markup=False)
+        note(f"waiting for {buffer} (locked by {holder})")
 
     def on_published(ids: list[int]) -> None:
         first, last = ids[0], ids[-1]
-        err.print(f"added trajectory ids {first if first == last else f'{first}-{last}'}", markup=False)
+        progress_line(f"added trajectory ids {first if first == last else f'{first}-{last}'}", enabled)
 
     enabled = show_progress(json)
     total = None
@@ -319,6 +328,7 @@ def import_lerobot(
                 on_wait=on_wait,
                 progress=advance,
                 on_published=on_published,
+                dry_run=dry_run,
             )
     except RbtoolError as exc:
         raise _unmappable(exc) from None
@@ -340,7 +350,8 @@ def import_lerobot(
         "total_samples": index.total_samples,
         "trajectory_counter": index.trajectory_counter,
         "trajectory_format": index.trajectory_format,
-        "files": result.report.as_json(),
+        "dry_run": dry_run,
+        "files": None if dry_run else result.report.as_json(),
     }
     if json:
         print_json(doc, pretty)
@@ -355,20 +366,18 @@ def import_lerobot(
             if result.skipped
             else []
         ),
-        ("episodes", str(result.episodes)),
-        ("frames", str(result.frames)),
-        ("size", str(index.size)),
-        ("total samples", str(index.total_samples)),
-        ("trajectory counter", str(index.trajectory_counter)),
+        ("episodes", f"{result.episodes}"),
+        ("frames", f"{result.frames}"),
+        ("size", f"{index.size}"),
+        ("total samples", f"{index.total_samples}"),
+        ("trajectory counter", f"{index.trajectory_counter}"),
         ("format", index.trajectory_format),
-        ("files", files_line(doc["files"])),
+        *([] if dry_run else [("files", files_line(doc["files"]))]),
     ]
     if result.dropped:
         rows.append(("dropped", ", ".join(result.dropped)))
-    out.print(_key_value_table(f"import into {result.buffer}", rows))
-    table = Table(title="fields", title_justify="left")
-    table.add_column("feature")
-    table.add_column("buffer field")
-    for feature, f in result.fields.items():
-        table.add_row(feature, f)
-    out.print(table)
+    out.print(key_values(f"{'would import' if dry_run else 'import'} into {result.buffer}", rows))
+    mapped = [[Text(feature), Text(f)] for feature, f in result.fields.items()]
+    out.print(Fitted([Column("feature"), Column("buffer field")], mapped, title="fields"))
+    if dry_run:
+        dry_run_note(result.buffer, f"{trajectories(len(ids))} added")

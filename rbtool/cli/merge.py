@@ -20,6 +20,7 @@ from rbtool.cli._common import (
     StorageOpt,
     StrictOpt,
     bound_state,
+    count,
     files_line,
     out,
     print_json,
@@ -30,8 +31,10 @@ from rbtool.cli._common import (
     show_progress,
     state_table,
     summary_limit,
+    upload_note,
     writing,
 )
+from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
 
 
 def _shown(places: dict[Path, Place], path: Path) -> str:
@@ -54,6 +57,7 @@ def merge(
     strict: StrictOpt = True,
     force: ForceOpt = False,
     copy: CopyOpt = False,
+    dry_run: DryRunOpt = False,
     all_items: AllOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
@@ -63,7 +67,7 @@ def merge(
     refuse_output_mix(json, pretty=pretty)
     with ExitStack() as stack:
         places = [
-            stack.enter_context(reading(d, storage_option, data=True, enabled=show_progress(json)))
+            stack.enter_context(reading(d, storage_option, data=not dry_run, enabled=show_progress(json)))
             for d in dir_args
         ]
         dst = stack.enter_context(
@@ -77,7 +81,7 @@ def merge(
         refuse_overlap(target, dirs, "--out")
 
         inputs = [p for d in dirs for p in checkpoint_dirs(d)]
-        with progress_bar("merging", None, show_progress(json)) as advance:
+        with progress_bar("merging", None, show_progress(json) and not dry_run) as advance:
             result = checkpoint.merge(
                 dirs,
                 target,
@@ -86,6 +90,7 @@ def merge(
                 overwrite=force,
                 progress=advance,
                 link=not copy,
+                dry_run=dry_run,
             )
         dst.finish()  # upload before printing (a URL's checkpoint exists only then)
         index = result.index
@@ -97,18 +102,24 @@ def merge(
             "mapping_file": dst.show(target / checkpoint.MERGE_MAP_FILE) if result.renumbered else None,
             **index.state(),
             "trajectory_format": index.trajectory_format,
-            "files": result.report.as_json(),
+            "dry_run": dry_run,
+            "files": None if dry_run else result.report.as_json(),
         }
         if json:
             print_json(bound_state(doc, summary_limit(all_items)), pretty)
             return
         out.print(
             state_table(
-                f"merged {len(inputs)} checkpoint(s) into {dst.show()}",
+                f"{'would merge' if dry_run else 'merged'} {count(len(inputs), 'checkpoint')} "
+                f"into {dst.show()}",
                 [("merged", doc)],
                 None if all_items else SUMMARY_ITEMS,
             )
         )
         if result.renumbered:
             out.print(f"ids collided and were renumbered; mapping in {doc['mapping_file']}")
-        out.print(f"format {doc['trajectory_format']}; files: {files_line(doc['files'])}")
+        if dry_run:
+            dry_run_note(dst.show(), f"{trajectories(index.size)}, format {doc['trajectory_format']}")
+        else:
+            out.print(f"format {doc['trajectory_format']}; files: {files_line(doc['files'])}")
+            upload_note(dst.upload)

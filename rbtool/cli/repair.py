@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 from rich.text import Text
 
 from rbtool.cli._common import (
@@ -18,18 +17,23 @@ from rbtool.cli._common import (
     JsonOpt,
     PrettyOpt,
     bound,
+    count,
     files_line,
     format_ids,
     head,
+    key_values,
     left_out,
     local_path_arg,
     out,
     print_json,
     progress_bar,
     refuse_output_mix,
+    refuse_overlap,
     show_progress,
+    size,
     summary_limit,
 )
+from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
 
 
 def repair(
@@ -55,6 +59,7 @@ def repair(
     ],
     force: ForceOpt = False,
     copy: CopyOpt = False,
+    dry_run: DryRunOpt = False,
     jobs: JobsOpt = None,
     all_items: AllOpt = False,
     json: JsonOpt = False,
@@ -68,12 +73,17 @@ def repair(
     refuse_output_mix(json, pretty=pretty)
     from rbtool.repair import repair as run_repair
 
-    # The library refuses an OUT equal to, inside or containing PATH (a usage error, exit 2).
+    refuse_overlap(target, [path], "--out")  # as every writer words it (the library refuses it too)
     with progress_bar("checking trajectory files", None, show_progress(json)) as advance:
-        result = run_repair(path, target, overwrite=force, progress=advance, link=not copy, jobs=jobs)
+        result = run_repair(
+            path, target, overwrite=force, progress=advance, link=not copy, jobs=jobs, dry_run=dry_run
+        )
     limit = summary_limit(all_items)
     if json:
         doc = result.as_json()
+        doc["dry_run"] = dry_run
+        if dry_run:
+            doc["files"] = None
         for ckpt_doc in doc["checkpoints"]:
             bound(ckpt_doc, "trajectory_id_list", limit, ranges="trajectory_id_ranges")
             for key in ("dropped", "ignored", "fixed"):
@@ -82,41 +92,40 @@ def repair(
         return
     shown = None if all_items else SUMMARY_ITEMS
     for ckpt in result.checkpoints:
-        table = Table(
-            title=Text(f"repaired {ckpt.source} -> {ckpt.out}"), show_header=False, title_justify="left"
-        )
-        table.add_column("key", style="bold")
-        table.add_column("value")
-        table.add_row("kept", Text(f"{ckpt.index.size} ({format_ids(ckpt.index.id_list, shown)})"))
-        table.add_row("total samples", str(ckpt.index.total_samples))
-        table.add_row("trajectory counter", str(ckpt.index.trajectory_counter))
+        rows: list[tuple[str, str | Text]] = []
+        rows.append(("kept", f"{ckpt.index.size} ({format_ids(ckpt.index.id_list, shown)})"))
+        rows.append(("total samples", f"{ckpt.index.total_samples}"))
+        rows.append(("trajectory counter", f"{ckpt.index.trajectory_counter}"))
         rebuilt = [
             name
             for name, flag in (("metadata", ckpt.rebuilt_metadata), ("index", ckpt.rebuilt_index))
             if flag
         ]
-        table.add_row("rebuilt", ", ".join(rebuilt) or "nothing")
+        rows.append(("rebuilt", ", ".join(rebuilt) or "nothing"))
         for item in head(ckpt.dropped, shown):
-            table.add_row(
-                Text(f"dropped {item['trajectory_id']}"), Text(f"{item['file'] or ''}: {item['reason']}")
-            )
+            rows.append((f"dropped {item['trajectory_id']}", f"{item['file'] or ''}: {item['reason']}"))
         for item in head(ckpt.ignored, shown):
-            table.add_row("ignored", Text(f"{item['file'] or ''}: {item['reason']}".lstrip(": ")))
+            rows.append(("ignored", f"{item['file'] or ''}: {item['reason']}".lstrip(": ")))
         for item in head(ckpt.fixed, shown):
             label = "fixed" if item["trajectory_id"] is None else f"fixed {item['trajectory_id']}"
-            table.add_row(label, Text(item["message"]))
+            rows.append((label, item["message"]))
         hidden = [
             f"{left_out(items, shown)} {what}"
             for what, items in (("dropped", ckpt.dropped), ("ignored", ckpt.ignored), ("fixed", ckpt.fixed))
             if left_out(items, shown)
         ]
         if hidden:
-            table.add_row("...", f"{', '.join(hidden)} more; --all lists them")
-        out.print(table)
-    out.print(f"files: {files_line(result.report.as_json())}", markup=False)
+            rows.append(("...", f"{', '.join(hidden)} more; --all lists them"))
+        title = f"{'would repair' if dry_run else 'repaired'} {ckpt.source} -> {ckpt.out}"
+        out.print(key_values(title, rows))
     read = result.throughput
     out.print(
-        f"read {read.bytes_read} bytes in {read.seconds:.2f} s "
-        f"({(read.bytes_per_second or 0) / 1e6:.1f} MB/s, {read.jobs} job{'s' if read.jobs != 1 else ''})",
+        f"read {size(read.bytes_read)} in {read.seconds:.2f} s "
+        f"({(read.bytes_per_second or 0) / 1e6:.1f} MB/s, {count(read.jobs, 'job')})",
         markup=False,
     )
+    if dry_run:
+        kept = sum(c.index.size for c in result.checkpoints)
+        dry_run_note(target, f"{count(len(result.checkpoints), 'checkpoint')}, {trajectories(kept)} kept")
+    else:
+        out.print(f"files: {files_line(result.report.as_json())}", markup=False)

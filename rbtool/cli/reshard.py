@@ -10,7 +10,9 @@ import typer
 from rbtool.cli._common import (
     SUMMARY_ITEMS,
     AllOpt,
+    Column,
     CopyOpt,
+    Fitted,
     JsonOpt,
     PrettyOpt,
     RanksForceOpt,
@@ -19,6 +21,7 @@ from rbtool.cli._common import (
     StrictOpt,
     WorldSizeOpt,
     bound_state,
+    count,
     files_line,
     format_ids,
     out,
@@ -28,9 +31,12 @@ from rbtool.cli._common import (
     refuse_output_mix,
     refuse_overlap,
     show_progress,
+    size,
     summary_limit,
+    upload_note,
     writing,
 )
+from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
 
 
 class Balance(str, enum.Enum):
@@ -54,7 +60,7 @@ def reshard(
             "about equal total samples. Both keep list order.",
         ),
     ] = Balance.by_count,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
+    dry_run: DryRunOpt = False,
     strict: StrictOpt = True,
     force: RanksForceOpt = False,
     copy: CopyOpt = False,
@@ -105,33 +111,37 @@ def reshard(
         if json:
             print_json({**doc, "ranks": [bound_state(r, summary_limit(all_items)) for r in ranks]}, pretty)
             return
-        from rich.table import Table
-
         action = "would write" if dry_run else "wrote"
-        table = Table(
-            title=f"{src.show()} ({len(view.dirs)} checkpoint(s)) -> {world_size} ranks, balanced by "
-            f"{balance.value}; {action} {dst.show()}",
-            title_justify="left",
+        title = (
+            f"{src.show()} ({count(len(view.dirs), 'checkpoint')}) -> {count(world_size, 'rank')}, "
+            f"balanced by {balance.value}; {action} {dst.show()}"
         )
-        for name in ("rank", "trajectories", "samples", "bytes", "counter"):
-            table.add_column(name, justify="right")
-        table.add_column("trajectory ids")
-        for r in ranks:
-            table.add_row(
+        columns = [
+            Column("rank", style="bold"),
+            *(Column(name, right=True) for name in ("trajectories", "samples", "size", "counter")),
+            Column("trajectory ids", wrap=True),
+        ]
+        rows = [
+            [
                 f"rank_{r['rank']}",
-                str(r["size"]),
-                str(r["total_samples"]),
-                f"{r['bytes']:,}",
-                str(r["trajectory_counter"]),
+                f"{r['size']}",
+                f"{r['total_samples']}",
+                size(r["bytes"]),
+                f"{r['trajectory_counter']}",
                 format_ids(r["trajectory_id_list"], None if all_items else SUMMARY_ITEMS),
-            )
-        out.print(table)
+            ]
+            for r in ranks
+        ]
+        out.print(Fitted(columns, rows, title=title))
         if view.renumbered:
             out.print(
                 "ids collided across the source's ranks and were renumbered; "
                 "mapping in each rank's merge_map.json"
             )
         if dry_run:
-            out.print("dry run: nothing written")
+            dry_run_note(
+                dst.show(), f"{world_size} rank directories, {trajectories(sum(r['size'] for r in ranks))}"
+            )
         else:
             out.print(f"files: {files_line(doc['files'])}")
+            upload_note(dst.upload)

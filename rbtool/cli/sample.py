@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import io
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich import box
-from rich.table import Table
+from rich.text import Text
 
 from rbtool.cli._common import (
     AllOpt,
+    Column,
     DirArg,
+    Fitted,
     JsonOpt,
     KOpt,
     PrettyOpt,
@@ -25,6 +25,7 @@ from rbtool.cli._common import (
     TemperatureOpt,
     WindowOpt,
     bound,
+    count,
     is_url,
     local_path_arg,
     out,
@@ -33,9 +34,14 @@ from rbtool.cli._common import (
     reading,
     refuse_k_without_topk,
     refuse_output_mix,
+    refuse_overlap,
     show_progress,
+    side_by_side,
+    size,
     summary_limit,
 )
+from rbtool.cli._window import DEFAULT_WINDOW, window_line
+from rbtool.cli._writing import DryRunOpt, dry_run_note
 
 if TYPE_CHECKING:
     from rbtool.dirs import CheckpointView
@@ -48,28 +54,24 @@ SAMPLE_PHASES = ("reading the index", "loading the window", "drawing", "saving t
 SIDE_BY_SIDE_WIDTH = 110  # fields and draws tables side by side from this terminal width on
 
 
-def refuse_out_inside(out_path: Path, directory: Path) -> None:
-    """Refuse writing the batch into the checkpoint: inputs are never changed."""
-    target = Path(os.path.realpath(out_path))
-    source = Path(os.path.realpath(directory))
-    if target == source or source in target.parents:
-        raise typer.BadParameter(f"{out_path} lies inside the checkpoint {directory}", param_hint="--out")
+def save_batch(batch: dict[str, Any], path: Path, *, force: bool, dry_run: bool) -> int:
+    """torch.save the batch to `path` atomically (temporary file, then rename); returns its size.
 
-
-def save_batch(batch: dict[str, Any], path: Path) -> int:
-    """torch.save the batch to `path` atomically (temporary file, then rename); returns its size."""
+    The writers' rules: missing parents are created, an existing file is replaced only with
+    `force`; with `dry_run` the batch is serialised to count its bytes and nothing is written.
+    """
     import torch
 
     from rbtool.errors import RbtoolError
-    from rbtool.fsutil import write_bytes_atomic
+    from rbtool.fsutil import check_file_target, make_parents, write_bytes_atomic
 
-    if path.is_dir():
-        raise RbtoolError(f"{path}: is a directory; --out takes a file name")
-    if not path.parent.is_dir():
-        raise RbtoolError(f"{path}: directory {path.parent} does not exist")
+    check_file_target(path, overwrite=force)  # checked again: the draw may have taken a while
     buffer = io.BytesIO()
     torch.save(batch, buffer)
     data = buffer.getvalue()
+    if dry_run:
+        return len(data)
+    make_parents(path)
     try:
         write_bytes_atomic(path, data)
     except OSError as exc:
@@ -113,7 +115,7 @@ def sample(
     num_chunks: Annotated[
         int, typer.Option("--num-chunks", min=1, help="Rows to draw (clamped to the window).")
     ],
-    window: WindowOpt = 0,
+    window: WindowOpt = DEFAULT_WINDOW,
     strategy: StrategyOpt = Strategy.uniform,
     k: KOpt = None,
     temperature: TemperatureOpt = 1.0,
@@ -130,9 +132,13 @@ def sample(
     out_path: Annotated[
         Path | None,
         typer.Option(
-            "--out", help="Save the batch here with torch.save (written atomically).", parser=local_path_arg
+            "--out",
+            help="Save the batch here with torch.save (written atomically; missing parents are created).",
+            parser=local_path_arg,
         ),
     ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace the --out file if it exists.")] = False,
+    dry_run: DryRunOpt = False,
     all_items: AllOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
@@ -145,8 +151,18 @@ def sample(
     """
     refuse_output_mix(json, pretty=pretty)
     refuse_k_without_topk(strategy, k)
-    if out_path is not None and not is_url(path):
-        refuse_out_inside(out_path, Path(path))
+    if out_path is not None:
+        if not is_url(path):  # the batch never goes into the checkpoint
+            refuse_overlap(out_path, [local_path_arg(path)], "--out")
+    else:
+        for flag, given in (("--force", force), ("--dry-run", dry_run)):
+            if given:
+                raise typer.BadParameter("applies only with --out (nothing else writes)", param_hint=flag)
+
+    from rbtool.fsutil import check_file_target
+
+    if out_path is not None:
+        check_file_target(out_path, overwrite=force)  # before anything is read
 
     from rbtool.buffer import TrajectoryReplayBuffer
     from rbtool.dirs import open_view
@@ -179,7 +195,7 @@ def sample(
         if out_path is not None:
             advance.start(phases, SAMPLE_PHASES[3])
             advance.phase(3, SAMPLE_PHASES[3])
-        written = save_batch(batch, out_path) if out_path is not None else None
+        written = save_batch(batch, out_path, force=force, dry_run=dry_run) if out_path is not None else None
 
     tids = draw.trajectory_ids
     rows = draw.local_indices.tolist()
@@ -207,6 +223,7 @@ def sample(
         "fields": field_rows(batch),
         "out": None if out_path is None else str(out_path),
         "out_bytes": written,
+        "dry_run": dry_run,
         "fetched": None
         if place.mirror is None
         else {"objects": place.mirror.fetched, "bytes": place.mirror.fetched_bytes},
@@ -215,7 +232,7 @@ def sample(
         bound(doc, "missing_ids", summary_limit(all_items))
         print_json(doc, pretty)
     else:
-        render(doc)
+        render({**doc, "window_ids": window_ids, "listed_ids": index.id_list})
 
 
 def render(doc: dict[str, Any]) -> None:
@@ -223,39 +240,46 @@ def render(doc: dict[str, Any]) -> None:
     how = doc["strategy"] if doc["strategy"] == "uniform" else f"topk k={doc['k']} T={doc['temperature']:g}"
     window = "all" if doc["window"] == 0 else f"last {doc['window']}"
     out.print(
-        f"[bold]{doc['num_chunks']}[/bold] chunks ({how}) from {doc['path']}  ·  window {window}: "
-        f"{doc['window_trajectories']} trajectories, {doc['window_samples']} samples  ·  seed {doc['seed']}"
+        Text.assemble(
+            (count(doc["num_chunks"], "chunk"), "bold"),
+            f" ({how}) from {doc['path']}  ·  window {window}: "
+            f"{count(doc['window_trajectories'], 'trajectory', 'trajectories')}, "
+            f"{count(doc['window_samples'], 'sample')}  ·  seed {doc['seed']}",
+        )
     )
     if doc["num_chunks"] < doc["requested_chunks"]:
         out.print(f"[yellow]clamped from {doc['requested_chunks']} to the window's samples[/yellow]")
+    out.print(window_line(doc["window"], doc["window_ids"], doc["listed_ids"]), markup=False)
     if doc["missing_ids"]:
-        out.print(f"[yellow]left out {len(doc['missing_ids'])} trajectories whose files are missing[/yellow]")
+        missing = count(len(doc["missing_ids"]), "trajectory", "trajectories")
+        out.print(f"[yellow]left out {missing} whose files are missing[/yellow]")
 
-    fields = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    for name in ("field", "dtype", "shape"):
-        fields.add_column(name)
-    for row in doc["fields"]:
-        fields.add_row(row["field"], row["dtype"], str(row["shape"]))
-
-    draws = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    for name in ("#", "trajectory", "row", "t", "b"):
-        draws.add_column(name, justify="right")
+    field_rows = [[Text(r["field"]), r["dtype"], str(r["shape"])] for r in doc["fields"]]
+    fields = Fitted([Column("field"), Column("dtype"), Column("shape")], field_rows)
     d = doc["draws"]
-    for i in range(min(SHOWN_DRAWS, doc["num_chunks"])):
-        draws.add_row(str(i), str(d["trajectory_id"][i]), str(d["row"][i]), str(d["t"][i]), str(d["b"][i]))
+    draw_rows = [
+        [str(i), str(d["trajectory_id"][i]), str(d["row"][i]), str(d["t"][i]), str(d["b"][i])]
+        for i in range(min(SHOWN_DRAWS, doc["num_chunks"]))
+    ]
     if doc["num_chunks"] > SHOWN_DRAWS:
-        draws.add_row("…", f"{doc['num_chunks'] - SHOWN_DRAWS} more", "", "", "")
-    if out.width >= SIDE_BY_SIDE_WIDTH:
-        grid = Table.grid(padding=(0, 4))
-        grid.add_row(fields, draws)
-        out.print(grid)
+        draw_rows.append(["…", f"{doc['num_chunks'] - SHOWN_DRAWS} more", "", "", ""])
+    columns = [Column(name, right=True) for name in ("#", "trajectory", "row", "t", "b")]
+    draws = Fitted(columns, draw_rows)
+    if not out.piped and out.width >= SIDE_BY_SIDE_WIDTH:
+        out.print(side_by_side(fields, draws))
     else:
-        out.print(fields, draws)
+        out.print(fields)
+        out.print(draws)
 
     counts: dict[int, int] = {}
     for tid in d["trajectory_id"]:
         counts[tid] = counts.get(tid, 0) + 1
     per_traj = ", ".join(f"{tid}: {n}" for tid, n in sorted(counts.items()))
     out.print(f"draws per trajectory: {per_traj}")
-    if doc["out"] is not None:
-        out.print(f"wrote {doc['out']} ({doc['out_bytes']:,} bytes)")
+    if doc["fetched"] is not None:
+        fetched = doc["fetched"]
+        out.print(f"fetched {count(fetched['objects'], 'object')} ({size(fetched['bytes'])})", markup=False)
+    if doc["out"] is not None and doc["dry_run"]:
+        dry_run_note(doc["out"], size(doc["out_bytes"]))
+    elif doc["out"] is not None:
+        out.print(Text(f"wrote {doc['out']} ({size(doc['out_bytes'])})"))

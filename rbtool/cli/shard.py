@@ -27,8 +27,10 @@ from rbtool.cli._common import (
     show_progress,
     state_table,
     summary_limit,
+    upload_note,
     writing,
 )
+from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
 
 
 def shard(
@@ -42,6 +44,7 @@ def shard(
     strict: StrictOpt = True,
     force: RanksForceOpt = False,
     copy: CopyOpt = False,
+    dry_run: DryRunOpt = False,
     all_items: AllOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
@@ -50,16 +53,23 @@ def shard(
     """Write OUT/rank_r for every rank: exactly what a distributed load of CKPT by rank r yields."""
     refuse_output_mix(json, pretty=pretty)
     with (
-        reading(ckpt_arg, storage_option, data=True, enabled=show_progress(json)) as src,
+        reading(ckpt_arg, storage_option, data=not dry_run, enabled=show_progress(json)) as src,
         writing(target_arg, storage_option, overwrite=force, enabled=show_progress(json)) as dst,
     ):
         ckpt, target = src.local, dst.local
         from rbtool import checkpoint
 
         refuse_overlap(target, [ckpt], "--out")
-        with progress_bar("sharding", None, show_progress(json)) as advance:
+        with progress_bar("sharding", None, show_progress(json) and not dry_run) as advance:
             shards, report = checkpoint.shard(
-                ckpt, world_size, target, strict=strict, overwrite=force, progress=advance, link=not copy
+                ckpt,
+                world_size,
+                target,
+                strict=strict,
+                overwrite=force,
+                progress=advance,
+                link=not copy,
+                dry_run=dry_run,
             )
         dst.finish()  # upload before printing (a URL's checkpoint exists only then)
         ranks: list[dict[str, Any]] = [
@@ -72,16 +82,24 @@ def shard(
             "upload": dst.upload,
             "world_size": world_size,
             "ranks": ranks,
-            "files": report.as_json(),
+            "dry_run": dry_run,
+            "files": None if dry_run else report.as_json(),
         }
         if json:
             print_json({**doc, "ranks": [bound_state(r, summary_limit(all_items)) for r in ranks]}, pretty)
             return
         out.print(
             state_table(
-                f"{src.show()} sharded over {world_size} ranks into {dst.show()}",
+                f"{src.show()} {'would be ' if dry_run else ''}sharded over {world_size} ranks into "
+                f"{dst.show()}",
                 [(f"rank_{r['rank']}", r) for r in ranks],
                 None if all_items else SUMMARY_ITEMS,
             )
         )
-        out.print(f"files: {files_line(doc['files'])}")
+        if dry_run:
+            dry_run_note(
+                dst.show(), f"{world_size} rank directories, {trajectories(sum(r['size'] for r in ranks))}"
+            )
+        else:
+            out.print(f"files: {files_line(doc['files'])}")
+            upload_note(dst.upload)

@@ -3,34 +3,40 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Annotated, Any
 
 import typer
-from rich import box
 from rich.console import Console
-from rich.table import Table
 from rich.text import Text
 
 from rbtool.cli._common import (
     AllOpt,
-    DirArg,
+    Column,
+    Fitted,
     JobsOpt,
     JsonlOpt,
     JsonOpt,
     KOpt,
+    PathsArg,
     PrettyOpt,
     SeedOpt,
     StorageOpt,
     Strategy,
     StrategyOpt,
     TemperatureOpt,
+    WideOpt,
     WindowOpt,
     bound,
+    count,
     head,
     id_ranges,
+    id_runs,
     insert_after,
     left_out,
+    number,
     out,
+    print_error,
     print_json,
     print_jsonl,
     progress_bar,
@@ -38,8 +44,11 @@ from rbtool.cli._common import (
     refuse_k_without_topk,
     refuse_output_mix,
     show_progress,
+    size,
     summary_limit,
+    unique_prefixes,
 )
+from rbtool.cli._window import DEFAULT_WINDOW, window_line
 
 SPARK = "▁▂▃▄▅▆▇█"
 EIGHTHS = " ▏▎▍▌▋▊▉█"
@@ -47,17 +56,10 @@ HEAD_ROWS = 5  # a long table shows its first and last HEAD_ROWS rows
 MISSING_SHOWN = 10  # missing ids named on the files line
 BAR_WIDTH = 20
 SPARK_WIDTH = 48  # sparklines over many trajectories are bucketed to this many characters
-PIPED_WIDTH = 140  # tables written to a file or pipe get this width rather than being cut at 80
+HEADER_RUNS = 4  # id runs named on the header line
 
 
 # ------------------------------------------------------------------ small plots
-def view_console() -> Console:
-    """stdout at a terminal; written to a file or pipe, a console wide enough not to cut columns."""
-    if out.is_terminal:
-        return out
-    return Console(highlight=False, soft_wrap=True, width=max(out.width, PIPED_WIDTH))
-
-
 def sparkline(counts: list[float]) -> str:
     """One character per value, height by value; zero stays blank so gaps show."""
     top = max(counts, default=0)
@@ -69,9 +71,12 @@ def sparkline(counts: list[float]) -> str:
 def bucketed(values: list[float], width: int = SPARK_WIDTH) -> list[float]:
     """Sum consecutive values into at most `width` buckets (for a sparkline over many trajectories)."""
     if len(values) <= width:
-        return values
+        return list(values)
+    import numpy as np
+
     size = -(-len(values) // width)
-    return [sum(values[i : i + size]) for i in range(0, len(values), size)]
+    flat = np.asarray(values, dtype=np.float64)
+    return np.add.reduceat(flat, np.arange(0, len(flat), size)).tolist()  # type: ignore[no-any-return]
 
 
 def bar(value: float, top: float, width: int = BAR_WIDTH) -> str:
@@ -83,22 +88,7 @@ def bar(value: float, top: float, width: int = BAR_WIDTH) -> str:
 
 
 def num(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4g}"
-
-
-def size(n: int | None) -> str:
-    if n is None or n < 0:
-        return "-"
-    step = 1024.0
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < step or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= step  # type: ignore[assignment]
-    return f"{n} B"
-
-
-def short(text: str, width: int = 13) -> str:
-    return text if len(text) <= width else text[: width - 1] + "…"
+    return number(value)
 
 
 def shown_positions(n: int, every: bool = False) -> list[int | None]:
@@ -106,13 +96,6 @@ def shown_positions(n: int, every: bool = False) -> list[int | None]:
     if every or n <= 2 * HEAD_ROWS + 2:
         return list(range(n))
     return [*range(HEAD_ROWS), None, *range(n - HEAD_ROWS, n)]
-
-
-def compact_table(*columns: str, right: tuple[str, ...] = ()) -> Table:
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=(0, 1))
-    for name in columns:
-        table.add_column(name, justify="right" if name in right else "left", no_wrap=True)
-    return table
 
 
 def dist_row(label: str, doc: dict[str, Any]) -> list[str | Text]:
@@ -123,7 +106,7 @@ def dist_row(label: str, doc: dict[str, Any]) -> list[str | Text]:
         line = f"{num(hist['edges'][0])} {line} {num(hist['edges'][-1])}"
     return [
         label,
-        str(doc["count"]),
+        f"{doc['count']}",
         num(doc["mean"]),
         num(doc["std"]),
         num(doc["min"]),
@@ -134,8 +117,8 @@ def dist_row(label: str, doc: dict[str, Any]) -> list[str | Text]:
 
 # ------------------------------------------------------------------ the command
 def stats(
-    path: DirArg,
-    window: WindowOpt = 0,
+    paths: PathsArg,
+    window: WindowOpt = DEFAULT_WINDOW,
     index_only: Annotated[
         bool,
         typer.Option("--index-only", help="Read only the two JSON files (no trajectory file is opened)."),
@@ -153,17 +136,19 @@ def stats(
     seed: SeedOpt = None,
     jobs: JobsOpt = None,
     all_items: AllOpt = False,
+    wide: WideOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
     jsonl: JsonlOpt = False,
     storage_option: StorageOpt = None,
 ) -> None:
-    """Show a checkpoint or buffer directory: index, trajectories, field schema, data statistics.
+    """Show checkpoints or buffer directories: index, trajectories, field schema, data statistics.
 
     Data statistics (rewards, episodes from done-like fields, policy versions) read only
     those fields. Missing trajectory files are listed, not refused. --sample-draws shows how
     N draws of a strategy spread over the window's trajectories against the expected shares.
-    Long lists are summarised unless --all; --jsonl streams one object per trajectory.
+    Long lists are summarised unless --all; --jsonl streams one object per trajectory. With
+    several paths, each is shown in turn and the exit status is 1 if any could not be read.
     """
     refuse_output_mix(json, jsonl, pretty)
     if sample_draws is None:
@@ -174,44 +159,83 @@ def stats(
         if jsonl:
             raise typer.BadParameter("--jsonl lists the trajectories only", param_hint="--sample-draws")
 
+    from rbtool.errors import RbtoolError, UsageError
     from rbtool.stats import DrawRequest, collect_stats
 
     draws = None
     if sample_draws is not None:
         draws = DrawRequest(sample_draws, strategy.value, k, temperature, seed)
     enabled = show_progress(json or jsonl) and not index_only
-    with (
-        reading(path, storage_option, data=not index_only, enabled=enabled) as place,
-        progress_bar("reading the index", None, enabled) as advance,
-    ):
-        doc = collect_stats(
-            place.local,
-            window=window,
-            index_only=index_only,
-            bins=bins,
-            draws=draws,
-            progress=advance,
-            jobs=jobs,
-            as_json=False,  # numpy columns and lazy file names: cut or streamed below
-            read_data=not jsonl,  # JSON Lines list the trajectories, not the data statistics
-        )
-        if "path" in doc:  # named as given (a URL, not the local mirror)
-            doc["path"] = place.show(doc["path"])
-        if doc.get("rank_dirs"):
-            doc["rank_dirs"] = [place.show(d) for d in doc["rank_dirs"]]
-        if jsonl:
-            print_jsonl(trajectory_rows(doc["trajectories"]))
-        elif json:
-            print_json(summarised(doc, summary_limit(all_items)), pretty)
-        else:
-            render(doc, view_console(), every=all_items)
+
+    @contextmanager
+    def one(path: str) -> Iterator[dict[str, Any]]:
+        """The statistics of `path`, named as given (a URL, not the local mirror they were read from)."""
+        with (
+            reading(path, storage_option, data=not index_only, enabled=enabled) as place,
+            progress_bar("reading the index", None, enabled) as advance,
+        ):
+            doc = collect_stats(
+                place.local,
+                window=window,
+                index_only=index_only,
+                bins=bins,
+                draws=draws,
+                progress=advance,
+                jobs=jobs,
+                as_json=False,  # numpy columns and lazy file names: cut or streamed below
+                read_data=not jsonl,  # JSON Lines list the trajectories, not the data statistics
+            )
+            if "path" in doc:
+                doc["path"] = place.show(doc["path"])
+            if doc.get("rank_dirs"):
+                doc["rank_dirs"] = [place.show(d) for d in doc["rank_dirs"]]
+            yield doc
+
+    if len(paths) == 1:  # one path: exactly the output (and errors) of a single checkpoint
+        with one(paths[0]) as doc:
+            if jsonl:
+                print_jsonl(trajectory_rows(doc["trajectories"], doc["path"]))
+            elif json:
+                print_json(summarised(doc, summary_limit(all_items)), pretty)
+            else:
+                render(doc, out, every=all_items, wide=wide)
+        return
+
+    documents: list[dict[str, Any]] = []
+    failed = shown = 0
+    for path in paths:
+        with ExitStack() as stack:
+            try:
+                doc = stack.enter_context(one(path))
+            except UsageError:
+                raise
+            except RbtoolError as exc:
+                failed += 1
+                print_error(str(exc))
+                documents.append({"path": str(path), "error": str(exc)})
+                continue
+            if jsonl:
+                print_jsonl(trajectory_rows(doc["trajectories"], doc["path"]))
+            elif json:
+                documents.append(summarised(doc, summary_limit(all_items)))
+            else:
+                if shown:
+                    out.print()  # a blank line between sections
+                render(doc, out, every=all_items, wide=wide)
+                shown += 1
+    if json:
+        print_json({"ok": not failed, "paths": documents}, pretty)
+    if failed:
+        if not json and not jsonl:
+            print_error(f"{failed} of {len(paths)} paths could not be read")
+        raise typer.Exit(1)
 
 
 ROW_BLOCK = 65536  # JSON Lines rows are built from the columns this many at a time
 
 
-def trajectory_rows(columns: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """One dict per listed trajectory (the keys of the `trajectories` columns), block by block."""
+def trajectory_rows(columns: dict[str, Any], path: str) -> Iterator[dict[str, Any]]:
+    """One dict per listed trajectory: `path`, then the keys of the `trajectories` columns, block by block."""
     keys = list(columns)
     n = len(columns["id"])
     for start in range(0, n, ROW_BLOCK):
@@ -221,7 +245,7 @@ def trajectory_rows(columns: dict[str, Any]) -> Iterator[dict[str, Any]]:
             col = columns[key]
             part = [None] * (stop - start) if col is None else col[start:stop]
             block.append(part.tolist() if hasattr(part, "tolist") else part)
-        yield from (dict(zip(keys, row, strict=True)) for row in zip(*block, strict=True))
+        yield from ({"path": path, **dict(zip(keys, row, strict=True))} for row in zip(*block, strict=True))
 
 
 def summarised(doc: dict[str, Any], limit: int | None) -> dict[str, Any]:
@@ -238,6 +262,7 @@ def summarised(doc: dict[str, Any], limit: int | None) -> dict[str, Any]:
     )
     files = doc["files"] = dict(doc["files"])
     bound(files, "missing_ids", limit, ranges="missing_id_ranges")
+    bound(files, "not_files", limit)
     doc["trajectories"] = table_head(doc["trajectories"], limit)
     bound(doc, "model_weights", limit)
     data = doc["data"]
@@ -261,116 +286,169 @@ def table_head(columns: dict[str, Any], limit: int | None) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ human view
-def render(doc: dict[str, Any], con: Console, every: bool = False) -> None:
-    """Everything on one screen: header lines, then tables side by side where they fit.
+def render(doc: dict[str, Any], con: Console, every: bool = False, wide: bool = False) -> None:
+    """Everything on one screen: header lines, then the tables.
 
-    Long tables show their first and last rows; `every` (--all) shows every row.
+    Long tables show their first and last rows; `every` (--all) shows every row. At a
+    terminal, tables leave out columns that do not fit (`wide` keeps them) and
+    model_weights_ids are shortened to unique prefixes; piped, everything is whole.
     """
     idx, files, win = doc["index"], doc["files"], doc["window"]
-    ids = "-" if idx["id_min"] is None else f"{idx['id_min']}..{idx['id_max']}"
+    ids = id_runs(doc["trajectories"]["id"], HEADER_RUNS)
+    seed = "no seed" if idx["seed"] is None else f"seed {idx['seed']}"
     con.print(
-        f"[bold]{doc['path']}[/bold]  {idx['trajectory_format']}  seed {idx['seed']}  ·  "
-        f"{idx['size']} trajectories, {idx['total_samples']} samples  ·  ids {ids}  ·  "
-        f"counter {idx['trajectory_counter']}  ·  {idx['model_weights_ids']} model_weights_id"
+        f"[bold]{doc['path']}[/bold]  {idx['trajectory_format']}  {seed}  ·  "
+        f"{count(idx['size'], 'trajectory', 'trajectories')}, {count(idx['total_samples'], 'sample')}  ·  "
+        f"ids {ids}  ·  counter {idx['trajectory_counter']}  ·  "
+        f"{count(idx['model_weights_ids'], 'model_weights_id')}"
     )
     if files["checked"]:
         line = f"files: {files['present']} present, {size(files['bytes'])}"
         if files["missing"]:
             limit = None if every else MISSING_SHOWN
-            shown = ", ".join(map(str, head(files["missing_ids"], limit)))
-            hidden = left_out(files["missing_ids"], limit)
-            more = f" ... {hidden} more" if hidden else ""
             line += (
-                f"  [yellow]{files['missing']} missing (ids {shown}{more}): left out of the window[/yellow]"
+                f"  [yellow]{files['missing']} missing (ids {id_runs(files['missing_ids'], limit)}): "
+                "left out of the window[/yellow]"
             )
+        odd = files.get("not_files") or []
+        if odd:
+            what = ", ".join(f"id {o['trajectory_id']} is {o['is']}" for o in head(odd, MISSING_SHOWN))
+            more = f" ... {left_out(odd, MISSING_SHOWN)} more" if left_out(odd, MISSING_SHOWN) else ""
+            line += f"  [yellow]{len(odd)} not a regular file ({what}{more}): left out of the window[/yellow]"
         con.print(line)
     else:
         con.print(f"files: not opened (--index-only); recorded sizes {size(files['bytes'])}")
-    which = "all" if win["requested"] == 0 else f"last {win['requested']}"
+    import numpy as np
+
+    rows = doc["trajectories"]
+    every_id = np.asarray(rows["id"], dtype=np.int64)
+    listed = every_id if rows["exists"] is None else every_id[np.asarray(rows["exists"], dtype=bool)]
+    kept = every_id[np.asarray(rows["in_window"], dtype=bool)]
+    con.print(window_line(win["requested"], kept, listed), markup=False)
     lo, hi = win["probability_min"], win["probability_max"]
-    line = f"window {which}: {win['trajectories']} trajectories, {win['samples']} samples"
+    line = (
+        f"window: {count(win['trajectories'], 'trajectory', 'trajectories')}, "
+        f"{count(win['samples'], 'sample')}"
+    )
     if lo is not None:
-        line += f", p(draw) {num(lo)} each" if lo == hi else f", p(draw) {num(lo)}..{num(hi)} per trajectory"
+        spread = f"{num(lo)} each" if lo == hi else f"{num(lo)} to {num(hi)} per trajectory"
+        line += f", p(draw) {spread}"
     con.print(line)
     if idx["size"] == 0:
         return
 
-    con.print(trajectory_table(doc, every))
+    whole = wide or out.piped
+    names = {} if whole else unique_prefixes(g["model_weights_id"] for g in doc["model_weights"])
+    con.print(trajectory_table(doc, every, names, wide))
     if doc["schema"]:
-        con.print(schema_table(doc["schema"]))
+        con.print(schema_table(doc["schema"], wide))
     data = doc["data"]
     if data is not None and data["trajectories_read"]:
-        con.print(data_table(data))
+        con.print(data_table(data, wide))
         con.print(episode_line(data))
         version_line(data, con)
-    con.print(weights_table(doc["model_weights"], every))
+    con.print(weights_table(doc, every, wide))
     if doc["draws"] is not None:
-        draws_view(doc["draws"], con, every)
+        draws_view(doc["draws"], con, every, wide)
 
 
-def trajectory_table(doc: dict[str, Any], every: bool = False) -> Table:
+def trajectory_table(
+    doc: dict[str, Any], every: bool = False, names: dict[str, str] | None = None, wide: bool = False
+) -> Fitted:
+    """One row per trajectory (first and last rows of a long list); `names` shortens model_weights_ids."""
     rows = doc["trajectories"]
-    table = compact_table(
-        "id", "TxB", "samples", "model_weights_id", "file", "p(draw)", "", right=("id", "samples")
-    )
+    names = names or {}
+    columns = [
+        Column("id", right=True),
+        Column("TxB", drop=1),
+        Column("samples", right=True),
+        Column("model_weights_id"),
+        Column("file", right=True, drop=2),
+        Column("p(draw)", right=True),
+        Column("", drop=3),
+    ]
+    import numpy as np
+
     probs = rows["draw_probability"]
-    top = max(probs, default=0.0)
+    top = float(np.max(probs)) if len(probs) else 0.0
+    cells: list[list[str | Text]] = []
+    odd = {o["trajectory_id"]: o["is"] for o in doc["files"].get("not_files") or []}
     for pos in shown_positions(len(rows["id"]), every):
         if pos is None:
-            table.add_row("…", "", f"{len(rows['id']) - 2 * HEAD_ROWS} more", "", "", "", "")
+            cells.append(["…", "", f"{len(rows['id']) - 2 * HEAD_ROWS} more", "", "", "", ""])
             continue
         exists = rows["exists"]
-        state = size(rows["file_bytes"][pos]) if exists is None or exists[pos] else "[red]missing[/red]"
-        table.add_row(
-            str(rows["id"][pos]),
-            f"{rows['T'][pos]}x{rows['B'][pos]}",
-            str(rows["num_samples"][pos]),
-            short(rows["model_weights_id"][pos]),
-            state,
-            f"{probs[pos]:.3f}" if rows["in_window"][pos] else "-",
-            bar(probs[pos], top, 10),
+        state = (
+            size(rows["file_bytes"][pos])
+            if exists is None or exists[pos]
+            else f"[red]{odd.get(int(rows['id'][pos]), 'missing')}[/red]"
         )
+        weights_id = rows["model_weights_id"][pos]
+        cells.append(
+            [
+                str(rows["id"][pos]),
+                f"{rows['T'][pos]}x{rows['B'][pos]}",
+                f"{rows['num_samples'][pos]}",
+                names.get(weights_id, weights_id) or "(empty)",
+                state,
+                num(probs[pos]) if rows["in_window"][pos] else "-",
+                bar(probs[pos], top, 10),
+            ]
+        )
+    caption = None
     if len(rows["id"]) > 2 * HEAD_ROWS + 2:
-        table.caption = f"p(draw) over the list: {sparkline(bucketed(probs))}"
-    return table
+        caption = f"p(draw) over the list: {sparkline(bucketed(probs))}"
+    return Fitted(columns, cells, caption=caption, wide=wide)
 
 
-def schema_table(schema: list[dict[str, Any]]) -> Table:
-    table = compact_table(
-        "field", "dtype", "per sample", "extra rows", "trajectories", "bytes", right=("bytes",)
-    )
+def schema_table(schema: list[dict[str, Any]], wide: bool = False) -> Fitted:
+    """Field, dtype, per-sample shape, extra rows (only when some field has them), trajectories, bytes."""
+    extra_rows = any(any(row["extra_rows"]) for row in schema)
+    columns = [
+        Column("field"),
+        Column("dtype"),
+        Column("per sample"),
+        *([Column("extra rows", drop=2)] if extra_rows else []),
+        Column("trajectories", right=True, drop=1),
+        Column("size", right=True),
+    ]
+    cells: list[list[str | Text]] = []
     for row in schema:
         shape = "(1-dim, not sampled)" if row["per_sample_shape"] is None else str(row["per_sample_shape"])
-        extra = ",".join(map(str, row["extra_rows"])) if any(row["extra_rows"]) else ""
+        rows_text = ",".join(map(str, row["extra_rows"])) if any(row["extra_rows"]) else ""
+        extra = [rows_text] if extra_rows else []
         name = row["field"] if row["sampled"] else f"[dim]{row['field']}[/dim]"
-        table.add_row(name, row["dtype"], shape, extra, str(row["trajectories"]), size(row["bytes"]))
+        cells.append([name, row["dtype"], shape, *extra, f"{row['trajectories']}", size(row["bytes"])])
+    caption = None
     if not all(row["sampled"] for row in schema):
-        table.caption = (
-            "dim: not in sampled batches (missing from some window trajectory, or fewer than 2 dims)"
-        )
-    return table
+        caption = "dim: not in sampled batches (missing from some window trajectory, or fewer than 2 dims)"
+    return Fitted(columns, cells, caption=caption, wide=wide)
 
 
-def data_table(data: dict[str, Any]) -> Table:
-    table = compact_table(
-        "", "count", "mean", "std", "min", "max", "histogram", right=("count", "mean", "std", "min", "max")
-    )
+def data_table(data: dict[str, Any], wide: bool = False) -> Fitted:
+    """Count, mean, std, min, max and a histogram of rewards, episodes and staleness."""
+    columns = [
+        Column(""),
+        *(Column(name, right=True) for name in ("count", "mean", "std", "min", "max")),
+        Column("histogram", drop=1),
+    ]
+    cells: list[list[str | Text]] = []
     if data["rewards"] is not None:
-        table.add_row(*dist_row("reward", data["rewards"]))
+        cells.append(dist_row("reward", data["rewards"]))
     episodes = data["episodes"]
     if episodes is not None:
-        table.add_row(*dist_row("episode length", episodes["length"]))
-        table.add_row(*dist_row("episode return", episodes["return"]))
+        cells.append(dist_row("episode length", episodes["length"]))
+        cells.append(dist_row("episode return", episodes["return"]))
     versions = data["versions"]
     if versions is not None:
-        table.add_row(*dist_row("staleness", versions["staleness_summary"]))
-    table.caption = (
-        f"read {data['trajectories_read']} trajectories, {size(data['bytes_read'])} of rewards, "
-        "done-like fields and versions"
-        + f" in {data['seconds']:.2f} s ({data['jobs']} job{'s' if data['jobs'] != 1 else ''})"
+        cells.append(dist_row("staleness", versions["staleness_summary"]))
+    caption = (
+        f"read {count(data['trajectories_read'], 'trajectory', 'trajectories')}, "
+        f"{size(data['bytes_read'])} of rewards, done-like fields and versions"
+        + f" in {data['seconds']:.2f} s ({count(data['jobs'], 'job')})"
         + (f" ({size(data['pkl_bytes_read'])} of whole .pkl files)" if data["pkl_bytes_read"] else "")
     )
-    return table
+    return Fitted(columns, cells, caption=caption, wide=wide)
 
 
 def episode_line(data: dict[str, Any]) -> str:
@@ -378,7 +456,8 @@ def episode_line(data: dict[str, Any]) -> str:
     if e is None:
         return "episodes: no done-like field"
     return (
-        f"episodes: {e['finished']} finished ({e['terminated']} terminated, {e['truncated']} truncated, "
+        f"episodes: {e['finished']} finished ({e['terminated']} terminated, "
+        f"{e['truncated']} truncated, "
         f"{e['other']} other), {e['open']} open at a trajectory's end, "
         f"{e['partial_start']} began before their trajectory"
     )
@@ -393,54 +472,84 @@ def version_line(data: dict[str, Any], con: Console) -> None:
     con.print(f"versions (samples): {spread}{more}  ·  newest {num(v['newest'])}")
 
 
-def weights_table(groups: list[dict[str, Any]], every: bool = False) -> Table:
-    table = compact_table(
-        "model_weights_id",
-        "trajectories",
-        "samples",
-        "in window",
-        "ids",
-        right=("trajectories", "samples", "in window"),
-    )
-    for pos in shown_positions(len(groups), every):
+def group_ids(doc: dict[str, Any], wanted: set[str]) -> dict[str, list[int]]:
+    """The ids of each model_weights_id in `wanted`, in list order (one pass over the columns)."""
+    rows = doc["trajectories"]
+    found: dict[str, list[int]] = {name: [] for name in wanted}
+    if not wanted:
+        return found
+    for tid, name in zip(rows["id"], rows["model_weights_id"], strict=True):
+        if name in found:
+            found[name].append(int(tid))
+    return found
+
+
+def weights_table(doc: dict[str, Any], every: bool = False, wide: bool = False) -> Fitted:
+    """One row per model_weights_id: trajectories, samples, samples in the window, and its id runs."""
+    groups = doc["model_weights"]
+    columns = [
+        Column("model_weights_id"),
+        Column("trajectories", right=True),
+        Column("samples", right=True),
+        Column("in window", right=True, drop=1),
+        Column("ids", wrap=True),
+    ]
+    positions = shown_positions(len(groups), every)
+    # A group whose ids fill first..last is one run; the others need their ids looked up.
+    gaps = {
+        groups[p]["model_weights_id"]
+        for p in positions
+        if p is not None and groups[p]["trajectories"] != groups[p]["last_id"] - groups[p]["first_id"] + 1
+    }
+    ids = group_ids(doc, gaps)
+    cells: list[list[str | Text]] = []
+    for pos in positions:
         if pos is None:
-            table.add_row(f"… {len(groups) - 2 * HEAD_ROWS} more", "", "", "", "")
+            cells.append([f"… {len(groups) - 2 * HEAD_ROWS} more", "", "", "", ""])
             continue
         g = groups[pos]
-        table.add_row(
-            g["model_weights_id"] or "(empty)",
-            str(g["trajectories"]),
-            str(g["samples"]),
-            str(g["window_samples"]),
-            f"{g['first_id']}..{g['last_id']}",
-        )
-    return table
+        name = g["model_weights_id"]
+        if name in ids:
+            runs = id_runs(ids[name], HEADER_RUNS)
+        else:
+            runs = str(g["first_id"]) if g["first_id"] == g["last_id"] else f"{g['first_id']}-{g['last_id']}"
+        counts = [f"{g['trajectories']}", f"{g['samples']}", f"{g['window_samples']}"]
+        cells.append([name or "(empty)", *counts, runs])
+    return Fitted(columns, cells, wide=wide)
 
 
-def draws_view(d: dict[str, Any], con: Console, every: bool = False) -> None:
+def draws_view(d: dict[str, Any], con: Console, every: bool = False, wide: bool = False) -> None:
     how = d["strategy"] if d["strategy"] == "uniform" else f"topk k={d['k']} T={num(d['temperature'])}"
     c = d["concentration"]
     con.print(
-        f"[bold]{d['n']} draws ({how}, seed {d['seed']})[/bold] over {d['window_samples']} samples, "
-        f"{d['candidates']} candidates, {d['distinct_samples_drawn']} distinct drawn  ·  "
-        f"total variation {d['total_variation']:.4f}"
+        f"[bold]{count(d['n'], 'draw')} ({how}, seed {d['seed']})[/bold] over "
+        f"{count(d['window_samples'], 'sample')}, {count(d['candidates'], 'candidate')}, "
+        f"{d['distinct_samples_drawn']} distinct drawn  ·  total variation {num(d['total_variation'])}"
     )
     rows = d["trajectories"]
-    table = compact_table("id", "draws", "observed", "expected", "observed | expected", right=("id", "draws"))
+    columns = [
+        Column("id", right=True),
+        Column("draws", right=True),
+        Column("observed", right=True),
+        Column("expected", right=True),
+        Column("observed | expected", drop=1),
+    ]
     top = max([*rows["observed"], *rows["expected"]], default=0.0)
+    cells: list[list[str | Text]] = []
     for pos in shown_positions(len(rows["id"]), every):
         if pos is None:
-            table.add_row("…", f"{len(rows['id']) - 2 * HEAD_ROWS} more", "", "", "")
+            cells.append(["…", f"{len(rows['id']) - 2 * HEAD_ROWS} more", "", "", ""])
             continue
         obs, exp = rows["observed"][pos], rows["expected"][pos]
         plot = Text(bar(obs, top).ljust(BAR_WIDTH), style="cyan") + Text(" " + bar(exp, top), style="dim")
-        table.add_row(str(rows["id"][pos]), str(rows["draws"][pos]), f"{obs:.3f}", f"{exp:.3f}", plot)
+        cells.append([str(rows["id"][pos]), f"{rows['draws'][pos]}", num(obs), num(exp), plot])
+    caption = None
     if len(rows["id"]) > 2 * HEAD_ROWS + 2:
-        table.caption = f"draws per trajectory: {sparkline(bucketed([float(x) for x in rows['draws']]))}"
-    con.print(table)
+        caption = f"draws per trajectory: {sparkline(bucketed([float(x) for x in rows['draws']]))}"
+    con.print(Fitted(columns, cells, caption=caption, wide=wide))
     flag = "[red]CONCENTRATED[/red]" if c["concentrated"] else "spread"
     con.print(
-        f"{flag}: half the draws on {c['samples_holding_half_of_draws']} samples (expected "
+        f"{flag}: half the draws on {count(c['samples_holding_half_of_draws'], 'sample')} (expected "
         f"{c['samples_holding_half_of_probability']}); flagged below {num(c['threshold_samples'])} "
         f"(5% of the window's samples)"
     )

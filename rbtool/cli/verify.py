@@ -7,28 +7,33 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.table import Table
 from rich.text import Text
 
 from rbtool.cli._common import (
     AllOpt,
+    Column,
+    Fitted,
     JobsOpt,
     JsonlOpt,
     JsonOpt,
+    PathsArg,
     PrettyOpt,
     StorageOpt,
     bound,
+    count,
     head,
     id_ranges,
     insert_after,
     left_out,
     out,
+    print_error,
     print_json,
     print_jsonl,
     progress_bar,
     reading,
     refuse_output_mix,
     show_progress,
+    size,
     summary_limit,
 )
 
@@ -41,25 +46,25 @@ _STYLE = {"error": "bold red", "warning": "yellow", "notice": "cyan"}
 
 def _summary(report: CheckpointReport) -> Text:
     counts = report.counts()
-    parts = [f"{n} {sev}{'s' if n != 1 else ''}" for sev, n in counts.items() if n]
-    size = "index unreadable" if report.size is None else f"{report.size} trajectories"
+    parts = [count(n, sev) for sev, n in counts.items() if n]
+    size = "index unreadable" if report.size is None else count(report.size, "trajectory", "trajectories")
     line = Text("OK" if report.ok else "FAILED", style="green" if report.ok else "bold red")
     line.append(f" {report.path} ({size}; {', '.join(parts) or 'no problems'})")
     return line
 
 
-def _problem_table(report: CheckpointReport, limit: int | None) -> Table:
-    table = Table(show_edge=False, pad_edge=False)
-    for column in ("severity", "code", "id", "message"):
-        table.add_column(column, overflow="fold")
-    for problem in head(report.problems, limit):
-        table.add_row(
+def _problem_table(report: CheckpointReport, limit: int | None) -> Fitted:
+    columns = [Column("severity"), Column("code"), Column("id", right=True), Column("message", wrap=True)]
+    rows = [
+        [
             Text(problem.severity, style=_STYLE[problem.severity]),
             Text(problem.code),
             Text("" if problem.trajectory_id is None else str(problem.trajectory_id)),
             Text(problem.message),
-        )
-    return table
+        ]
+        for problem in head(report.problems, limit)
+    ]
+    return Fitted(columns, rows)
 
 
 def _print_human(reports: list[CheckpointReport], every: bool) -> None:
@@ -106,12 +111,13 @@ def summarised(result: Any, limit: int | None) -> dict[str, Any]:
     return doc
 
 
-def problem_rows(reports: list[CheckpointReport]) -> Iterator[dict[str, Any]]:
-    """One dict per problem, its checkpoint directory first, in the order checked."""
+def problem_rows(reports: list[CheckpointReport], given: str) -> Iterator[dict[str, Any]]:
+    """One dict per problem: the path given, its checkpoint directory, the problem; in the order checked."""
     for report in reports:
         path = str(report.path)
         for p in report.problems:
             yield {
+                "path": given,
                 "checkpoint": path,
                 "code": p.code,
                 "severity": p.severity,
@@ -121,15 +127,14 @@ def problem_rows(reports: list[CheckpointReport]) -> Iterator[dict[str, Any]]:
             }
 
 
+def error_codes(result: Any) -> str:
+    """`code xN, ...` of a result's errors, most frequent first."""
+    counts = Counter(p.code for c in result.checkpoints for p in c.problems if p.severity == "error")
+    return ", ".join(f"{code} x{n}" for code, n in counts.most_common())
+
+
 def verify(
-    path: Annotated[
-        str,
-        typer.Argument(
-            metavar="PATH",
-            help="A checkpoint or buffer directory, or a folder of rank_* checkpoints (or a URL).",
-            show_default=False,
-        ),
-    ],
+    paths: PathsArg,
     deep: Annotated[
         bool,
         typer.Option(
@@ -144,39 +149,67 @@ def verify(
     jsonl: JsonlOpt = False,
     storage_option: StorageOpt = None,
 ) -> None:
-    """Check that a checkpoint is consistent; exit 1 if any error is found.
+    """Check that checkpoints are consistent; exit 1 if any error is found in any of them.
 
     The quick check reads only the index files and the directory listing. Notices (files an
-    interrupted writer left) and warnings (differing field schemas) do not fail it.
+    interrupted writer left) and warnings (differing field schemas) do not fail it. Several
+    paths are checked in turn, each reported on its own.
     """
     refuse_output_mix(json, jsonl, pretty)
-    from rbtool.errors import CheckpointError
+    from rbtool.errors import CheckpointError, RbtoolError, UsageError
     from rbtool.verify import verify as run_verify
 
     enabled = show_progress(json or jsonl)
-    with (
-        reading(path, storage_option, data=deep, enabled=enabled) as place,
-        progress_bar("checking index files and listings", None, enabled) as advance,
-    ):
-        result = run_verify(place.local, deep=deep, progress=advance if enabled else None, jobs=jobs)
-    if place.url is not None:  # reports name the URL, not the local mirror they were made from
-        result.path = place.url  # type: ignore[assignment]
-        for report in result.checkpoints:
-            report.path = place.show(report.path)  # type: ignore[assignment]
-    if jsonl:
-        print_jsonl(problem_rows(result.checkpoints))
-    elif json:
-        print_json(summarised(result, summary_limit(all_items)), pretty)
-    else:
-        _print_human(result.checkpoints, all_items)
-        if deep:
-            rate = result.bytes_read / result.seconds if result.seconds > 0 else 0.0
-            out.print(
-                f"deep pass: {result.bytes_read} bytes read in {result.seconds:.2f} s "
-                f"({rate / 1e6:.1f} MB/s, {result.jobs} job{'s' if result.jobs != 1 else ''})",
-                markup=False,
-            )
-    if not result.ok:
-        counts = Counter(p.code for c in result.checkpoints for p in c.problems if p.severity == "error")
-        codes = ", ".join(f"{code} x{n}" for code, n in counts.most_common())
-        raise CheckpointError(f"{path}: verification failed with {sum(counts.values())} error(s): {codes}")
+    single = len(paths) == 1
+    documents: list[dict[str, Any]] = []
+    failed: list[str] = []
+    for i, path in enumerate(paths):
+        try:
+            with (
+                reading(path, storage_option, data=deep, enabled=enabled) as place,
+                progress_bar("checking index files and listings", None, enabled) as advance,
+            ):
+                result = run_verify(place.local, deep=deep, progress=advance if enabled else None, jobs=jobs)
+        except UsageError:
+            raise
+        except RbtoolError as exc:
+            if single:
+                raise
+            print_error(str(exc))
+            failed.append(f"{path} (unreadable)")
+            documents.append({"path": str(path), "ok": False, "error": str(exc)})
+            continue
+        if place.url is not None:  # reports name the URL, not the local mirror they were made from
+            result.path = place.url  # type: ignore[assignment]
+            for report in result.checkpoints:
+                report.path = place.show(report.path)  # type: ignore[assignment]
+        if jsonl:
+            print_jsonl(problem_rows(result.checkpoints, str(path)))
+        elif json:
+            documents.append(summarised(result, summary_limit(all_items)))
+        else:
+            if i:
+                out.print()  # a blank line between paths
+            _print_human(result.checkpoints, all_items)
+            if deep:
+                rate = result.bytes_read / result.seconds if result.seconds > 0 else 0.0
+                out.print(
+                    f"deep pass: {size(result.bytes_read)} read in {result.seconds:.2f} s "
+                    f"({rate / 1e6:.1f} MB/s, {count(result.jobs, 'job')})",
+                    markup=False,
+                )
+        if not result.ok:
+            errors = sum(1 for c in result.checkpoints for p in c.problems if p.severity == "error")
+            if single:
+                if json:
+                    print_json(documents[0], pretty)
+                raise CheckpointError(
+                    f"{path}: verification failed with {count(errors, 'error')}: {error_codes(result)}"
+                )
+            failed.append(f"{path} ({error_codes(result)})")
+    if json:
+        print_json(documents[0] if single else {"ok": not failed, "paths": documents}, pretty)
+    if failed:
+        raise CheckpointError(
+            f"verification failed for {len(failed)} of {len(paths)} paths: {', '.join(failed)}"
+        )

@@ -1,0 +1,313 @@
+"""How results read for a person: the stdout console, one table style, and one way to write
+sizes, counts, id runs, small numbers and model_weights_ids.
+
+At a terminal, lines wrap at word boundaries and tables fit the width by leaving out their
+least needed columns (a note names them; `--wide` keeps them). Written to a file or a pipe,
+nothing wraps, every column is kept, ids are whole and no line ends in spaces, so the output
+greps cleanly. `TTY_COMPATIBLE=1` (Rich's variable) treats stdout as a terminal, `COLUMNS`
+sets its width; both are read when a result is printed.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import os
+import shutil
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rich import box
+from rich.console import Console, ConsoleDimensions, ConsoleOptions, RenderableType, RenderResult
+from rich.measure import Measurement
+from rich.table import Table
+from rich.text import Text
+
+PIPED_WIDTH = 100_000  # a line written to a file or pipe is never wrapped below this
+FOLD_AT = 24  # a wrapping column at a terminal folds words (file names) longer than this
+ID_PREFIX = 8  # model_weights_ids are shortened to unique prefixes of at least this many characters
+
+
+# ------------------------------------------------------------ the console
+class ResultConsole(Console):
+    """stdout for results: word-wrapped and fitted at a terminal; unwrapped and without trailing
+    spaces when piped."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fixed_width: int | None = kwargs.get("width")  # None: follow the terminal
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        """The terminal's size, read when asked (COLUMNS first), never frozen when rbtool starts."""
+        if self._fixed_width is not None:
+            return ConsoleDimensions(self._fixed_width, 25)
+        columns = os.environ.get("COLUMNS", "")
+        if columns.isdigit() and int(columns) > 0:
+            return ConsoleDimensions(int(columns), 25)
+        return ConsoleDimensions(shutil.get_terminal_size((80, 25)).columns or 80, 25)
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        self._fixed_width = new_size[0]
+
+    @property
+    def width(self) -> int:
+        return self.size.width
+
+    @width.setter
+    def width(self, width: int) -> None:
+        self._fixed_width = width
+
+    @property
+    def piped(self) -> bool:
+        """True when stdout is a file or pipe (TTY_COMPATIBLE=1 says it is a terminal, =0 that it is not)."""
+        forced = os.environ.get("TTY_COMPATIBLE", "")
+        if forced in ("0", "1"):
+            return forced == "0"
+        isatty = getattr(self.file, "isatty", None)
+        try:
+            return not (isatty is not None and isatty())
+        except ValueError:
+            return True
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        """Print at a terminal with word wrapping; piped, unwrapped and without trailing spaces."""
+        kwargs.setdefault("crop", False)  # a table wider than the terminal (--wide) is not cut
+        if not self.piped:
+            kwargs.setdefault("soft_wrap", False)
+            super().print(*objects, **kwargs)
+            return
+        buffer = io.StringIO()
+        color = self.color_system
+        plain = Console(
+            file=buffer,
+            width=PIPED_WIDTH,
+            force_terminal=color is not None,
+            color_system=color,  # type: ignore[arg-type]
+            no_color=self.no_color,
+            highlight=False,
+            legacy_windows=False,
+        )
+        kwargs["soft_wrap"] = True
+        plain.print(*objects, **kwargs)
+        text = "\n".join(line.rstrip() for line in buffer.getvalue().split("\n"))
+        self.file.write(text)
+        self.file.flush()
+
+
+# ------------------------------------------------------------ words and numbers
+def count(n: int, singular: str, plural: str | None = None) -> str:
+    """`1 trajectory`, `3 trajectories`, `12000 samples` (digits never grouped: they grep and parse)."""
+    word = singular if n == 1 else (plural if plural is not None else singular + "s")
+    return f"{n} {word}"
+
+
+def size(n: int | None) -> str:
+    """A byte count in IEC units: `512 B`, `96.7 KiB`, `1.2 GiB` (`-` when unknown)."""
+    if n is None or n < 0:
+        return "-"
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024 or unit == "TiB":
+            return f"{value:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def number(value: float | None, digits: int = 4) -> str:
+    """A number with `digits` significant digits: 0.5, 0.125, 1e-06, 1.235e+05 (`-` when unknown)."""
+    if value is None:
+        return "-"
+    return f"{value:.{digits}g}"
+
+
+def head(items: Any, limit: int | None) -> Any:
+    """The first `limit` items of a list, numpy array or lazy column (all of them when None)."""
+    return items if limit is None or len(items) <= limit else items[:limit]
+
+
+def left_out(items: Any, limit: int | None) -> int:
+    """How many items `head(items, limit)` leaves out."""
+    return 0 if limit is None else max(0, len(items) - limit)
+
+
+def id_ranges(ids: Any) -> list[list[int]]:
+    """Runs of consecutive ids, in list order, as [first, last] pairs: [0, 1, 2, 5] -> [[0, 2], [5, 5]]."""
+    import numpy as np
+
+    values = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if values.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(values) != 1)
+    starts = np.concatenate(([0], breaks + 1))
+    ends = np.concatenate((breaks, [values.size - 1]))
+    return np.stack((values[starts], values[ends]), axis=1).tolist()  # type: ignore[no-any-return]
+
+
+def id_runs(ids: Sequence[int] | Any, limit: int | None = None) -> str:
+    """Ids as runs of consecutive ids, `0-4, 7, 9-12`; past `limit` runs, how many ids remain."""
+    if not len(ids):
+        return "(none)"
+    runs = id_ranges(ids)
+    shown = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in head(runs, limit))
+    hidden = left_out(runs, limit)
+    if hidden:
+        rest = sum(b - a + 1 for a, b in runs[len(runs) - hidden :])
+        shown += f", ... {count(rest, 'more id')} in {count(hidden, 'run')}"
+    return shown
+
+
+def unique_prefixes(ids: Iterable[str], shortest: int = ID_PREFIX) -> dict[str, str]:
+    """Each id shortened to the shortest common length (at least `shortest`) at which distinct ids
+    still differ; a shortened id ends in `…`. Ids that share a long prefix keep enough to tell apart."""
+    distinct = sorted(set(ids))
+    length = shortest
+    # Neighbours in sorted order share the longest prefixes: the length that separates every
+    # pair of neighbours separates every pair.
+    for a, b in itertools.pairwise(distinct):
+        common = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        length = max(length, common + 1)
+    return {i: i if len(i) <= length else i[:length] + "…" for i in distinct}
+
+
+# ------------------------------------------------------------ tables
+@dataclass(frozen=True)
+class Column:
+    """A table column. `drop` > 0: may be left out at a narrow terminal, highest first.
+    `wrap`: long text (messages) that may wrap at spaces (at a terminal, words longer than
+    FOLD_AT fold onto the next line); other columns never wrap or cut."""
+
+    header: str
+    right: bool = False
+    drop: int = 0
+    wrap: bool = False
+    style: str = ""
+
+
+class Fitted:
+    """A table in rbtool's one style that fits the width it is drawn at.
+
+    Numbers, dtypes and names are never cut: when the table is wider than the terminal, its
+    droppable columns are left out (highest `drop` first) and a note names them. `wide`
+    keeps every column (the terminal then wraps long lines).
+    """
+
+    def __init__(
+        self,
+        columns: Sequence[Column],
+        rows: Sequence[Sequence[str | Text]],
+        *,
+        title: str | Text | None = None,
+        caption: str | Text | None = None,
+        header: bool = True,
+        wide: bool = False,
+        hint: str = "--wide shows them",
+    ) -> None:
+        self.columns = list(columns)
+        self.rows = [list(r) for r in rows]
+        self.title = title
+        self.caption = caption
+        self.header = header
+        self.wide = wide
+        self.hint = hint
+        self.dropped: list[str] = []
+
+    def table(self, keep: Sequence[int]) -> Table:
+        table = Table(
+            box=box.SIMPLE_HEAD if self.header else None,
+            show_header=self.header,
+            show_edge=False,
+            pad_edge=False,
+            padding=(0, 1),
+        )
+        for i in keep:
+            col = self.columns[i]
+            table.add_column(
+                col.header,
+                justify="right" if col.right else "left",
+                no_wrap=not col.wrap,
+                overflow="fold",
+                style=col.style or None,
+            )
+        for row in self.rows:
+            table.add_row(*(row[i] for i in keep))
+        return table
+
+    def need(self, console: Console, keep: Sequence[int]) -> int:
+        """The narrowest the table over `keep` can be drawn without cutting: every cell of a
+        non-wrapping column whole, wrapping columns down to their longest word."""
+        table = self.table(keep)
+        options = console.options.update(width=PIPED_WIDTH)
+        total = Measurement.get(console, options, table).maximum
+        for i in keep:
+            if self.columns[i].wrap:
+                cells = [Text(self.columns[i].header), *(as_text(row[i]) for row in self.rows)]
+                widest = max(cell.cell_len for cell in cells)
+                word = max((len(w) for cell in cells for w in cell.plain.split()), default=0)
+                total -= widest - min(widest, word, FOLD_AT)
+        return total
+
+    def fitted(self, console: Console, width: int | None) -> tuple[Table, int]:
+        """The table with the columns that fit `width` (all of them with no width or `wide`), and
+        the width it needs."""
+        keep = list(range(len(self.columns)))
+        self.dropped = []
+        need = self.need(console, keep)
+        if width is not None and not self.wide:
+            order = sorted((c.drop, i) for i, c in enumerate(self.columns) if c.drop > 0)
+            while need > width and order:
+                _, i = order.pop()
+                keep.remove(i)
+                self.dropped.append(self.columns[i].header or "(bar)")
+                need = self.need(console, keep)
+        return self.table(keep), need
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        """As wide as the fitted table needs, at most as wide as its widest line (so a grid of
+        tables, as in `sample`, sets them side by side at their own widths)."""
+        width = None if isinstance(console, ResultConsole) and console.piped else options.max_width
+        table, need = self.fitted(console, width)
+        widest = Measurement.get(console, options.update(width=PIPED_WIDTH), table).maximum
+        for line in (self.title, self.caption):
+            if line is not None:
+                widest = max(widest, plain(line).cell_len)
+        return Measurement(min(need, widest), widest)
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        # Piped, the result console draws on a console PIPED_WIDTH wide: nothing is left out.
+        width = None if isinstance(console, ResultConsole) and console.piped else options.max_width
+        table, need = self.fitted(console, width)
+        if self.title is not None:  # above the table, as wide as the terminal (not the table)
+            yield plain(self.title)
+        yield from console.render(table, options.update(width=max(options.max_width, need)))
+        if self.caption is not None:  # under the table, as wide as the terminal (not the table)
+            yield plain(self.caption)
+        if self.dropped:
+            yield Text(f"(left out to fit {width} columns: {', '.join(self.dropped)}; {self.hint})")
+
+
+def as_text(cell: str | Text) -> Text:
+    """A cell as Rich draws it (a str cell is console markup)."""
+    return cell if isinstance(cell, Text) else Text.from_markup(cell)
+
+
+def plain(text: str | Text) -> Text:
+    """A title or caption: a str is plain text (paths may hold `[`), never markup."""
+    return text if isinstance(text, Text) else Text(text)
+
+
+def key_values(title: str | Text, rows: Sequence[tuple[str, str | Text]]) -> Fitted:
+    """A two-column table of labelled values in the same style (no header)."""
+    cells = [(plain(key), plain(value)) for key, value in rows]
+    return Fitted([Column("key", style="bold"), Column("value", wrap=True)], cells, title=title, header=False)
+
+
+def side_by_side(*parts: RenderableType, gap: int = 4) -> Table:
+    """Renderables in one row (callers check the width first)."""
+    grid = Table.grid(padding=(0, gap))
+    grid.add_row(*parts)
+    return grid
