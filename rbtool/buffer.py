@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -423,6 +424,7 @@ class TrajectoryReplayBuffer:
         temperature: float = 1.0,
         *,
         progress: Progress | None = None,
+        before_gather: Callable[[Draw], None] | None = None,
     ) -> tuple[Draw, dict[str, Any]]:
         """`sample()`, also returning the Draw: which trajectory and row each batch row came from.
 
@@ -431,6 +433,8 @@ class TrajectoryReplayBuffer:
         another writer made reads each file's header), as writers report their files.
         A sample waits for an add in another thread to finish (and an add for a sample), so
         it draws from and reads one window; samples in several threads run one at a time.
+        `before_gather(draw)` is called once the rows are drawn and before any is read (a
+        reader of remote objects fetches the drawn trajectories' files there).
         """
         from rbtool.topk import check_strategy
 
@@ -438,10 +442,16 @@ class TrajectoryReplayBuffer:
         check_strategy(strategy, k, temperature)
         check_num_chunks(num_chunks)
         with self._window_lock:
-            return self._sample_with_draw(num_chunks, strategy, k, temperature, progress)
+            return self._sample_with_draw(num_chunks, strategy, k, temperature, progress, before_gather)
 
     def _sample_with_draw(
-        self, num_chunks: int, strategy: str, k: int | None, temperature: float, progress: Progress | None
+        self,
+        num_chunks: int,
+        strategy: str,
+        k: int | None,
+        temperature: float,
+        progress: Progress | None,
+        before_gather: Callable[[Draw], None] | None,
     ) -> tuple[Draw, dict[str, Any]]:
         from rbtool.topk import draw_topk
 
@@ -471,6 +481,8 @@ class TrajectoryReplayBuffer:
                     "them); construct the buffer with extra_fields=True to sample them",
                     stacklevel=3,
                 )
+            if before_gather is not None:
+                before_gather(draw)
             base = self._counts.start(lo)
             self._rows.trim(lo, base)
             cached = self._rows.covering(lo, hi, base)

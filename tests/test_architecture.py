@@ -150,3 +150,29 @@ def test_quick_commands_import_no_torch(argv: list[str]) -> None:
     probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     last = probe.stderr.strip().splitlines()[-1]
     assert last == "NO-TORCH 0", probe.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["verify", str(FIXTURES / "autosave_pt" / "autosave"), "--deep"],
+        ["stats", str(FIXTURES / "ranks"), "--index-only"],
+        ["checkpoint", "load", "file://" + str(FIXTURES / "ranks"), "--world-size", "2"],
+        ["reshard", str(FIXTURES / "ranks"), "--world-size", "3", "--out", "/nonexistent/x", "--dry-run"],
+    ],
+    ids=["verify-deep", "stats-index-only", "checkpoint-load-file-url", "reshard-dry-run"],
+)
+def test_local_paths_never_import_fsspec(argv: list[str]) -> None:
+    """fsspec (an optional extra) is for URLs: commands on local paths, file:// included, never load it."""
+    code = (
+        "import sys\n"
+        "from rbtool.cli import app\n"
+        "try:\n"
+        f"    app({argv!r})\n"
+        "except SystemExit as exc:\n"
+        "    code = exc.code\n"
+        "print('\\nFSSPEC' if 'fsspec' in sys.modules else '\\nNO-FSSPEC', code, file=sys.stderr)\n"
+    )
+    probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    last = probe.stderr.strip().splitlines()[-1]
+    assert last == "NO-FSSPEC 0", probe.stderr

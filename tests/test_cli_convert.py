@@ -19,6 +19,7 @@ def test_json_document(tmp_path: Path) -> None:
     assert set(doc) == {
         "source",
         "out",
+        "upload",
         "trajectory_format",
         "jobs",
         "bytes_read",

@@ -13,6 +13,7 @@ AUTOSAVE = FIXTURES / "autosave_pt" / "autosave"
 TOP_KEYS = {
     "source",
     "out",
+    "upload",
     "dry_run",
     "criteria",
     "size",

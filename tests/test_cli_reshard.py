@@ -33,6 +33,7 @@ def test_json_document(tmp_path: Path) -> None:
         "source_dirs",
         "renumbered",
         "out",
+        "upload",
         "world_size",
         "balance",
         "dry_run",
@@ -41,6 +42,7 @@ def test_json_document(tmp_path: Path) -> None:
     }
     assert doc["source_dirs"] == [str(RANKS / "rank_0"), str(RANKS / "rank_1")]
     assert doc["renumbered"] is True and doc["balance"] == "count" and doc["dry_run"] is False
+    assert doc["upload"] is None  # a local OUT
     assert [r["trajectory_id_list"] for r in doc["ranks"]] == [[0, 1, 2], [3, 4], [5, 6]]
     for r in doc["ranks"]:
         assert set(r) == RANK_KEYS and r["path"] == str(out / f"rank_{r['rank']}")

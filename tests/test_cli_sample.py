@@ -68,6 +68,7 @@ def test_json_document_keys_and_field_list() -> None:
         "out",
         "out_bytes",
         "dry_run",
+        "fetched",
     ]
     fields = {row["field"]: row for row in doc["fields"]}
     assert fields["curr_obs.main_images"] == {

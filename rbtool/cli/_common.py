@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from itertools import chain
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import orjson
 import typer
@@ -41,6 +41,9 @@ from rbtool.errors import (
     RbtoolError,
     UsageError,
 )
+
+if TYPE_CHECKING:
+    from rbtool.remote import IndexMirror
 
 # Results go to stdout (see _output.ResultConsole); progress, warnings and errors to stderr.
 out = ResultConsole(highlight=False)
@@ -311,7 +314,7 @@ RanksForceOpt = Annotated[
     bool, typer.Option("--force", help="Replace OUT if it is empty, a checkpoint or an earlier shard output.")
 ]
 SourceArg = Annotated[
-    Path, typer.Argument(metavar="IN", help="A checkpoint, or a folder of rank_* checkpoints.")
+    str, typer.Argument(metavar="IN", help="A checkpoint, or a folder of rank_* checkpoints (or a URL).")
 ]
 WorldSizeOpt = Annotated[int, typer.Option("--world-size", "-n", min=1, help="Number of ranks.")]
 WindowOpt = Annotated[
@@ -334,10 +337,11 @@ FormatOpt = Annotated[
 ]
 ExistingPath = Annotated[Path, typer.Argument(exists=False, help="A checkpoint or buffer directory.")]
 PathsArg = Annotated[
-    list[Path],
+    list[str],
     typer.Argument(
         metavar="PATH",
-        help="Checkpoints or buffer directories, or folders of rank_* checkpoints; each is reported.",
+        help="Checkpoints or buffer directories, or folders of rank_* checkpoints (or URLs); each is "
+        "reported.",
         show_default=False,
     ),
 ]
@@ -703,6 +707,157 @@ def files_line(files: dict[str, int]) -> str:
     return f"{placed}, {size(files['bytes'])}"
 
 
+# ------------------------------------------------------------ object storage
+StorageOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--storage-option",
+        metavar="KEY=VALUE",
+        help="For URLs (s3://, gs://, ...): an fsspec storage option, e.g. endpoint_url=http://host:9000 "
+        "(repeatable; a value that parses as JSON is that value, else a string).",
+        show_default=False,
+    ),
+]
+DirArg = Annotated[str, typer.Argument(metavar="PATH", help="A checkpoint or buffer directory, or a URL.")]
+
+
+class Place:
+    """A directory a command works on: the local path the library reads or writes, and the name to show.
+
+    For a URL the local path is a mirror (reading) or a staging directory (writing); every path
+    under it is shown under the URL.
+    """
+
+    def __init__(self, given: str, local: Path, url: str | None = None) -> None:
+        self.given = given
+        self.local = local
+        self.url = url
+        self._finish: Any = None
+        self.upload: dict[str, int] | None = None  # what the upload did (None: a local directory)
+        self.mirror: IndexMirror | None = None  # read without data: objects are fetched on demand
+
+    def finish(self) -> None:
+        """Publish what was written (upload it, for a URL) now, before the result is printed."""
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            self.upload = finish()
+
+    def show(self, path: str | os.PathLike[str] | None = None) -> str:
+        if path is None:
+            return self.url or str(self.local)
+        if self.url is None:
+            return str(path)
+        try:
+            rel = Path(path).relative_to(self.local)
+        except ValueError:
+            return str(path)
+        return self.url if str(rel) == "." else f"{self.url}/{rel.as_posix()}"
+
+
+def upload_line(upload: dict[str, int]) -> str:
+    """What an upload did, for a person: `upload: 12 objects uploaded (3.4 MiB), 0 kept, 0 removed`."""
+    return (
+        f"upload: {count(upload['uploaded'], 'object')} uploaded ({size(upload['bytes'])}), "
+        f"{upload['kept']} kept, {upload['removed']} removed"
+    )
+
+
+def upload_note(upload: dict[str, int] | None) -> None:
+    """The human view's upload line of a write to a URL (none for a local OUT)."""
+    if upload is not None:
+        out.print(upload_line(upload), markup=False)
+
+
+def is_url(value: str | os.PathLike[str]) -> bool:
+    """True for an object-storage URL (s3://, gs://, memory:// ...); plain paths and file:// are local."""
+    from rbtool.remote import is_url as remote_is_url
+
+    return remote_is_url(value)
+
+
+def local_dir(value: str, option: str) -> Path:
+    """A directory argument that must be local (the command has no remote form)."""
+    from rbtool.remote import local_path
+
+    if is_url(value):
+        raise typer.BadParameter(f"{value}: takes a local directory, not a URL", param_hint=option)
+    return local_path(value)
+
+
+def local_path_arg(value: str) -> Path:
+    """Parser of a path argument that has no remote form: a URL there is a usage error (exit 2).
+
+    Without it `s3://b/x` would become the local path `s3:/b/x`.
+    """
+    from rbtool.remote import local_path
+
+    if is_url(value):
+        raise typer.BadParameter(f"{value}: takes a local path, not a URL")
+    return local_path(value)
+
+
+@contextmanager
+def reading(
+    value: str, storage_options: list[str] | None, *, data: bool, enabled: bool = False
+) -> Iterator[Place]:
+    """The directory `value` to read: itself if local; for a URL a local mirror.
+
+    With `data`, every object is copied into the bounded cache (verified against the upload's
+    marker); without, only the JSON objects are read and the rest stand in by name and size
+    (`Place.mirror.fetch` fetches some of them).
+    """
+    from rbtool.remote import local_path
+
+    if not is_url(value):
+        yield Place(value, local_path(value))
+        return
+    from rbtool import remote
+
+    options = remote.parse_storage_options(storage_options)
+    if not data:
+        with remote.index_mirror(value, options) as mirror:
+            place = Place(value, mirror.path, value.rstrip("/"))
+            place.mirror = mirror
+            yield place
+        return
+    with (
+        progress_bar(f"fetching {value}", None, enabled) as advance,
+        remote.data_mirror(value, options, progress=advance) as local,
+    ):
+        yield Place(value, local, value.rstrip("/"))
+
+
+@contextmanager
+def writing(
+    value: str, storage_options: list[str] | None, *, overwrite: bool, enabled: bool = False
+) -> Iterator[Place]:
+    """The directory `value` to write: itself if local; for a URL a staging directory uploaded afterwards.
+
+    The upload follows the remote protocol (trajectory objects, index, metadata, marker last)
+    and only once the command's work succeeded: at `Place.finish()`, which a command calls
+    before it prints its result, or at the end of the block.
+    """
+    from rbtool.remote import local_path
+
+    if not is_url(value):
+        yield Place(value, local_path(value))
+        return
+    from rbtool import remote
+
+    options = remote.parse_storage_options(storage_options)
+    with remote.writing(value, options, overwrite=overwrite) as staging:
+        place = Place(value, staging.local, value.rstrip("/"))
+
+        def publish() -> dict[str, int]:
+            with progress_bar(f"uploading to {value}", None, enabled) as advance:
+                staging.progress = advance
+                return staging.publish()
+
+        place._finish = publish
+        yield place
+        place.finish()
+
+
 # ------------------------------------------------------------ conventions
 # Options every command and group takes, before or after the command name (`rbtool -q stats X`
 # and `rbtool stats X -q` alike). They are declared once, on `_conventions` below, and copied
@@ -923,21 +1078,27 @@ def adopt(command: Any, path: str) -> None:
 
 
 # ------------------------------------------------------------ Ctrl-C
-def _targets(leaf: Any) -> tuple[Path | None, Path | None]:
-    """(OUT, buffer) of the running command: where it writes a new output, or the buffer it adds to."""
+def _targets(leaf: Any) -> tuple[Path | str | None, Path | None]:
+    """(OUT, buffer) of the running command: where it writes a new output (a path, or a URL as
+    given), or the buffer it adds to."""
     target = buffer = None
     for param in leaf.command.params:
         value = leaf.params.get(param.name)
-        if not isinstance(value, Path):
+        if isinstance(value, str) and not is_url(value):  # a path that may also be a URL
+            value = Path(value)
+        if not isinstance(value, (Path, str)):
             continue
         if "--buffer" in param.opts:
-            buffer = value
+            if isinstance(value, Path):  # a URL buffer is refused before anything is written
+                buffer = value
         elif "--out" in param.opts or param.metavar == "OUT":
             target = value
     return target, buffer
 
 
-def _state(path: Path) -> tuple[int, int] | None:
+def _state(path: Path | str) -> tuple[int, int] | None:
+    if isinstance(path, str):  # a URL: its objects change only at the upload, after the work
+        return None
     try:
         stat = os.lstat(path)
     except OSError:
@@ -946,7 +1107,7 @@ def _state(path: Path) -> tuple[int, int] | None:
 
 
 def interrupted_line(
-    target: Path | None,
+    target: Path | str | None,
     before: tuple[int, int] | None,
     buffer: Path | None = None,
     index_before: tuple[int, int] | None = None,
@@ -968,6 +1129,11 @@ def interrupted_line(
             return f"interrupted: {buffer} holds the batches published before the interrupt"
         held = f"ids {format_ids(ids, SUMMARY_ITEMS)}" if ids else "no trajectories"
         return f"interrupted: the buffer {buffer} holds {held}; nothing half-written"
+    if isinstance(target, str):  # a URL: published by an upload whose marker goes last
+        return (
+            f"interrupted: {target} holds no new checkpoint unless its upload had finished; readers "
+            "refuse a cut-short upload, and running the command again completes it"
+        )
     if target is not None:
         if _state(target) == before:
             if before is None:

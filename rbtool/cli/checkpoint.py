@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -19,21 +20,28 @@ from rbtool.cli._common import (
     Group,
     JsonlOpt,
     JsonOpt,
+    Place,
     PrettyOpt,
+    StorageOpt,
     StrictOpt,
+    TrajectoryFormat,
     bound,
     bound_state,
     files_line,
     format_ids,
+    local_path_arg,
     out,
     print_json,
     print_jsonl,
     progress_bar,
+    reading,
     refuse_output_mix,
     refuse_overlap,
     show_progress,
     state_table,
     summary_limit,
+    upload_note,
+    writing,
 )
 from rbtool.cli._window import DEFAULT_WINDOW, window_line
 from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
@@ -61,15 +69,18 @@ class SaveMode(str, enum.Enum):
 # ----------------------------------------------------------------------- save
 @checkpoint_app.command(cls=Command)
 def save(
-    sources: Annotated[
-        list[Path],
+    source_args: Annotated[
+        list[str],
         typer.Argument(
             metavar="SOURCE",
-            help="A buffer directory (auto-save), or trajectory files/folders/checkpoints (in-memory).",
+            help="A buffer directory (auto-save), or trajectory files/folders/checkpoints (in-memory); "
+            "directories may be URLs.",
             show_default=False,
         ),
     ],
-    target: Annotated[Path, typer.Argument(metavar="OUT", help="Checkpoint directory to write.")],
+    target_arg: Annotated[
+        str, typer.Argument(metavar="OUT", help="Checkpoint directory (or URL) to write.", show_default=False)
+    ],
     window: Annotated[
         int,
         typer.Option(
@@ -95,9 +106,48 @@ def save(
     all_items: AllOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Write the checkpoint a buffer's save_checkpoint would write, from files on disk."""
     refuse_output_mix(json, pretty=pretty)
+    with ExitStack() as stack:
+        enabled = show_progress(json)
+        sources = [
+            stack.enter_context(reading(s, storage_option, data=True, enabled=enabled)).local
+            for s in source_args
+        ]
+        place = stack.enter_context(writing(target_arg, storage_option, overwrite=force, enabled=enabled))
+        _save(
+            sources,
+            place,
+            window,
+            mode,
+            trajectory_format,
+            seed,
+            force,
+            copy,
+            dry_run,
+            all_items,
+            json,
+            pretty,
+        )
+
+
+def _save(
+    sources: list[Path],
+    place: Place,
+    window: int,
+    mode: SaveMode,
+    trajectory_format: TrajectoryFormat | None,
+    seed: int | None,
+    force: bool,
+    copy: bool,
+    dry_run: bool,
+    all_items: bool,
+    json: bool,
+    pretty: bool,
+) -> None:
+    target, shown = place.local, place.show()
     from rbtool import checkpoint
     from rbtool.dirs import is_rank_tree, open_view
     from rbtool.format import is_checkpoint_dir
@@ -150,9 +200,11 @@ def save(
             )
         listed = list(range(index.trajectory_counter))  # an in-memory buffer numbers them 0..n-1
 
+    place.finish()
     doc: dict[str, Any] = {
         "mode": chosen.value,
-        "out": str(target),
+        "out": shown,
+        "upload": place.upload,
         "window": window,
         **index.state(),
         "trajectory_format": index.trajectory_format,
@@ -163,13 +215,14 @@ def save(
     if json:
         print_json(bound_state(doc, limit), pretty)
         return
-    title = f"{'would save' if dry_run else 'saved'} {target} ({chosen.value}, window {window})"
+    title = f"{'would save' if dry_run else 'saved'} {shown} ({chosen.value}, window {window})"
     out.print(state_table(title, [("checkpoint", doc)], None if all_items else SUMMARY_ITEMS))
     out.print(window_line(window, index.id_list, listed), markup=False)
     if dry_run:
-        dry_run_note(target, f"{trajectories(index.size)}, format {doc['trajectory_format']}")
+        dry_run_note(shown, f"{trajectories(index.size)}, format {doc['trajectory_format']}")
     else:
         out.print(f"format {doc['trajectory_format']}; files: {files_line(doc['files'])}")
+        upload_note(place.upload)
 
 
 # ----------------------------------------------------------------------- load
@@ -201,7 +254,10 @@ def trajectory_rows(index: Index, world_size: int | None, rank: int | None) -> I
 
 @checkpoint_app.command(cls=Command)
 def load(
-    ckpt: Annotated[Path, typer.Argument(metavar="CKPT", help="Checkpoint or buffer directory.")],
+    ckpt_arg: Annotated[
+        str,
+        typer.Argument(metavar="CKPT", help="Checkpoint or buffer directory (or URL).", show_default=False),
+    ],
     world_size: Annotated[
         int | None,
         typer.Option(
@@ -214,7 +270,12 @@ def load(
     strict: StrictOpt = True,
     buffer: Annotated[
         Path | None,
-        typer.Option("--buffer", "-b", help="Restore the load into this buffer directory (for ingest)."),
+        typer.Option(
+            "--buffer",
+            "-b",
+            help="Restore the load into this buffer directory (for ingest).",
+            parser=local_path_arg,
+        ),
     ] = None,
     force: Annotated[
         bool, typer.Option("--force", help="Replace the --buffer directory if it is a checkpoint or empty.")
@@ -225,14 +286,49 @@ def load(
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
     jsonl: JsonlOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Show what a full or distributed load of CKPT yields; --buffer restores it as a buffer directory.
 
     Id lists are summarised unless --all; --jsonl streams one object per trajectory loaded.
     """
     refuse_output_mix(json, jsonl, pretty)
+    # Without --buffer only the JSON objects of a remote checkpoint are read.
+    enabled = show_progress(json or jsonl)
+    with reading(ckpt_arg, storage_option, data=buffer is not None, enabled=enabled) as place:
+        _load(
+            place,
+            world_size,
+            rank,
+            strict,
+            buffer,
+            force,
+            copy,
+            dry_run,
+            all_items,
+            json,
+            pretty,
+            jsonl,
+        )
+
+
+def _load(
+    place: Place,
+    world_size: int | None,
+    rank: int | None,
+    strict: bool,
+    buffer: Path | None,
+    force: bool,
+    copy: bool,
+    dry_run: bool,
+    all_items: bool,
+    json: bool,
+    pretty: bool,
+    jsonl: bool,
+) -> None:
     from rbtool import checkpoint
 
+    ckpt, display = place.local, place.show()
     if buffer is not None:
         refuse_overlap(buffer, [ckpt], "--buffer")
     elif copy:
@@ -250,7 +346,7 @@ def load(
             shown, dropped = checkpoint.load_state(ckpt, strict=strict)
         advance(1)
     doc: dict[str, Any] = {
-        "checkpoint": str(ckpt),
+        "checkpoint": display,
         "strict": strict,
         "dropped_missing_ids": dropped,
         "world_size": world_size,
@@ -295,7 +391,7 @@ def load(
         rows = [(f"rank {r['rank']}", r) for r in doc["ranks"]]
     else:
         rows = [("full" if rank is None else f"rank {rank}", doc)]
-    out.print(state_table(f"{ckpt} ({how})", rows, limit))
+    out.print(state_table(f"{display} ({how})", rows, limit))
     if dropped:
         out.print(f"dropped for missing files (non-strict): ids {format_ids(dropped, limit)}")
     if buffer is not None and dry_run:

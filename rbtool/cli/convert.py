@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -16,6 +15,7 @@ from rbtool.cli._common import (
     JsonOpt,
     PrettyOpt,
     SourceArg,
+    StorageOpt,
     StrictOpt,
     TrajectoryFormat,
     bound_state,
@@ -24,19 +24,24 @@ from rbtool.cli._common import (
     out,
     print_json,
     progress_bar,
+    reading,
     refuse_output_mix,
     refuse_overlap,
     show_progress,
     size,
     state_table,
     summary_limit,
+    upload_note,
+    writing,
 )
 from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
 
 
 def convert(
-    source: SourceArg,
-    target: Annotated[Path, typer.Option("--out", "-o", help="Where to write the converted copy.")],
+    source_arg: SourceArg,
+    target_arg: Annotated[
+        str, typer.Option("--out", "-o", help="Where (a directory or URL) to write the converted copy.")
+    ],
     trajectory_format: Annotated[
         TrajectoryFormat, typer.Option("--format", help="The format to write every trajectory file in.")
     ],
@@ -54,60 +59,71 @@ def convert(
     all_items: AllOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Write OUT with every trajectory file of IN in FORMAT (a rank tree keeps its rank_* layout)."""
     refuse_output_mix(json, pretty=pretty)
-    from rbtool import conversion
+    with (
+        reading(source_arg, storage_option, data=not dry_run, enabled=show_progress(json)) as src,
+        writing(target_arg, storage_option, overwrite=force, enabled=show_progress(json)) as dst,
+    ):
+        source, target = src.local, dst.local
+        from rbtool import conversion
 
-    refuse_overlap(target, [source], "--out")
-    with progress_bar("converting", None, show_progress(json) and not dry_run) as advance:
-        result = conversion.convert(
-            source,
-            target,
-            trajectory_format.value,
-            jobs=jobs,
-            strict=strict,
-            overwrite=force,
-            progress=advance,
-            link=not copy,
-            journal=journal,
-            dry_run=dry_run,
+        refuse_overlap(target, [source], "--out")
+        with progress_bar("converting", None, show_progress(json) and not dry_run) as advance:
+            result = conversion.convert(
+                source,
+                target,
+                trajectory_format.value,
+                jobs=jobs,
+                strict=strict,
+                overwrite=force,
+                progress=advance,
+                link=not copy,
+                journal=journal,
+                dry_run=dry_run,
+            )
+        dst.finish()  # upload before printing (a URL's checkpoint exists only then)
+        checkpoints: list[dict[str, Any]] = [
+            {"path": dst.show(target if rel == "." else target / rel), **index.state()}
+            for rel, index in result.checkpoints
+        ]
+        doc: dict[str, Any] = {
+            "source": src.show(),
+            "out": dst.show(),
+            "upload": dst.upload,
+            "trajectory_format": result.trajectory_format,
+            "jobs": result.jobs,
+            "bytes_read": result.throughput.bytes_read,
+            "seconds": round(result.throughput.seconds, 6),
+            "bytes_per_second": result.throughput.bytes_per_second,
+            "checkpoints": checkpoints,
+            "dry_run": dry_run,
+            "files": None if dry_run else result.report.as_json(),
+        }
+        if json:
+            print_json(
+                {**doc, "checkpoints": [bound_state(c, summary_limit(all_items)) for c in checkpoints]},
+                pretty,
+            )
+            return
+        out.print(
+            state_table(
+                f"{src.show()} {'would be ' if dry_run else ''}converted to {doc['trajectory_format']} "
+                f"into {dst.show()} ({count(doc['jobs'], 'job')})",
+                [(c["path"].rstrip("/").rsplit("/", 1)[-1], c) for c in checkpoints],
+                None if all_items else SUMMARY_ITEMS,
+            )
         )
-    checkpoints: list[dict[str, Any]] = [
-        {"path": str(target if rel == "." else target / rel), **index.state()}
-        for rel, index in result.checkpoints
-    ]
-    doc: dict[str, Any] = {
-        "source": str(source),
-        "out": str(target),
-        "trajectory_format": result.trajectory_format,
-        "jobs": result.jobs,
-        "bytes_read": result.throughput.bytes_read,
-        "seconds": round(result.throughput.seconds, 6),
-        "bytes_per_second": result.throughput.bytes_per_second,
-        "checkpoints": checkpoints,
-        "dry_run": dry_run,
-        "files": None if dry_run else result.report.as_json(),
-    }
-    if json:
-        print_json(
-            {**doc, "checkpoints": [bound_state(c, summary_limit(all_items)) for c in checkpoints]}, pretty
+        if dry_run:
+            total = sum(c["size"] for c in checkpoints)
+            dry_run_note(dst.show(), f"{trajectories(total)} in {doc['trajectory_format']}")
+            return
+        out.print(f"files: {files_line(doc['files'])}")
+        upload_note(dst.upload)
+        rate = (doc["bytes_per_second"] or 0) / 1e6
+        out.print(
+            f"read {size(doc['bytes_read'])} to rewrite in {doc['seconds']:.2f} s ({rate:.1f} MB/s)",
+            markup=False,
         )
-        return
-    out.print(
-        state_table(
-            f"{source} {'would be ' if dry_run else ''}converted to {doc['trajectory_format']} into {target} "
-            f"({count(doc['jobs'], 'job')})",
-            [(Path(c["path"]).name, c) for c in checkpoints],
-            None if all_items else SUMMARY_ITEMS,
-        )
-    )
-    if dry_run:
-        total = sum(c["size"] for c in checkpoints)
-        dry_run_note(target, f"{trajectories(total)} in {doc['trajectory_format']}")
-        return
-    out.print(f"files: {files_line(doc['files'])}")
-    rate = (doc["bytes_per_second"] or 0) / 1e6
-    out.print(
-        f"read {size(doc['bytes_read'])} to rewrite in {doc['seconds']:.2f} s ({rate:.1f} MB/s)", markup=False
-    )

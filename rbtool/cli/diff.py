@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -14,6 +13,7 @@ from rbtool.cli._common import (
     Fitted,
     JsonOpt,
     PrettyOpt,
+    StorageOpt,
     StrictOpt,
     bound,
     count,
@@ -22,6 +22,7 @@ from rbtool.cli._common import (
     out,
     print_json,
     progress_bar,
+    reading,
     refuse_output_mix,
     show_progress,
     summary_limit,
@@ -29,8 +30,12 @@ from rbtool.cli._common import (
 
 
 def diff(
-    a: Annotated[Path, typer.Argument(metavar="A", help="A checkpoint or a folder of rank_* checkpoints.")],
-    b: Annotated[Path, typer.Argument(metavar="B", help="The checkpoint or rank tree to compare with A.")],
+    a_arg: Annotated[
+        str, typer.Argument(metavar="A", help="A checkpoint or a folder of rank_* checkpoints (or a URL).")
+    ],
+    b_arg: Annotated[
+        str, typer.Argument(metavar="B", help="The checkpoint or rank tree to compare with A (or a URL).")
+    ],
     deep: Annotated[
         bool,
         typer.Option(
@@ -41,33 +46,40 @@ def diff(
     all_items: AllOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Compare A and B: metadata, entries added/removed/changed, files, schema. Exit 0 equal, 1 not."""
     refuse_output_mix(json, pretty=pretty)
-    from rbtool import compare
+    with (
+        reading(a_arg, storage_option, data=True, enabled=show_progress(json)) as place_a,
+        reading(b_arg, storage_option, data=True, enabled=show_progress(json)) as place_b,
+    ):
+        a, b = place_a.local, place_b.local
+        from rbtool import compare
 
-    with progress_bar("comparing", None, show_progress(json)) as advance:
-        result = compare.diff(a, b, deep=deep, strict=strict, progress=advance)
-    doc = result.as_json()
-    if json:
-        shown = dict(doc)
-        limit = summary_limit(all_items)
-        for key in ("added", "removed", "changed"):
-            bound(shown, key, limit)
-        print_json(shown, pretty)
-    else:
-        render(doc, None if all_items else SUMMARY_ITEMS)
-    if doc["files_unchecked"] and not deep:
-        n = doc["files_unchecked"]
-        is_, was = ("is", "was") if n == 1 else ("are", "were")
-        err.print(
-            f"Warning: {count(n, 'file')} {is_} in different formats and {was} not compared; "
-            "pass --deep to compare their contents",
-            markup=False,
-            highlight=False,
-        )
-    if not doc["equal"]:
-        raise typer.Exit(1)
+        with progress_bar("comparing", None, show_progress(json)) as advance:
+            result = compare.diff(a, b, deep=deep, strict=strict, progress=advance)
+        doc = result.as_json()
+        doc["a"], doc["b"] = place_a.show(doc["a"]), place_b.show(doc["b"])
+        if json:
+            shown = dict(doc)
+            limit = summary_limit(all_items)
+            for key in ("added", "removed", "changed"):
+                bound(shown, key, limit)
+            print_json(shown, pretty)
+        else:
+            render(doc, None if all_items else SUMMARY_ITEMS)
+        if doc["files_unchecked"] and not deep:
+            n = doc["files_unchecked"]
+            is_, was = ("is", "was") if n == 1 else ("are", "were")
+            err.print(
+                f"Warning: {count(n, 'file')} {is_} in different formats and {was} not compared; "
+                "pass --deep to compare their contents",
+                markup=False,
+                highlight=False,
+            )
+        if not doc["equal"]:
+            raise typer.Exit(1)
 
 
 def render(doc: dict[str, Any], limit: int | None = SUMMARY_ITEMS) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -15,6 +14,7 @@ from rbtool.cli._common import (
     JsonOpt,
     PrettyOpt,
     SourceArg,
+    StorageOpt,
     StrictOpt,
     bound,
     bound_state,
@@ -23,18 +23,21 @@ from rbtool.cli._common import (
     out,
     print_json,
     progress_bar,
+    reading,
     refuse_output_mix,
     refuse_overlap,
     show_progress,
     state_table,
     summary_limit,
+    upload_note,
+    writing,
 )
 from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
 
 
 def filter_(
-    source: SourceArg,
-    target: Annotated[Path, typer.Option("--out", "-o", help="Checkpoint directory to write.")],
+    source_arg: SourceArg,
+    target_arg: Annotated[str, typer.Option("--out", "-o", help="Checkpoint directory (or URL) to write.")],
     model_weights_id: Annotated[
         list[str] | None,
         typer.Option(
@@ -79,56 +82,65 @@ def filter_(
     all_items: AllOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Write OUT holding IN's trajectories that match every criterion given (files linked; see --copy)."""
     refuse_output_mix(json, pretty=pretty)
-    from rbtool import filtering
+    with (
+        reading(source_arg, storage_option, data=not dry_run, enabled=show_progress(json)) as src,
+        writing(target_arg, storage_option, overwrite=force, enabled=show_progress(json)) as dst,
+    ):
+        source, target = src.local, dst.local
+        from rbtool import filtering
 
-    refuse_overlap(target, [source], "--out")
-    criteria = filtering.Criteria(
-        model_weights_ids=tuple(model_weights_id or ()),
-        min_version=min_version,
-        max_version=max_version,
-        max_staleness=max_staleness,
-        min_id=min_id,
-        max_id=max_id,
-        last=last,
-        min_samples=min_samples,
-    )
-    with progress_bar("filtering", None, show_progress(json)) as advance:
-        result = filtering.filter_checkpoint(
-            source,
-            target,
-            criteria,
-            strict=strict,
-            dry_run=dry_run,
-            overwrite=force,
-            progress=advance,
-            link=not copy,
+        refuse_overlap(target, [source], "--out")
+        criteria = filtering.Criteria(
+            model_weights_ids=tuple(model_weights_id or ()),
+            min_version=min_version,
+            max_version=max_version,
+            max_staleness=max_staleness,
+            min_id=min_id,
+            max_id=max_id,
+            last=last,
+            min_samples=min_samples,
         )
-    doc: dict[str, Any] = {
-        "source": str(source),
-        "out": str(target),
-        "dry_run": dry_run,
-        "criteria": filtering.describe_criteria(criteria),
-        **result.index.state(),
-        "source_size": result.view.index.size,
-        "dropped_ids": result.dropped,
-        "renumbered": result.view.renumbered,
-        "files": None if dry_run else result.report.as_json(),
-    }
-    if json:
-        shown = bound_state(doc, summary_limit(all_items))
-        bound(shown, "dropped_ids", summary_limit(all_items))
-        print_json(shown, pretty)
-        return
-    action = "would keep" if dry_run else f"kept in {target}"
-    limit = None if all_items else SUMMARY_ITEMS
-    out.print(state_table(f"{source}: {action}", [("kept", doc)], limit))
-    out.print(
-        f"dropped {len(result.dropped)} of {doc['source_size']}: ids {format_ids(result.dropped, limit)}"
-    )
-    if dry_run:
-        dry_run_note(target, f"{trajectories(result.index.size)} kept")
-    else:
-        out.print(f"files: {files_line(doc['files'])}")
+        with progress_bar("filtering", None, show_progress(json)) as advance:
+            result = filtering.filter_checkpoint(
+                source,
+                target,
+                criteria,
+                strict=strict,
+                dry_run=dry_run,
+                overwrite=force,
+                progress=advance,
+                link=not copy,
+            )
+        dst.finish()  # upload before printing (a URL's checkpoint exists only then)
+        doc: dict[str, Any] = {
+            "source": src.show(),
+            "out": dst.show(),
+            "upload": dst.upload,
+            "dry_run": dry_run,
+            "criteria": filtering.describe_criteria(criteria),
+            **result.index.state(),
+            "source_size": result.view.index.size,
+            "dropped_ids": result.dropped,
+            "renumbered": result.view.renumbered,
+            "files": None if dry_run else result.report.as_json(),
+        }
+        if json:
+            shown = bound_state(doc, summary_limit(all_items))
+            bound(shown, "dropped_ids", summary_limit(all_items))
+            print_json(shown, pretty)
+            return
+        action = "would keep" if dry_run else f"kept in {dst.show()}"
+        limit = None if all_items else SUMMARY_ITEMS
+        out.print(state_table(f"{src.show()}: {action}", [("kept", doc)], limit))
+        out.print(
+            f"dropped {len(result.dropped)} of {doc['source_size']}: ids {format_ids(result.dropped, limit)}"
+        )
+        if dry_run:
+            dry_run_note(dst.show(), f"{trajectories(result.index.size)} kept")
+        else:
+            out.print(f"files: {files_line(doc['files'])}")
+            upload_note(dst.upload)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -12,14 +13,18 @@ from rbtool.cli._common import (
     FormatOpt,
     JsonOpt,
     PrettyOpt,
+    StorageOpt,
     files_line,
     format_ids,
+    is_url,
     key_values,
+    local_dir,
     note,
     out,
     print_json,
     progress_bar,
     progress_line,
+    reading,
     refuse_output_mix,
     show_progress,
 )
@@ -43,17 +48,20 @@ def _count_items(sources: list[Path]) -> int | None:
 
 
 def ingest(
-    sources: Annotated[
-        list[Path],
+    source_args: Annotated[
+        list[str],
         typer.Argument(
             metavar="SOURCE",
-            help="Trajectory files (.pt/.pkl), folders of them, or buffer/checkpoint directories, in order.",
+            help="Trajectory files (.pt/.pkl), folders of them, or buffer/checkpoint directories (or their "
+            "URLs), in order.",
             show_default=False,
         ),
     ],
-    buffer: Annotated[
-        Path,
-        typer.Option("--buffer", "-b", help="Buffer directory (auto_save on) to add to; created if needed."),
+    buffer_arg: Annotated[
+        str,
+        typer.Option(
+            "--buffer", "-b", help="Buffer directory (auto_save on) to add to; created if needed (local)."
+        ),
     ],
     trajectory_format: FormatOpt = None,
     recursive: Annotated[
@@ -78,6 +86,7 @@ def ingest(
     dry_run: DryRunOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Add trajectories to a buffer directory; ids continue from its trajectory_counter.
 
@@ -90,74 +99,89 @@ def ingest(
     or --no-progress). Ctrl-C stops after the last published batch and says which ids it holds.
     """
     refuse_output_mix(json, pretty=pretty)
-    from rbtool.errors import UsageError
-    from rbtool.ingestion import ingest as ingest_sources
+    if is_url(buffer_arg):
+        # A buffer takes appends under a lock and publishes each batch by rename; an object
+        # store has neither, so two writers (or a reader during an append) could see a mix.
+        from rbtool.errors import UsageError
 
-    if link and copy:
-        raise UsageError("--link and --copy exclude each other; give one of them")
-
-    def on_wait(holder: str) -> None:
-        note(f"waiting for {buffer} (locked by {holder})")
-
-    def on_published(ids: list[int]) -> None:
-        progress_line(f"added trajectory ids {id_range(ids)}", enabled)
-
-    enabled = show_progress(json)
-    total = _count_items(sources) if enabled else None
-    with progress_bar("checking sources", total, enabled) as advance:
-        result = ingest_sources(
-            sources,
-            buffer,
-            trajectory_format=None if trajectory_format is None else trajectory_format.value,
-            on_wait=on_wait,
-            on_checked=advance,
-            on_published=on_published,
-            recursive=recursive,
-            allow_duplicates=allow_duplicates,
-            link=True if link else False if copy else None,
-            dry_run=dry_run,
+        raise UsageError(
+            f"--buffer {buffer_arg}: a buffer in object storage cannot be appended to safely (no lock, "
+            "no atomic rename); ingest into a local buffer, then `rbtool checkpoint save BUFFER URL`"
         )
+    buffer = local_dir(buffer_arg, "--buffer")
+    with ExitStack() as stack:
+        sources = [
+            stack.enter_context(reading(s, storage_option, data=True, enabled=show_progress(json))).local
+            for s in source_args
+        ]
+        from rbtool.errors import UsageError
+        from rbtool.ingestion import ingest as ingest_sources
 
-    index = result.index
-    doc: dict[str, Any] = {
-        "buffer": str(result.buffer),
-        "added": len(result.added_ids),
-        "trajectory_ids": result.added_ids,
-        "size": index.size,
-        "total_samples": index.total_samples,
-        "trajectory_counter": index.trajectory_counter,
-        "trajectory_format": index.trajectory_format,
-        "files": result.report.as_json(),
-        "removed_leftovers": result.removed_leftovers,
-        "duplicates": result.duplicates,
-        "skipped": [s.as_json() for s in result.skipped],
-        "dry_run": dry_run,
-    }
-    if dry_run:
-        doc["files"] = None
-    if json:
-        print_json(doc, pretty)
-        return
-    ids = result.added_ids
-    rows = [
-        ("added", f"{len(ids)} ({'id' if len(ids) == 1 else 'ids'} {format_ids(ids)})" if ids else "0"),
-        ("size", f"{doc['size']}"),
-        ("total samples", f"{doc['total_samples']}"),
-        ("trajectory counter", f"{doc['trajectory_counter']}"),
-        ("format", doc["trajectory_format"]),
-    ]
-    if not dry_run:
-        rows.append(("files", files_line(doc["files"])))
-    if result.removed_leftovers:
-        rows.append(("removed leftovers", ", ".join(result.removed_leftovers)))
-    if result.skipped:
-        rows.append(("skipped", f"{len(result.skipped)} ({result.duplicates} already in the buffer)"))
-    out.print(key_values(f"{'would ingest' if dry_run else 'ingest'} into {result.buffer}", rows))
-    shown = 20
-    for skipped in result.skipped[:shown]:
-        out.print(f"skipped {skipped.path}: {skipped.reason}", markup=False)
-    if len(result.skipped) > shown:
-        more = len(result.skipped) - shown
-        out.print(f"... and {more} more skipped (--json lists them all)", markup=False)
-    if dry_run:
-        dry_run_note(result.buffer, f"{trajectories(len(ids))} added")
+        if link and copy:
+            raise UsageError("--link and --copy exclude each other; give one of them")
+
+        def on_wait(holder: str) -> None:
+            note(f"waiting for {buffer} (locked by {holder})")
+
+        def on_published(ids: list[int]) -> None:
+            progress_line(f"added trajectory ids {id_range(ids)}", enabled)
+
+        enabled = show_progress(json)
+        total = _count_items(sources) if enabled else None
+        with progress_bar("checking sources", total, enabled) as advance:
+            result = ingest_sources(
+                sources,
+                buffer,
+                trajectory_format=None if trajectory_format is None else trajectory_format.value,
+                on_wait=on_wait,
+                on_checked=advance,
+                on_published=on_published,
+                recursive=recursive,
+                allow_duplicates=allow_duplicates,
+                link=True if link else False if copy else None,
+                dry_run=dry_run,
+            )
+
+        index = result.index
+        doc: dict[str, Any] = {
+            "buffer": str(result.buffer),
+            "added": len(result.added_ids),
+            "trajectory_ids": result.added_ids,
+            "size": index.size,
+            "total_samples": index.total_samples,
+            "trajectory_counter": index.trajectory_counter,
+            "trajectory_format": index.trajectory_format,
+            "files": result.report.as_json(),
+            "removed_leftovers": result.removed_leftovers,
+            "duplicates": result.duplicates,
+            "skipped": [s.as_json() for s in result.skipped],
+            "dry_run": dry_run,
+        }
+        if dry_run:
+            doc["files"] = None
+        if json:
+            print_json(doc, pretty)
+            return
+        ids = result.added_ids
+        rows = [
+            ("added", f"{len(ids)} ({'id' if len(ids) == 1 else 'ids'} {format_ids(ids)})" if ids else "0"),
+            ("size", f"{doc['size']}"),
+            ("total samples", f"{doc['total_samples']}"),
+            ("trajectory counter", f"{doc['trajectory_counter']}"),
+            ("format", doc["trajectory_format"]),
+        ]
+        if not dry_run:
+            rows.append(("files", files_line(doc["files"])))
+        if result.removed_leftovers:
+            rows.append(("removed leftovers", ", ".join(result.removed_leftovers)))
+        if result.skipped:
+            rows.append(("skipped", f"{len(result.skipped)} ({result.duplicates} already in the buffer)"))
+        out.print(key_values(f"{'would ingest' if dry_run else 'ingest'} into {result.buffer}", rows))
+        shown = 20
+        for skipped in result.skipped[:shown]:
+            out.print(f"skipped {skipped.path}: {skipped.reason}", markup=False)
+        if len(result.skipped) > shown:
+            more = len(result.skipped) - shown
+            out.print(f"... and {more} more skipped (--json lists them all)", markup=False)
+        if dry_run:
+            dry_run_note(result.buffer, f"{trajectories(len(ids))} added")

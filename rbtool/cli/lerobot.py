@@ -18,15 +18,18 @@ from rbtool.cli._common import (
     Group,
     JsonOpt,
     PrettyOpt,
+    StorageOpt,
     StrictOpt,
     files_line,
     format_ids,
     key_values,
+    local_path_arg,
     note,
     out,
     print_json,
     progress_bar,
     progress_line,
+    reading,
     refuse_output_mix,
     refuse_overlap,
     show_progress,
@@ -84,11 +87,15 @@ def parse_episodes(text: str | None) -> list[int] | None:
 
 # ------------------------------------------------------------------------ export
 def export(
-    source: Annotated[
-        Path,
-        typer.Argument(metavar="IN", help="A checkpoint, buffer directory or folder of rank_* checkpoints."),
+    source_arg: Annotated[
+        str,
+        typer.Argument(
+            metavar="IN", help="A checkpoint, buffer directory or folder of rank_* checkpoints (or a URL)."
+        ),
     ],
-    target: Annotated[Path, typer.Argument(metavar="OUT", help="Dataset directory to write.")],
+    target: Annotated[
+        Path, typer.Argument(metavar="OUT", help="Dataset directory to write.", parser=local_path_arg)
+    ],
     to: Annotated[ExportFormat, typer.Option("--to", help="Format to write.", show_default=False)],
     fps: Annotated[
         int, typer.Option("--fps", min=1, help="Frames per second of the data.", show_default=False)
@@ -128,105 +135,120 @@ def export(
     dry_run: DryRunOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Write a checkpoint as a LeRobot v3.0 dataset that `rbtool import lerobot` turns back into it.
 
     One episode per (trajectory, env column) segment, split where the done flags end an episode.
     """
     refuse_output_mix(json, pretty=pretty)
-    from rbtool.dirs import open_view
-    from rbtool.errors import RbtoolError, UsageError
-    from rbtool.lerobot import CODEBASE_VERSION, export_lerobot, parse_field_map
+    with reading(source_arg, storage_option, data=True, enabled=show_progress(json)) as src:
+        source = src.local
+        from rbtool.dirs import open_view
+        from rbtool.errors import RbtoolError, UsageError
+        from rbtool.lerobot import CODEBASE_VERSION, export_lerobot, parse_field_map
 
-    refuse_overlap(target, [source], "OUT")
-    if video and not images:
-        raise UsageError("--video needs --images: video features are image fields")
-    mapping = parse_field_map(names or [], "--map")
-    enabled = show_progress(json)
-    total = None
-    if enabled:
-        try:
-            total = 2 * open_view(source, strict=strict).index.size
-        except RbtoolError:
-            total = None  # the export itself reports the problem
-    with progress_bar("exporting trajectories", total, enabled) as advance:
-        result = export_lerobot(
-            source,
-            target,
-            fps=fps,
-            robot_type=robot_type,
-            task=task,
-            names=mapping,
-            images=images,
-            video=video,
-            strict=strict,
-            data_file_size_mb=data_file_size_mb,
-            chunks_size=chunks_size,
-            overwrite=force,
-            progress=advance,
-            dry_run=dry_run,
-        )
-    fields = {feature: field for feature, field in result.columns.items()}
-    doc: dict[str, Any] = {
-        "out": str(result.out),
-        "source": str(result.source),
-        "format": to.value,
-        "codebase_version": CODEBASE_VERSION,
-        "fps": fps,
-        "trajectories": result.trajectories,
-        "episodes": result.episodes,
-        "frames": result.frames,
-        "features": [
-            {"name": name, "dtype": spec["dtype"], "shape": spec["shape"], "field": fields.get(name)}
-            for name, spec in result.features.items()
-        ],
-        "sidecar_fields": result.sidecar_fields,
-        "data_files": result.data_files,
-        "video_files": result.video_files,
-        "episode_files": result.episode_files,
-        "bytes": result.bytes,
-        "dry_run": dry_run,
-    }
-    if dry_run:  # files are only known once written
-        for key in ("data_files", "video_files", "episode_files", "bytes"):
-            doc[key] = None
-    if json:
-        print_json(doc, pretty)
-        return
-    rows = [
-        ("trajectories", f"{result.trajectories}"),
-        ("episodes", f"{result.episodes}"),
-        ("frames", f"{result.frames}"),
-    ]
-    if not dry_run:
-        rows.append(
-            (
-                "files",
-                f"{result.data_files} data, {result.video_files} video, "
-                f"{result.episode_files} episode metadata, {size(result.bytes)}",
+        refuse_overlap(target, [source], "OUT")
+        if video and not images:
+            raise UsageError("--video needs --images: video features are image fields")
+        mapping = parse_field_map(names or [], "--map")
+        enabled = show_progress(json)
+        total = None
+        if enabled:
+            try:
+                total = 2 * open_view(source, strict=strict).index.size
+            except RbtoolError:
+                total = None  # the export itself reports the problem
+        with progress_bar("exporting trajectories", total, enabled) as advance:
+            result = export_lerobot(
+                source,
+                target,
+                fps=fps,
+                robot_type=robot_type,
+                task=task,
+                names=mapping,
+                images=images,
+                video=video,
+                strict=strict,
+                data_file_size_mb=data_file_size_mb,
+                chunks_size=chunks_size,
+                overwrite=force,
+                progress=advance,
+                dry_run=dry_run,
             )
+        fields = {feature: field for feature, field in result.columns.items()}
+        doc: dict[str, Any] = {
+            "out": str(result.out),
+            "source": src.show(result.source),
+            "format": to.value,
+            "codebase_version": CODEBASE_VERSION,
+            "fps": fps,
+            "trajectories": result.trajectories,
+            "episodes": result.episodes,
+            "frames": result.frames,
+            "features": [
+                {"name": name, "dtype": spec["dtype"], "shape": spec["shape"], "field": fields.get(name)}
+                for name, spec in result.features.items()
+            ],
+            "sidecar_fields": result.sidecar_fields,
+            "data_files": result.data_files,
+            "video_files": result.video_files,
+            "episode_files": result.episode_files,
+            "bytes": result.bytes,
+            "dry_run": dry_run,
+        }
+        if dry_run:  # files are only known once written
+            for key in ("data_files", "video_files", "episode_files", "bytes"):
+                doc[key] = None
+        if json:
+            print_json(doc, pretty)
+            return
+        rows = [
+            ("trajectories", f"{result.trajectories}"),
+            ("episodes", f"{result.episodes}"),
+            ("frames", f"{result.frames}"),
+        ]
+        if not dry_run:
+            rows.append(
+                (
+                    "files",
+                    f"{result.data_files} data, {result.video_files} video, "
+                    f"{result.episode_files} episode metadata, {size(result.bytes)}",
+                )
+            )
+        verb = "would export" if dry_run else "export"
+        out.print(
+            key_values(f"{verb} {src.show(result.source)} to LeRobot {CODEBASE_VERSION} {result.out}", rows)
         )
-    verb = "would export" if dry_run else "export"
-    out.print(key_values(f"{verb} {result.source} to LeRobot {CODEBASE_VERSION} {result.out}", rows))
-    columns = [Column("feature"), Column("dtype"), Column("shape"), Column("buffer field", wrap=True)]
-    features = [
-        [Text(item["name"]), item["dtype"], str(item["shape"]), Text(item["field"] or "")]
-        for item in doc["features"]
-    ]
-    out.print(Fitted(columns, features, title="features"))
-    if result.sidecar_fields:
-        out.print(f"kept whole in the sidecar: {', '.join(result.sidecar_fields)}", markup=False)
-    if dry_run:
-        dry_run_note(result.out, f"{result.episodes} episodes, {result.frames} frames")
+        columns = [Column("feature"), Column("dtype"), Column("shape"), Column("buffer field", wrap=True)]
+        features = [
+            [Text(item["name"]), item["dtype"], str(item["shape"]), Text(item["field"] or "")]
+            for item in doc["features"]
+        ]
+        out.print(Fitted(columns, features, title="features"))
+        if result.sidecar_fields:
+            out.print(f"kept whole in the sidecar: {', '.join(result.sidecar_fields)}", markup=False)
+        if dry_run:
+            dry_run_note(result.out, f"{result.episodes} episodes, {result.frames} frames")
 
 
 # ------------------------------------------------------------------------ import
 @import_app.command("lerobot", cls=Command)
 def import_lerobot(
-    source: Annotated[Path, typer.Argument(metavar="IN", help="A LeRobot dataset directory (v3.0 or v2.x).")],
+    source: Annotated[
+        Path,
+        typer.Argument(
+            metavar="IN", help="A LeRobot dataset directory (v3.0 or v2.x).", parser=local_path_arg
+        ),
+    ],
     buffer: Annotated[
         Path,
-        typer.Option("--buffer", "-b", help="Buffer directory (auto_save on) to add to; created if needed."),
+        typer.Option(
+            "--buffer",
+            "-b",
+            help="Buffer directory (auto_save on) to add to; created if needed.",
+            parser=local_path_arg,
+        ),
     ],
     episodes: Annotated[
         str | None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -14,7 +15,9 @@ from rbtool.cli._common import (
     ForceOpt,
     FormatOpt,
     JsonOpt,
+    Place,
     PrettyOpt,
+    StorageOpt,
     StrictOpt,
     bound_state,
     count,
@@ -22,21 +25,34 @@ from rbtool.cli._common import (
     out,
     print_json,
     progress_bar,
+    reading,
     refuse_output_mix,
     refuse_overlap,
     show_progress,
     state_table,
     summary_limit,
+    upload_note,
+    writing,
 )
 from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
 
 
+def _shown(places: dict[Path, Place], path: Path) -> str:
+    """An input checkpoint's name: under the URL it was read from, if it was."""
+    for local, place in places.items():
+        if path == local or local in path.parents:
+            return place.show(path)
+    return str(path)
+
+
 def merge(
-    dirs: Annotated[
-        list[Path],
-        typer.Argument(metavar="DIR", help="Checkpoints, or folders of rank_* checkpoints, in order."),
+    dir_args: Annotated[
+        list[str],
+        typer.Argument(
+            metavar="DIR", help="Checkpoints, or folders of rank_* checkpoints (or URLs), in order."
+        ),
     ],
-    target: Annotated[Path, typer.Option("--out", "-o", help="Checkpoint directory to write.")],
+    target_arg: Annotated[str, typer.Option("--out", "-o", help="Checkpoint directory (or URL) to write.")],
     trajectory_format: FormatOpt = None,
     strict: StrictOpt = True,
     force: ForceOpt = False,
@@ -45,50 +61,65 @@ def merge(
     all_items: AllOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Merge checkpoints: unique ids are kept in input order, colliding ids renumbered from 0."""
     refuse_output_mix(json, pretty=pretty)
-    from rbtool import checkpoint
-    from rbtool.dirs import checkpoint_dirs
-
-    refuse_overlap(target, dirs, "--out")
-
-    inputs = [p for d in dirs for p in checkpoint_dirs(d)]
-    with progress_bar("merging", None, show_progress(json) and not dry_run) as advance:
-        result = checkpoint.merge(
-            dirs,
-            target,
-            strict=strict,
-            trajectory_format=None if trajectory_format is None else trajectory_format.value,
-            overwrite=force,
-            progress=advance,
-            link=not copy,
-            dry_run=dry_run,
+    with ExitStack() as stack:
+        places = [
+            stack.enter_context(reading(d, storage_option, data=not dry_run, enabled=show_progress(json)))
+            for d in dir_args
+        ]
+        dst = stack.enter_context(
+            writing(target_arg, storage_option, overwrite=force, enabled=show_progress(json))
         )
-    index = result.index
-    doc: dict[str, Any] = {
-        "inputs": [str(p) for p in inputs],
-        "out": str(target),
-        "renumbered": result.renumbered,
-        "mapping_file": str(target / checkpoint.MERGE_MAP_FILE) if result.renumbered else None,
-        **index.state(),
-        "trajectory_format": index.trajectory_format,
-        "dry_run": dry_run,
-        "files": None if dry_run else result.report.as_json(),
-    }
-    if json:
-        print_json(bound_state(doc, summary_limit(all_items)), pretty)
-        return
-    out.print(
-        state_table(
-            f"{'would merge' if dry_run else 'merged'} {count(len(inputs), 'checkpoint')} into {target}",
-            [("merged", doc)],
-            None if all_items else SUMMARY_ITEMS,
+        dirs, target = [p.local for p in places], dst.local
+        shown = {p.local: p for p in places}
+        from rbtool import checkpoint
+        from rbtool.dirs import checkpoint_dirs
+
+        refuse_overlap(target, dirs, "--out")
+
+        inputs = [p for d in dirs for p in checkpoint_dirs(d)]
+        with progress_bar("merging", None, show_progress(json) and not dry_run) as advance:
+            result = checkpoint.merge(
+                dirs,
+                target,
+                strict=strict,
+                trajectory_format=None if trajectory_format is None else trajectory_format.value,
+                overwrite=force,
+                progress=advance,
+                link=not copy,
+                dry_run=dry_run,
+            )
+        dst.finish()  # upload before printing (a URL's checkpoint exists only then)
+        index = result.index
+        doc: dict[str, Any] = {
+            "inputs": [_shown(shown, p) for p in inputs],
+            "out": dst.show(),
+            "upload": dst.upload,
+            "renumbered": result.renumbered,
+            "mapping_file": dst.show(target / checkpoint.MERGE_MAP_FILE) if result.renumbered else None,
+            **index.state(),
+            "trajectory_format": index.trajectory_format,
+            "dry_run": dry_run,
+            "files": None if dry_run else result.report.as_json(),
+        }
+        if json:
+            print_json(bound_state(doc, summary_limit(all_items)), pretty)
+            return
+        out.print(
+            state_table(
+                f"{'would merge' if dry_run else 'merged'} {count(len(inputs), 'checkpoint')} "
+                f"into {dst.show()}",
+                [("merged", doc)],
+                None if all_items else SUMMARY_ITEMS,
+            )
         )
-    )
-    if result.renumbered:
-        out.print(f"ids collided and were renumbered; mapping in {doc['mapping_file']}")
-    if dry_run:
-        dry_run_note(target, f"{trajectories(index.size)}, format {doc['trajectory_format']}")
-    else:
-        out.print(f"format {doc['trajectory_format']}; files: {files_line(doc['files'])}")
+        if result.renumbered:
+            out.print(f"ids collided and were renumbered; mapping in {doc['mapping_file']}")
+        if dry_run:
+            dry_run_note(dst.show(), f"{trajectories(index.size)}, format {doc['trajectory_format']}")
+        else:
+            out.print(f"format {doc['trajectory_format']}; files: {files_line(doc['files'])}")
+            upload_note(dst.upload)

@@ -23,6 +23,7 @@ from rbtool.cli._common import (
     head,
     key_values,
     left_out,
+    local_path_arg,
     out,
     print_json,
     progress_bar,
@@ -42,12 +43,18 @@ def repair(
             metavar="PATH",
             help="A damaged checkpoint or buffer directory, or a folder of rank_* checkpoints.",
             show_default=False,
+            parser=local_path_arg,
         ),
     ],
     target: Annotated[
         Path,
         typer.Option(
-            "--out", "-o", metavar="OUT", help="Where to write the repaired checkpoint.", show_default=False
+            "--out",
+            "-o",
+            metavar="OUT",
+            help="Where to write the repaired checkpoint.",
+            show_default=False,
+            parser=local_path_arg,
         ),
     ],
     force: ForceOpt = False,

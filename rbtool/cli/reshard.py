@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -18,6 +17,7 @@ from rbtool.cli._common import (
     PrettyOpt,
     RanksForceOpt,
     SourceArg,
+    StorageOpt,
     StrictOpt,
     WorldSizeOpt,
     bound_state,
@@ -27,11 +27,14 @@ from rbtool.cli._common import (
     out,
     print_json,
     progress_bar,
+    reading,
     refuse_output_mix,
     refuse_overlap,
     show_progress,
     size,
     summary_limit,
+    upload_note,
+    writing,
 )
 from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
 
@@ -44,10 +47,10 @@ class Balance(str, enum.Enum):
 
 
 def reshard(
-    source: SourceArg,
+    source_arg: SourceArg,
     world_size: WorldSizeOpt,
-    target: Annotated[
-        Path, typer.Option("--out", "-o", help="Directory to write rank_0 .. rank_{N-1} into.")
+    target_arg: Annotated[
+        str, typer.Option("--out", "-o", help="Directory (or URL) to write rank_0 .. rank_{N-1} into.")
     ],
     balance: Annotated[
         Balance,
@@ -64,70 +67,81 @@ def reshard(
     all_items: AllOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Write OUT/rank_r for N ranks from IN's trajectories (the merge of its ranks), files linked."""
     refuse_output_mix(json, pretty=pretty)
-    from rbtool import resharding
+    with (
+        reading(source_arg, storage_option, data=not dry_run, enabled=show_progress(json)) as src,
+        writing(target_arg, storage_option, overwrite=force, enabled=show_progress(json)) as dst,
+    ):
+        source, target = src.local, dst.local
+        from rbtool import resharding
 
-    refuse_overlap(target, [source], "--out")
-    with progress_bar("resharding", None, show_progress(json) and not dry_run) as advance:
-        result = resharding.reshard(
-            source,
-            world_size,
-            target,
-            split=balance.value,
-            strict=strict,
-            dry_run=dry_run,
-            overwrite=force,
-            progress=advance,
-            link=not copy,
-        )
-    ranks: list[dict[str, Any]] = [
-        {"path": str(target / f"rank_{p.rank}"), **p.as_json()} for p in result.ranks
-    ]
-    view = result.view
-    doc: dict[str, Any] = {
-        "source": str(source),
-        "source_dirs": [str(d) for d in view.dirs],
-        "renumbered": view.renumbered,
-        "out": str(target),
-        "world_size": world_size,
-        "balance": balance.value,
-        "dry_run": dry_run,
-        "ranks": ranks,
-        "files": None if dry_run else result.report.as_json(),
-    }
-    if json:
-        print_json({**doc, "ranks": [bound_state(r, summary_limit(all_items)) for r in ranks]}, pretty)
-        return
-    action = "would write" if dry_run else "wrote"
-    title = (
-        f"{source} ({count(len(view.dirs), 'checkpoint')}) -> {count(world_size, 'rank')}, balanced by "
-        f"{balance.value}; {action} {target}"
-    )
-    columns = [
-        Column("rank", style="bold"),
-        *(Column(name, right=True) for name in ("trajectories", "samples", "size", "counter")),
-        Column("trajectory ids", wrap=True),
-    ]
-    rows = [
-        [
-            f"rank_{r['rank']}",
-            f"{r['size']}",
-            f"{r['total_samples']}",
-            size(r["bytes"]),
-            f"{r['trajectory_counter']}",
-            format_ids(r["trajectory_id_list"], None if all_items else SUMMARY_ITEMS),
+        refuse_overlap(target, [source], "--out")
+        with progress_bar("resharding", None, show_progress(json) and not dry_run) as advance:
+            result = resharding.reshard(
+                source,
+                world_size,
+                target,
+                split=balance.value,
+                strict=strict,
+                dry_run=dry_run,
+                overwrite=force,
+                progress=advance,
+                link=not copy,
+            )
+        dst.finish()  # upload before printing (a URL's checkpoint exists only then)
+        ranks: list[dict[str, Any]] = [
+            {"path": dst.show(target / f"rank_{p.rank}"), **p.as_json()} for p in result.ranks
         ]
-        for r in ranks
-    ]
-    out.print(Fitted(columns, rows, title=title))
-    if view.renumbered:
-        out.print(
-            "ids collided across the source's ranks and were renumbered; "
-            "mapping in each rank's merge_map.json"
+        view = result.view
+        doc: dict[str, Any] = {
+            "source": src.show(),
+            "source_dirs": [src.show(d) for d in view.dirs],
+            "renumbered": view.renumbered,
+            "out": dst.show(),
+            "upload": dst.upload,
+            "world_size": world_size,
+            "balance": balance.value,
+            "dry_run": dry_run,
+            "ranks": ranks,
+            "files": None if dry_run else result.report.as_json(),
+        }
+        if json:
+            print_json({**doc, "ranks": [bound_state(r, summary_limit(all_items)) for r in ranks]}, pretty)
+            return
+        action = "would write" if dry_run else "wrote"
+        title = (
+            f"{src.show()} ({count(len(view.dirs), 'checkpoint')}) -> {count(world_size, 'rank')}, "
+            f"balanced by {balance.value}; {action} {dst.show()}"
         )
-    if dry_run:
-        dry_run_note(target, f"{world_size} rank directories, {trajectories(sum(r['size'] for r in ranks))}")
-    else:
-        out.print(f"files: {files_line(doc['files'])}")
+        columns = [
+            Column("rank", style="bold"),
+            *(Column(name, right=True) for name in ("trajectories", "samples", "size", "counter")),
+            Column("trajectory ids", wrap=True),
+        ]
+        rows = [
+            [
+                f"rank_{r['rank']}",
+                f"{r['size']}",
+                f"{r['total_samples']}",
+                size(r["bytes"]),
+                f"{r['trajectory_counter']}",
+                format_ids(r["trajectory_id_list"], None if all_items else SUMMARY_ITEMS),
+            ]
+            for r in ranks
+        ]
+        out.print(Fitted(columns, rows, title=title))
+        if view.renumbered:
+            out.print(
+                "ids collided across the source's ranks and were renumbered; "
+                "mapping in each rank's merge_map.json"
+            )
+        if dry_run:
+            dry_run_note(
+                dst.show(), f"{world_size} rank directories, {trajectories(sum(r['size'] for r in ranks))}"
+            )
+        else:
+            out.print(f"files: {files_line(doc['files'])}")
+            upload_note(dst.upload)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.text import Text
@@ -12,12 +12,13 @@ from rich.text import Text
 from rbtool.cli._common import (
     AllOpt,
     Column,
-    ExistingPath,
+    DirArg,
     Fitted,
     JsonOpt,
     KOpt,
     PrettyOpt,
     SeedOpt,
+    StorageOpt,
     Strategy,
     StrategyOpt,
     StrictOpt,
@@ -25,9 +26,12 @@ from rbtool.cli._common import (
     WindowOpt,
     bound,
     count,
+    is_url,
+    local_path_arg,
     out,
     print_json,
     progress_bar,
+    reading,
     refuse_k_without_topk,
     refuse_output_mix,
     refuse_overlap,
@@ -38,6 +42,10 @@ from rbtool.cli._common import (
 )
 from rbtool.cli._window import DEFAULT_WINDOW, window_line
 from rbtool.cli._writing import DryRunOpt, dry_run_note
+
+if TYPE_CHECKING:
+    from rbtool.dirs import CheckpointView
+    from rbtool.remote import IndexMirror
 
 DEFAULT_SEED = 1234  # the buffer's default, used when the checkpoint records no seed
 SHOWN_DRAWS = 16  # draws listed one per row in the human view
@@ -88,8 +96,22 @@ def field_rows(batch: dict[str, Any], prefix: str = "") -> list[dict[str, Any]]:
     return rows
 
 
+def _remote_reads(mirror: IndexMirror | None, view: CheckpointView, strategy: Strategy) -> Any:
+    """For a URL: what to fetch, and when. Uniform draws from a checkpoint whose index records
+    every trajectory's schema read only the drawn trajectories, so only their objects are
+    fetched, once drawn; top-k reads the window's rewards, and unrecorded schemas the window's
+    headers, so then every object is fetched first."""
+    if mirror is None:
+        return None
+    index = view.index
+    if strategy is Strategy.uniform and all(e.get("schema") in index.schemas for e in index.entries.values()):
+        return lambda draw: mirror.fetch([view.file_of(t) for t in set(draw.trajectory_ids)])
+    mirror.fetch()
+    return None
+
+
 def sample(
-    path: ExistingPath,
+    path: DirArg,
     num_chunks: Annotated[
         int, typer.Option("--num-chunks", min=1, help="Rows to draw (clamped to the window).")
     ],
@@ -112,6 +134,7 @@ def sample(
         typer.Option(
             "--out",
             help="Save the batch here with torch.save (written atomically; missing parents are created).",
+            parser=local_path_arg,
         ),
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace the --out file if it exists.")] = False,
@@ -119,6 +142,7 @@ def sample(
     all_items: AllOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Load a checkpoint into a TrajectoryReplayBuffer and draw one batch from its window.
 
@@ -128,7 +152,8 @@ def sample(
     refuse_output_mix(json, pretty=pretty)
     refuse_k_without_topk(strategy, k)
     if out_path is not None:
-        refuse_overlap(out_path, [path], "--out")  # the batch never goes into the checkpoint
+        if not is_url(path):  # the batch never goes into the checkpoint
+            refuse_overlap(out_path, [local_path_arg(path)], "--out")
     else:
         for flag, given in (("--force", force), ("--dry-run", dry_run)):
             if given:
@@ -147,8 +172,12 @@ def sample(
     # The phases are counted; the files the first sample reads (headers of the window's files,
     # when no schema is recorded) are counted as they are read.
     phases = len(SAMPLE_PHASES) if out_path is not None else len(SAMPLE_PHASES) - 1
-    with progress_bar(SAMPLE_PHASES[0], phases, show_progress(json)) as advance:
-        view = open_view(path, strict=strict)
+    with (
+        reading(path, storage_option, data=False) as place,
+        progress_bar(SAMPLE_PHASES[0], phases, show_progress(json)) as advance,
+    ):
+        view = open_view(place.local, strict=strict)
+        before_gather = _remote_reads(place.mirror, view, strategy)
         index = view.index
         missing = view.dropped_ids()
         advance.phase(1, SAMPLE_PHASES[1])
@@ -160,7 +189,9 @@ def sample(
             buffer.random_generator.manual_seed(seed)
         window_ids = buffer.window_ids()
         advance.phase(2, SAMPLE_PHASES[2])
-        draw, batch = buffer.sample_with_draw(num_chunks, strategy.value, k, temperature, progress=advance)
+        draw, batch = buffer.sample_with_draw(
+            num_chunks, strategy.value, k, temperature, progress=advance, before_gather=before_gather
+        )
         if out_path is not None:
             advance.start(phases, SAMPLE_PHASES[3])
             advance.phase(3, SAMPLE_PHASES[3])
@@ -170,7 +201,7 @@ def sample(
     rows = draw.local_indices.tolist()
     widths = [index.entries[t]["shape"][1] for t in tids]
     doc = {
-        "path": str(path),
+        "path": place.show(),
         "seed": used_seed,
         "window": window,
         "window_trajectories": len(window_ids),
@@ -193,6 +224,9 @@ def sample(
         "out": None if out_path is None else str(out_path),
         "out_bytes": written,
         "dry_run": dry_run,
+        "fetched": None
+        if place.mirror is None
+        else {"objects": place.mirror.fetched, "bytes": place.mirror.fetched_bytes},
     }
     if json:
         bound(doc, "missing_ids", summary_limit(all_items))
@@ -242,6 +276,9 @@ def render(doc: dict[str, Any]) -> None:
         counts[tid] = counts.get(tid, 0) + 1
     per_traj = ", ".join(f"{tid}: {n}" for tid, n in sorted(counts.items()))
     out.print(f"draws per trajectory: {per_traj}")
+    if doc["fetched"] is not None:
+        fetched = doc["fetched"]
+        out.print(f"fetched {count(fetched['objects'], 'object')} ({size(fetched['bytes'])})", markup=False)
     if doc["out"] is not None and doc["dry_run"]:
         dry_run_note(doc["out"], size(doc["out_bytes"]))
     elif doc["out"] is not None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -14,6 +13,7 @@ from rbtool.cli._common import (
     JsonOpt,
     PrettyOpt,
     RanksForceOpt,
+    StorageOpt,
     StrictOpt,
     WorldSizeOpt,
     bound_state,
@@ -21,20 +21,25 @@ from rbtool.cli._common import (
     out,
     print_json,
     progress_bar,
+    reading,
     refuse_output_mix,
     refuse_overlap,
     show_progress,
     state_table,
     summary_limit,
+    upload_note,
+    writing,
 )
 from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
 
 
 def shard(
-    ckpt: Annotated[Path, typer.Argument(metavar="CKPT", help="Checkpoint or buffer directory to split.")],
+    ckpt_arg: Annotated[
+        str, typer.Argument(metavar="CKPT", help="Checkpoint or buffer directory (or URL) to split.")
+    ],
     world_size: WorldSizeOpt,
-    target: Annotated[
-        Path, typer.Option("--out", "-o", help="Directory to write rank_0 .. rank_{N-1} into.")
+    target_arg: Annotated[
+        str, typer.Option("--out", "-o", help="Directory (or URL) to write rank_0 .. rank_{N-1} into.")
     ],
     strict: StrictOpt = True,
     force: RanksForceOpt = False,
@@ -43,45 +48,58 @@ def shard(
     all_items: AllOpt = False,
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Write OUT/rank_r for every rank: exactly what a distributed load of CKPT by rank r yields."""
     refuse_output_mix(json, pretty=pretty)
-    from rbtool import checkpoint
+    with (
+        reading(ckpt_arg, storage_option, data=not dry_run, enabled=show_progress(json)) as src,
+        writing(target_arg, storage_option, overwrite=force, enabled=show_progress(json)) as dst,
+    ):
+        ckpt, target = src.local, dst.local
+        from rbtool import checkpoint
 
-    refuse_overlap(target, [ckpt], "--out")
-    with progress_bar("sharding", None, show_progress(json) and not dry_run) as advance:
-        shards, report = checkpoint.shard(
-            ckpt,
-            world_size,
-            target,
-            strict=strict,
-            overwrite=force,
-            progress=advance,
-            link=not copy,
-            dry_run=dry_run,
+        refuse_overlap(target, [ckpt], "--out")
+        with progress_bar("sharding", None, show_progress(json) and not dry_run) as advance:
+            shards, report = checkpoint.shard(
+                ckpt,
+                world_size,
+                target,
+                strict=strict,
+                overwrite=force,
+                progress=advance,
+                link=not copy,
+                dry_run=dry_run,
+            )
+        dst.finish()  # upload before printing (a URL's checkpoint exists only then)
+        ranks: list[dict[str, Any]] = [
+            {"rank": r, "path": dst.show(target / f"rank_{r}"), **part.state()}
+            for r, part in enumerate(shards)
+        ]
+        doc: dict[str, Any] = {
+            "source": src.show(),
+            "out": dst.show(),
+            "upload": dst.upload,
+            "world_size": world_size,
+            "ranks": ranks,
+            "dry_run": dry_run,
+            "files": None if dry_run else report.as_json(),
+        }
+        if json:
+            print_json({**doc, "ranks": [bound_state(r, summary_limit(all_items)) for r in ranks]}, pretty)
+            return
+        out.print(
+            state_table(
+                f"{src.show()} {'would be ' if dry_run else ''}sharded over {world_size} ranks into "
+                f"{dst.show()}",
+                [(f"rank_{r['rank']}", r) for r in ranks],
+                None if all_items else SUMMARY_ITEMS,
+            )
         )
-    ranks: list[dict[str, Any]] = [
-        {"rank": r, "path": str(target / f"rank_{r}"), **part.state()} for r, part in enumerate(shards)
-    ]
-    doc: dict[str, Any] = {
-        "source": str(ckpt),
-        "out": str(target),
-        "world_size": world_size,
-        "ranks": ranks,
-        "dry_run": dry_run,
-        "files": None if dry_run else report.as_json(),
-    }
-    if json:
-        print_json({**doc, "ranks": [bound_state(r, summary_limit(all_items)) for r in ranks]}, pretty)
-        return
-    out.print(
-        state_table(
-            f"{ckpt} {'would be ' if dry_run else ''}sharded over {world_size} ranks into {target}",
-            [(f"rank_{r['rank']}", r) for r in ranks],
-            None if all_items else SUMMARY_ITEMS,
-        )
-    )
-    if dry_run:
-        dry_run_note(target, f"{world_size} rank directories, {trajectories(sum(r['size'] for r in ranks))}")
-    else:
-        out.print(f"files: {files_line(doc['files'])}")
+        if dry_run:
+            dry_run_note(
+                dst.show(), f"{world_size} rank directories, {trajectories(sum(r['size'] for r in ranks))}"
+            )
+        else:
+            out.print(f"files: {files_line(doc['files'])}")
+            upload_note(dst.upload)

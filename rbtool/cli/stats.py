@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Annotated, Any
 
 import typer
@@ -21,6 +22,7 @@ from rbtool.cli._common import (
     PathsArg,
     PrettyOpt,
     SeedOpt,
+    StorageOpt,
     Strategy,
     StrategyOpt,
     TemperatureOpt,
@@ -39,6 +41,7 @@ from rbtool.cli._common import (
     print_json,
     print_jsonl,
     progress_bar,
+    reading,
     refuse_k_without_topk,
     refuse_output_mix,
     show_progress,
@@ -139,6 +142,7 @@ def stats(
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
     jsonl: JsonlOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Show checkpoints or buffer directories: index, trajectories, field schema, data statistics.
 
@@ -167,10 +171,15 @@ def stats(
 
     from rbtool.ranks import input_journal
 
-    def one(path: Any) -> dict[str, Any]:
-        with progress_bar("reading the index", None, enabled) as advance:
-            return collect_stats(
-                path,
+    @contextmanager
+    def one(path: str) -> Iterator[dict[str, Any]]:
+        """The statistics of `path`, named as given (a URL, not the local mirror they were read from)."""
+        with (
+            reading(path, storage_option, data=not index_only, enabled=enabled) as place,
+            progress_bar("reading the index", None, enabled) as advance,
+        ):
+            doc = collect_stats(
+                place.local,
                 window=window,
                 index_only=index_only,
                 bins=bins,
@@ -182,38 +191,44 @@ def stats(
                 as_json=False,  # numpy columns and lazy file names: cut or streamed below
                 read_data=not jsonl,  # JSON Lines list the trajectories, not the data statistics
             )
+            if "path" in doc:
+                doc["path"] = place.show(doc["path"])
+            if doc.get("rank_dirs"):
+                doc["rank_dirs"] = [place.show(d) for d in doc["rank_dirs"]]
+            yield doc
 
     if len(paths) == 1:  # one path: exactly the output (and errors) of a single checkpoint
-        doc = one(paths[0])
-        if jsonl:
-            print_jsonl(trajectory_rows(doc["trajectories"], doc["path"]))
-        elif json:
-            print_json(summarised(doc, summary_limit(all_items)), pretty)
-        else:
-            render(doc, out, every=all_items, wide=wide)
+        with one(paths[0]) as doc:
+            if jsonl:
+                print_jsonl(trajectory_rows(doc["trajectories"], doc["path"]))
+            elif json:
+                print_json(summarised(doc, summary_limit(all_items)), pretty)
+            else:
+                render(doc, out, every=all_items, wide=wide)
         return
 
     documents: list[dict[str, Any]] = []
     failed = shown = 0
     for path in paths:
-        try:
-            doc = one(path)
-        except UsageError:
-            raise
-        except RbtoolError as exc:
-            failed += 1
-            print_error(str(exc))
-            documents.append({"path": str(path), "error": str(exc)})
-            continue
-        if jsonl:
-            print_jsonl(trajectory_rows(doc["trajectories"], doc["path"]))
-        elif json:
-            documents.append(summarised(doc, summary_limit(all_items)))
-        else:
-            if shown:
-                out.print()  # a blank line between sections
-            render(doc, out, every=all_items, wide=wide)
-            shown += 1
+        with ExitStack() as stack:
+            try:
+                doc = stack.enter_context(one(path))
+            except UsageError:
+                raise
+            except RbtoolError as exc:
+                failed += 1
+                print_error(str(exc))
+                documents.append({"path": str(path), "error": str(exc)})
+                continue
+            if jsonl:
+                print_jsonl(trajectory_rows(doc["trajectories"], doc["path"]))
+            elif json:
+                documents.append(summarised(doc, summary_limit(all_items)))
+            else:
+                if shown:
+                    out.print()  # a blank line between sections
+                render(doc, out, every=all_items, wide=wide)
+                shown += 1
     if json:
         print_json({"ok": not failed, "paths": documents}, pretty)
     if failed:

@@ -19,6 +19,7 @@ from rbtool.cli._common import (
     JsonOpt,
     PathsArg,
     PrettyOpt,
+    StorageOpt,
     bound,
     count,
     head,
@@ -30,6 +31,7 @@ from rbtool.cli._common import (
     print_json,
     print_jsonl,
     progress_bar,
+    reading,
     refuse_output_mix,
     show_progress,
     size,
@@ -147,6 +149,7 @@ def verify(
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
     jsonl: JsonlOpt = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Check that checkpoints are consistent; exit 1 if any error is found in any of them.
 
@@ -169,9 +172,12 @@ def verify(
     failed: list[str] = []
     for i, path in enumerate(paths):
         try:
-            with progress_bar("checking index files and listings", None, enabled) as advance:
+            with (
+                reading(path, storage_option, data=deep, enabled=enabled) as place,
+                progress_bar("checking index files and listings", None, enabled) as advance,
+            ):
                 result = run_verify(
-                    path,
+                    place.local,
                     deep=deep,
                     progress=advance if enabled else None,
                     jobs=jobs,
@@ -187,6 +193,10 @@ def verify(
             failed.append(f"{path} (unreadable)")
             documents.append({"path": str(path), "ok": False, "error": str(exc)})
             continue
+        if place.url is not None:  # reports name the URL, not the local mirror they were made from
+            result.path = place.url  # type: ignore[assignment]
+            for report in result.checkpoints:
+                report.path = place.show(report.path)  # type: ignore[assignment]
         if jsonl:
             print_jsonl(problem_rows(result.checkpoints, str(path)))
         elif json:

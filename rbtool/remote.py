@@ -1,0 +1,634 @@
+"""Checkpoints in object storage: fsspec URLs (s3://, gs://, memory:// ...) wherever a directory is taken.
+
+Object stores have no atomic rename, so a remote checkpoint is published by an upload
+protocol (docs/format.md, "Checkpoints in object storage"): the checkpoint is built in a
+local staging directory, then its trajectory objects are uploaded, then the index and
+metadata objects, then a completion marker object last, which records the size and sha256
+of every object. A pending note written first tells readers that an upload is under way
+or was killed; they refuse such a checkpoint until a rerun completes it.
+
+Readers work on local mirrors: `index_mirror` holds the JSON objects and, for every other
+object, a sparse stand-in of its recorded size (what the quick checks read: names and
+sizes); `data_mirror` copies every object into a bounded local cache, verified against the
+marker. fsspec (and s3fs for s3://) is imported only when a URL is used: local paths never
+load it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rbtool.errors import CheckpointError, OutputExistsError, RbtoolError, UsageError
+from rbtool.format import INDEX_FILE, LEGACY_INDEX_FILE, MERGE_MAP_FILE, METADATA_FILE, one_line
+
+MARKER = "rbtool-upload-complete.json"  # written last: the upload is whole
+PENDING = "rbtool-upload-pending.json"  # written first: an upload is under way (or was killed)
+MARKER_FORMAT = "rbtool-upload"
+MARKER_VERSION = 1
+_CONTROL = (MARKER, PENDING)
+_JSON_OBJECTS = (METADATA_FILE, INDEX_FILE, LEGACY_INDEX_FILE, MERGE_MAP_FILE)
+_CHUNK = 1 << 20
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+DEFAULT_CACHE_BYTES = 20 << 30
+Progress = Callable[[int], None]
+
+
+# ------------------------------------------------------------------ URLs and options
+def is_url(value: str | os.PathLike[str]) -> bool:
+    """True for a URL naming object storage (`scheme://...`); file:// URLs and plain paths are local."""
+    return isinstance(value, str) and bool(_URL.match(value)) and not value.lower().startswith("file://")
+
+
+def local_path(value: str | os.PathLike[str]) -> Path:
+    """A local path as given; a file:// URL becomes its path."""
+    if isinstance(value, str) and value.lower().startswith("file://"):
+        from urllib.parse import unquote, urlsplit
+
+        parts = urlsplit(value)
+        if parts.netloc not in ("", "localhost"):
+            raise UsageError(f"{value}: a file:// URL names this machine (file:///path)")
+        return Path(unquote(parts.path))
+    return Path(value)
+
+
+def parse_storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
+    """`key=value` pairs as fsspec storage options: a value that parses as JSON is that value, else a string.
+
+    A dotted key nests (`client_kwargs.region_name=eu-west-1`).
+    """
+    options: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, sep, text = pair.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"storage option {pair!r}: expected key=value")
+        try:
+            value: Any = json.loads(text)
+        except ValueError:
+            value = text
+        *outer, last = key.strip().split(".")
+        place = options
+        for part in outer:
+            nested = place.setdefault(part, {})
+            if not isinstance(nested, dict):
+                raise UsageError(f"storage option {pair!r}: {part} is already set to a value")
+            place = nested
+        place[last] = value
+    return options
+
+
+@dataclass
+class Remote:
+    """A directory in object storage: the filesystem and the path in it (no trailing slash)."""
+
+    url: str
+    fs: Any
+    root: str
+
+    def key(self, rel: str) -> str:
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def child(self, name: str) -> Remote:
+        return Remote(f"{self.url.rstrip('/')}/{name}", self.fs, self.key(name))
+
+
+def open_remote(url: str, options: dict[str, Any] | None = None) -> Remote:
+    """The fsspec filesystem for `url`, with `options` on top of the environment's configuration."""
+    try:
+        import fsspec
+        from fsspec.core import url_to_fs
+    except ImportError:
+        raise RbtoolError(f"{url}: URLs need fsspec; install rbtool[s3] (pip install 'rbtool[s3]')") from None
+    del fsspec
+    try:
+        fs, root = url_to_fs(url, **(options or {}))
+    except ImportError as exc:  # the scheme's fsspec package is missing (s3fs, gcsfs, ...)
+        hint = "; install rbtool[s3]" if url.lower().startswith(("s3://", "s3a://")) else ""
+        raise RbtoolError(f"{url}: {one_line(str(exc))}{hint}") from None
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"{url}: {exc}") from None
+    return Remote(url.rstrip("/"), fs, str(root).rstrip("/"))
+
+
+def _listing(remote: Remote) -> dict[str, dict[str, Any]]:
+    """Relative name -> info of every object under the remote directory (empty if there is none)."""
+    try:
+        found = remote.fs.find(remote.root, detail=True)
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        raise CheckpointError(f"{remote.url}: {exc}") from None
+    prefix = remote.root + "/"
+    return {
+        name[len(prefix) :]: info
+        for name, info in found.items()
+        if name.startswith(prefix) and info.get("type", "file") != "directory"
+    }
+
+
+def _start(progress: Progress | None, total: int, description: str) -> None:
+    """Tell a progress callback with a `start(total, description)` method that a counted phase begins."""
+    start = getattr(progress, "start", None)
+    if start is not None:
+        start(total, description)
+
+
+# ------------------------------------------------------------------ hashes
+@dataclass(frozen=True)
+class Digest:
+    size: int
+    sha256: str
+    md5: str | None = None
+
+
+def digest_file(path: Path) -> Digest:
+    """Size, sha256 and md5 of a local file, read a block at a time."""
+    sha, md5 = hashlib.sha256(), hashlib.md5(usedforsecurity=False)
+    size = 0
+    with open(path, "rb") as f:
+        while block := f.read(_CHUNK):
+            sha.update(block)
+            md5.update(block)
+            size += len(block)
+    return Digest(size, sha.hexdigest(), md5.hexdigest())
+
+
+def _remote_sha256(remote: Remote, rel: str) -> str:
+    sha = hashlib.sha256()
+    with remote.fs.open(remote.key(rel), "rb", block_size=_CHUNK) as f:
+        while block := f.read(_CHUNK):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def _etag_md5(info: dict[str, Any]) -> str | None:
+    """The md5 an S3-like store reports for a single-part object (its ETag), else None."""
+    etag = str(info.get("ETag") or info.get("etag") or "").strip('"').lower()
+    return etag if re.fullmatch(r"[0-9a-f]{32}", etag) else None
+
+
+def _matches(remote: Remote, rel: str, info: dict[str, Any] | None, want: Digest) -> bool:
+    """True if the remote object already holds exactly `want` (size, then md5 ETag or a streamed sha256)."""
+    if info is None or int(info.get("size") or 0) != want.size:
+        return False
+    etag = _etag_md5(info)
+    if etag is not None and want.md5 is not None:
+        return etag == want.md5
+    return _remote_sha256(remote, rel) == want.sha256
+
+
+# ------------------------------------------------------------------ the marker
+def _marker_doc(digests: dict[str, Digest]) -> bytes:
+    doc = {
+        "format": MARKER_FORMAT,
+        "version": MARKER_VERSION,
+        "files": {rel: {"size": d.size, "sha256": d.sha256} for rel, d in sorted(digests.items())},
+    }
+    return json.dumps(doc, indent=1).encode() + b"\n"
+
+
+def _read_marker(remote: Remote, rel: str) -> dict[str, Digest]:
+    where = f"{remote.url}/{rel}"
+    try:
+        doc = json.loads(remote.fs.cat_file(remote.key(rel)))
+        if doc.get("format") != MARKER_FORMAT or doc.get("version") != MARKER_VERSION:
+            raise ValueError(f"format {doc.get('format')!r} version {doc.get('version')!r}")
+        return {
+            str(name): Digest(int(entry["size"]), str(entry["sha256"]))
+            for name, entry in doc["files"].items()
+        }
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{where}: not an rbtool completion marker ({exc})") from None
+
+
+# ------------------------------------------------------------------ writing
+def check_target(remote: Remote, *, overwrite: bool) -> None:
+    """Refuse to write over a checkpoint (unless `overwrite`), and over objects that are not one at all.
+
+    An incomplete rbtool upload (a pending note, no marker) is always continued.
+    """
+    listing = _listing(remote)
+    if not listing or PENDING in listing:
+        return
+    if not (MARKER in listing or _looks_like_checkpoint(listing)):
+        # as for a local target, --force replaces only a checkpoint (or an empty place)
+        raise CheckpointError(
+            f"{remote.url}: holds {len(listing)} objects that are not a checkpoint; choose another URL"
+        )
+    if not overwrite:
+        raise OutputExistsError(f"{remote.url}: already holds a checkpoint")
+
+
+def _looks_like_checkpoint(listing: dict[str, Any]) -> bool:
+    """True if every object is a checkpoint's file, here or in `rank_<r>/` (another tool's upload)."""
+    from rbtool.format import parse_trajectory_file_name
+
+    def part(rel: str) -> bool:
+        parts = rel.split("/")
+        if len(parts) == 2 and re.fullmatch(r"rank_\d+", parts[0]):
+            parts = parts[1:]
+        return len(parts) == 1 and (
+            parts[0] in _JSON_OBJECTS or parse_trajectory_file_name(parts[0]) is not None
+        )
+
+    names = [rel for rel in listing if rel not in _CONTROL]
+    return bool(names) and all(part(rel) for rel in names)
+
+
+def upload_dir(
+    local: Path,
+    remote: Remote,
+    *,
+    overwrite: bool = False,
+    jobs: int | None = None,
+    progress: Progress | None = None,
+) -> dict[str, int]:
+    """Publish the local directory `local` at `remote` by the upload protocol; returns counts and bytes.
+
+    Objects already there with the right size and content are kept (a rerun after a kill
+    continues where the upload stopped); objects not in `local` are removed before the marker.
+    """
+    check_target(remote, overwrite=overwrite)
+    files = sorted(
+        str(p.relative_to(local)) for p in local.rglob("*") if p.is_file() and p.name not in _CONTROL
+    )
+    workers = jobs or min(16, (os.cpu_count() or 1) * 4)
+    with ThreadPoolExecutor(workers) as pool:
+        digests = dict(zip(files, pool.map(lambda rel: digest_file(local / rel), files), strict=True))
+    _start(progress, len(files), "uploading")
+    listing = _listing(remote)
+    if MARKER in listing:  # replacing a complete checkpoint: from now on it is incomplete
+        remote.fs.rm_file(remote.key(MARKER))
+    if PENDING not in listing:
+        remote.fs.pipe_file(remote.key(PENDING), json.dumps({"format": MARKER_FORMAT}).encode() + b"\n")
+
+    def rank(rel: str) -> int:
+        name = rel.rsplit("/", 1)[-1]
+        return 2 if name == METADATA_FILE else 1 if name in _JSON_OBJECTS else 0
+
+    counts = {"uploaded": 0, "kept": 0, "removed": 0, "bytes": 0}
+
+    def put(rel: str) -> bool:
+        try:
+            if _matches(remote, rel, listing.get(rel), digests[rel]):
+                return False
+            remote.fs.put_file(str(local / rel), remote.key(rel))
+        except OSError as exc:
+            raise CheckpointError(
+                f"{remote.url}/{rel}: upload failed ({exc.strerror or exc}); rerun the command to continue"
+            ) from None
+        return True
+
+    with ThreadPoolExecutor(workers) as pool:
+        for phase in (0, 1, 2):  # trajectory objects, then the index, then metadata
+            batch = [rel for rel in files if rank(rel) == phase]
+            for rel, sent in zip(batch, pool.map(put, batch), strict=True):
+                counts["uploaded" if sent else "kept"] += 1
+                counts["bytes"] += digests[rel].size if sent else 0
+                if progress is not None:
+                    progress(1)
+    stale = [rel for rel in listing if rel not in digests and rel not in _CONTROL]
+    for rel in stale:
+        remote.fs.rm_file(remote.key(rel))
+    counts["removed"] = len(stale)
+    remote.fs.pipe_file(remote.key(MARKER), _marker_doc(digests))
+    remote.fs.rm_file(remote.key(PENDING))
+    return counts
+
+
+def cache_root() -> Path:
+    """Where mirrors and staging directories live: $RBTOOL_CACHE_DIR, else ~/.cache/rbtool/remote."""
+    configured = os.environ.get("RBTOOL_CACHE_DIR")
+    base = Path(configured) if configured else Path.home() / ".cache" / "rbtool" / "remote"
+    base.mkdir(parents=True, exist_ok=True)
+    return base
+
+
+@contextmanager
+def _scratch(name: str) -> Iterator[Path]:
+    """A fresh directory in the cache, removed afterwards; those a killed run left are removed first."""
+    from rbtool.fsutil import new_staging_dir
+
+    path = new_staging_dir(cache_root() / name)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def cache_bytes() -> int:
+    """The most bytes the cache holds: $RBTOOL_CACHE_BYTES (default 20 GiB)."""
+    text = os.environ.get("RBTOOL_CACHE_BYTES")
+    if not text:
+        return DEFAULT_CACHE_BYTES
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"RBTOOL_CACHE_BYTES={text!r}: expected a number of bytes") from None
+
+
+@dataclass
+class Staging:
+    """A local path (not yet created) to build a checkpoint or rank tree in, and its upload."""
+
+    local: Path
+    remote: Remote
+    overwrite: bool
+    jobs: int | None = None
+    progress: Progress | None = None
+    counts: dict[str, int] | None = None
+
+    def publish(self) -> dict[str, int]:
+        """Upload what was built (once); nothing when nothing was built (a dry run)."""
+        if self.counts is None:
+            self.counts = {"uploaded": 0, "kept": 0, "removed": 0, "bytes": 0}
+            if self.local.exists():
+                drop_link_records(self.local)
+                self.counts = upload_dir(
+                    self.local, self.remote, overwrite=self.overwrite, jobs=self.jobs, progress=self.progress
+                )
+        return self.counts
+
+
+def drop_link_records(local: Path) -> None:
+    """Rewrite the indexes under `local` without `link` records (entries of hard-linked files).
+
+    A link record is a local file's identity (inode, size, mtime): in object storage it names
+    nothing, and a copy read back whose inode happened to match would be reported as written
+    in place.
+    """
+    from rbtool.index import read_index, write_index
+
+    for metadata in sorted(local.rglob(METADATA_FILE)):
+        index = read_index(metadata.parent)
+        if any("link" in entry for entry in index.entries.values()):
+            for entry in index.entries.values():
+                entry.pop("link", None)
+            write_index(metadata.parent, index)
+
+
+@contextmanager
+def writing(
+    url: str,
+    options: dict[str, Any] | None = None,
+    *,
+    overwrite: bool = False,
+    jobs: int | None = None,
+    progress: Progress | None = None,
+) -> Iterator[Staging]:
+    """Build a checkpoint locally and publish it at `url`: at `Staging.publish()`, else when the block ends.
+
+    The target is checked before anything is built; if the block raises, nothing is uploaded.
+    """
+    remote = open_remote(url, options)
+    check_target(remote, overwrite=overwrite)
+    with _scratch("upload") as tmp:
+        staging = Staging(tmp / "out", remote, overwrite, jobs, progress)
+        yield staging
+        staging.publish()
+
+
+# ------------------------------------------------------------------ reading
+@dataclass
+class RemoteCheckpoint:
+    """What a reader found at a URL: its objects with sizes and (for rbtool uploads) sha256."""
+
+    remote: Remote
+    objects: dict[str, Digest | None]  # relative name -> recorded digest (None: size only, from the store)
+    sizes: dict[str, int]
+    complete: bool  # an rbtool upload with its marker (False: written by another tool)
+
+
+def inspect(url: str, options: dict[str, Any] | None = None) -> RemoteCheckpoint:
+    """List a remote checkpoint and check it against its completion marker.
+
+    Refuses an rbtool upload without its marker (killed or under way) and objects that are
+    missing or of another size than the marker records. A rank directory inside an uploaded
+    rank tree is covered by the tree's marker (in its parent).
+    """
+    remote = open_remote(url, options)
+    listing = _listing(remote)
+    if not listing:
+        raise CheckpointError(f"{url}: no such checkpoint (no objects under it)")
+    parent_prefix = ""
+    marker_of: tuple[Remote, str] | None = None
+    pending = PENDING in listing
+    if MARKER in listing:
+        marker_of = (remote, MARKER)
+    elif not pending and "/" in remote.root:
+        parent = Remote(url.rsplit("/", 1)[0], remote.fs, remote.root.rsplit("/", 1)[0])
+        name = remote.root.rsplit("/", 1)[1]
+        if remote.fs.exists(parent.key(MARKER)):
+            marker_of, parent_prefix = (parent, MARKER), name + "/"
+        elif remote.fs.exists(parent.key(PENDING)):
+            pending = True
+    if marker_of is None and pending:
+        raise CheckpointError(
+            f"{url}: incomplete upload (no {MARKER}): the command that wrote it was interrupted or is "
+            "still running; rerun the command"
+        )
+    sizes = {rel: int(info.get("size") or 0) for rel, info in listing.items() if rel not in _CONTROL}
+    if marker_of is None:
+        return RemoteCheckpoint(remote, dict.fromkeys(sizes), sizes, complete=False)
+    recorded = _read_marker(*marker_of)
+    if parent_prefix:
+        recorded = {
+            rel[len(parent_prefix) :]: d for rel, d in recorded.items() if rel.startswith(parent_prefix)
+        }
+    wrong = [rel for rel, d in recorded.items() if sizes.get(rel) != d.size]
+    if wrong:
+        shown = ", ".join(wrong[:5]) + (" ..." if len(wrong) > 5 else "")
+        raise CheckpointError(
+            f"{url}: {len(wrong)} object(s) missing or of another size than {MARKER} records ({shown})"
+        )
+    return RemoteCheckpoint(remote, dict(recorded), {rel: d.size for rel, d in recorded.items()}, True)
+
+
+def _fetch(ckpt: RemoteCheckpoint, rel: str, dst: Path, *, in_place: bool = False) -> None:
+    """Copy one object to `dst` (streamed, through a temporary name), checked against its record.
+
+    `in_place` writes the checked bytes into the existing file `dst` (same inode), so that a
+    reader that already holds it open (a loaded buffer pins its files) reads them.
+    """
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.part-{os.getpid()}")
+    try:
+        ckpt.remote.fs.get_file(ckpt.remote.key(rel), str(tmp))
+        got = digest_file(tmp)
+        want = ckpt.objects[rel]
+        if got.size != ckpt.sizes[rel] or (want is not None and got.sha256 != want.sha256):
+            raise CheckpointError(
+                f"{ckpt.remote.url}/{rel}: the object read back does not match its recorded size and "
+                "sha256 (changed during the read?); rerun"
+            )
+        if in_place:
+            with open(tmp, "rb") as src, open(dst, "r+b") as f:
+                shutil.copyfileobj(src, f, _CHUNK)
+        else:
+            os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@dataclass
+class IndexMirror:
+    """A local copy of a remote checkpoint's JSON objects; every other object stands in by name and size.
+
+    The stand-ins are sparse files of the recorded size that hold no data: what the quick
+    checks read (names and sizes) is right, and `fetch` replaces stand-ins by the objects
+    (verified) before anything reads their bytes.
+    """
+
+    path: Path
+    checkpoint: RemoteCheckpoint
+    jobs: int | None = None
+    fetched: int = 0  # objects fetched beyond the JSON ones
+    fetched_bytes: int = 0
+    _done: set[str] = field(init=False, default_factory=set)  # objects that are here, not stood in for
+
+    def fetch(self, paths: Sequence[Path] | None = None) -> None:
+        """Replace the stand-ins of `paths` (under `self.path`; None: every object) by the objects."""
+        done = self._done
+        if paths is None:
+            names = list(self.checkpoint.sizes)
+        else:
+            names = [p.relative_to(self.path).as_posix() for p in paths]
+        todo = sorted({rel for rel in names if rel not in done})
+
+        def get(rel: str) -> None:
+            _fetch(self.checkpoint, rel, self.path / rel, in_place=True)
+
+        with ThreadPoolExecutor(self.jobs or min(16, (os.cpu_count() or 1) * 4)) as pool:
+            list(pool.map(get, todo))
+        done.update(todo)
+        self.fetched += len(todo)
+        self.fetched_bytes += sum(self.checkpoint.sizes[rel] for rel in todo)
+
+    def __post_init__(self) -> None:
+        self._done.update(rel for rel in self.checkpoint.sizes if rel.rsplit("/", 1)[-1] in _JSON_OBJECTS)
+
+
+@contextmanager
+def index_mirror(url: str, options: dict[str, Any] | None = None) -> Iterator[IndexMirror]:
+    """A temporary IndexMirror of `url`, removed on exit.
+
+    For the commands that read only the index and the listing (names and sizes), nothing
+    but the JSON objects (and the marker) is read from the store; `sample` fetches the
+    objects of the trajectories it draws, and nothing else.
+    """
+    ckpt = inspect(url, options)
+    with _scratch("index") as tmp:
+        root = tmp / "ckpt"
+        root.mkdir()
+        for rel, size in ckpt.sizes.items():
+            dst = root / rel
+            if rel.rsplit("/", 1)[-1] in _JSON_OBJECTS:
+                _fetch(ckpt, rel, dst)
+            else:
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                with open(dst, "wb") as f:
+                    f.truncate(size)
+        yield IndexMirror(root, ckpt)
+
+
+def _mirror_state(mirror: Path) -> dict[str, Any]:
+    try:
+        return dict(json.loads((mirror / ".rbtool-mirror.json").read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _make_room(root: Path, keep: Path, needed: int, limit: int) -> None:
+    """Remove least recently used mirrors (never `keep`) until `needed` more bytes fit under `limit`."""
+    mirrors = [p for p in root.glob("mirror-*") if p.is_dir() and p != keep]
+    used = sum(_dir_bytes(p) for p in mirrors) + (_dir_bytes(keep) if keep.exists() else 0)
+    for old in sorted(mirrors, key=lambda p: p.stat().st_mtime):
+        if used + needed <= limit:
+            break
+        used -= _dir_bytes(old)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def data_mirror(
+    url: str,
+    options: dict[str, Any] | None = None,
+    *,
+    jobs: int | None = None,
+    progress: Progress | None = None,
+) -> Iterator[Path]:
+    """A local copy of every object at `url` in the bounded cache ($RBTOOL_CACHE_DIR, $RBTOOL_CACHE_BYTES).
+
+    Objects are copied streamed and in parallel, each checked against the marker's size and
+    sha256; a copy a previous run verified is reused while the marker records the same
+    digest and the copy's size, inode and mtime are those it had then (an output that
+    hard-links it may have been written in place). Least recently used mirrors of other
+    URLs are removed to stay under the bound.
+    """
+    ckpt = inspect(url, options)
+    root = cache_root()
+    mirror = root / ("mirror-" + hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:24])
+    limit = cache_bytes()
+    needed = sum(ckpt.sizes.values())
+    if needed > limit:
+        raise CheckpointError(
+            f"{url}: {needed} bytes do not fit the local cache ({limit} bytes); raise RBTOOL_CACHE_BYTES"
+        )
+    state = _mirror_state(mirror)
+    known: dict[str, Any] = state.get("files", {}) if state.get("url") == url else {}
+
+    def identity(path: Path) -> list[int] | None:
+        """What tells a verified copy is untouched since: size, inode, mtime (outputs may hard-link it)."""
+        try:
+            info = path.stat()
+        except OSError:
+            return None
+        return [info.st_size, info.st_ino, info.st_mtime_ns]
+
+    def fresh(rel: str) -> bool:
+        want, seen = ckpt.objects[rel], known.get(rel)
+        return (
+            want is not None
+            and seen is not None
+            and seen.get("sha256") == want.sha256
+            and seen.get("identity") == identity(mirror / "ckpt" / rel)
+            and seen["identity"][0] == want.size
+        )
+
+    todo = [rel for rel in ckpt.sizes if not fresh(rel)]
+    _start(progress, len(todo), f"fetching {url}")
+    _make_room(root, mirror, sum(ckpt.sizes[rel] for rel in todo), limit)
+    (mirror / "ckpt").mkdir(parents=True, exist_ok=True)
+    for stale in (mirror / "ckpt").rglob("*"):
+        rel = str(stale.relative_to(mirror / "ckpt"))
+        if stale.is_file() and rel not in ckpt.sizes:
+            stale.unlink()
+
+    def get(rel: str) -> None:
+        _fetch(ckpt, rel, mirror / "ckpt" / rel)
+        if progress is not None:
+            progress(1)
+
+    with ThreadPoolExecutor(jobs or min(16, (os.cpu_count() or 1) * 4)) as pool:
+        list(pool.map(get, todo))
+    files = {
+        rel: {"sha256": d.sha256, "identity": identity(mirror / "ckpt" / rel)}
+        for rel, d in ckpt.objects.items()
+        if d is not None
+    }
+    (mirror / ".rbtool-mirror.json").write_text(json.dumps({"url": url, "files": files}))
+    os.utime(mirror)
+    yield mirror / "ckpt"
