@@ -309,11 +309,12 @@ def test_ctrl_c_mid_ingest_says_which_ids_the_buffer_holds(tmp_path: Path) -> No
     loose_sources(tmp_path / "src", 600)
     buffer = tmp_path / "buffer"
     status, lines = interrupt(["ingest", "src", "-b", buffer, "--format", "pkl"], "first line", tmp_path)
-    assert lines[0].startswith("added trajectory ids 0-"), lines  # a batch was published
+    assert re.fullmatch(r"added trajectory ids 0(-\d+)?", lines[0]), lines  # a batch was published
     assert status == 130, lines
     held = read_index(buffer).id_list
     assert 0 < len(held) < 600  # interrupted between the first batch and the last
-    assert lines[-1] == f"interrupted: the buffer {buffer} holds ids 0-{held[-1]}; nothing half-written"
+    ids = "0" if len(held) == 1 else f"0-{held[-1]}"  # a loaded machine may publish a batch of one first
+    assert lines[-1] == f"interrupted: the buffer {buffer} holds ids {ids}; nothing half-written"
     assert held == list(range(len(held)))
     assert not [p for p in verify_checkpoint(buffer).problems if p.severity == "error"]
     assert len(list(buffer.glob("trajectory_*_*"))) == len(held)  # no file beyond the index
