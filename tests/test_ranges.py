@@ -50,14 +50,19 @@ def test_merge_and_subtract_agree_with_byte_sets() -> None:
     assert merge([(0, 4), (10, 12)], gap=5) == [(0, 4), (10, 12)]
 
 
-def _large_checkpoint(root: Path, n: int = 12, fmt: str = "pt") -> Path:
+def _large_checkpoint(root: Path, n: int = 12, fmt: str = "pt", depth: bool = True) -> Path:
     """A checkpoint of files far larger than what a few drawn rows need (64x64 images per row)."""
     import torch
 
     loose = root / "loose"
     loose.mkdir()
     for i in range(n):
-        torch.save(make_traj(t=8, b=4, seed=i, image=64, model_weights_id=f"w{i}"), loose / f"t{i}.pt")
+        # `depth` is no field of RLinf's Trajectory: sampled with --all-fields only
+        extra = (
+            {"depth": torch.rand(8, 4, 32, 32, generator=torch.Generator().manual_seed(i))} if depth else {}
+        )
+        traj = make_traj(t=8, b=4, seed=i, image=64, model_weights_id=f"w{i}", **extra)
+        torch.save(traj, loose / f"t{i}.pt")
     out = root / "ckpt"
     assert run("checkpoint", "save", loose, out, "--window", "0").exit_code == 0
     if fmt == "pkl":
@@ -88,6 +93,14 @@ def test_sample_reads_only_the_ranges_it_needs_bit_for_bit(bucket: str, tmp_path
     assert got["fetched"]["objects"] == len(drawn)
     # the zip tail, directory, data.pkl, small-row fields and the drawn image rows: a small part
     assert 0 < got["fetched"]["bytes"] < drawn_bytes // 10
+    # --all-fields samples the fields left out by default: their ranges are fetched as well
+    wide = ["--num-chunks", "5", "--seed", "8", "--all-fields"]
+    assert "depth" not in {f["field"] for f in local["fields"]}
+    wide_local = run_json("sample", ckpt, *wide, "--out", tmp_path / "c.pt")
+    assert "depth" in {f["field"] for f in wide_local["fields"]}
+    wide_got = run_json("sample", url, *wide, "--out", tmp_path / "d.pt")
+    assert wide_got["draws"] == wide_local["draws"] and wide_got["fetched"]["bytes"] > 0
+    assert_batches_equal(torch.load(tmp_path / "d.pt"), torch.load(tmp_path / "c.pt"))
     # the human view says the same
     human = run("sample", url, *args)
     assert human.exit_code == 0, human.stderr
@@ -149,7 +162,7 @@ def test_pkl_trajectories_are_fetched_whole(bucket: str, tmp_path: Path) -> None
 
 
 def test_a_changed_record_is_caught_by_its_crc(bucket: str, tmp_path: Path) -> None:
-    ckpt = _large_checkpoint(tmp_path, n=3)
+    ckpt = _large_checkpoint(tmp_path, n=3, depth=False)
     url = f"{bucket}/large"
     run_json("checkpoint", "save", ckpt, url, "--window", "0")
     r = remote.open_remote(url)
@@ -166,7 +179,7 @@ def test_a_changed_record_is_caught_by_its_crc(bucket: str, tmp_path: Path) -> N
 def test_the_ranges_fetched_stay_within_the_cache_bound(
     bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ckpt = _large_checkpoint(tmp_path, n=3)
+    ckpt = _large_checkpoint(tmp_path, n=3, depth=False)
     url = f"{bucket}/large"
     run_json("checkpoint", "save", ckpt, url, "--window", "0")
     monkeypatch.setenv("RBTOOL_CACHE_BYTES", "4096")
