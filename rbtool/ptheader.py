@@ -169,7 +169,8 @@ def _tensor_problem(size: tuple[int, ...], stride: tuple[int, ...], offset: int,
 _EOCD = struct.Struct("<4s4xHHIIH")  # signature, entries on disk, entries, cd size, cd offset, comment
 _ZIP64_LOCATOR = struct.Struct("<4sIQI")
 _ZIP64_EOCD = struct.Struct("<4sQHHIIQQQQ")
-_CENTRAL = struct.Struct("<4s6xH8xIIHHH8xI")  # sig, method, comp, size, name/extra/comment lengths, offset
+# sig, method, crc32, comp, size, name/extra/comment lengths, offset
+_CENTRAL = struct.Struct("<4s6xH4xIIIHHH8xI")
 _TAIL = 1 << 16
 
 
@@ -177,6 +178,7 @@ class _Record(NamedTuple):
     size: int
     stored: bool
     header_offset: int
+    crc32: int = 0
 
 
 class _Archive:
@@ -232,8 +234,8 @@ class _Archive:
         for _ in range(count):
             if pos + _CENTRAL.size > len(directory):
                 raise TrajectoryFileError(f"{self.path}: the zip directory is damaged")
-            signature, method, comp, size, name_len, extra_len, comment_len, offset = _CENTRAL.unpack_from(
-                directory, pos
+            signature, method, crc, comp, size, name_len, extra_len, comment_len, offset = (
+                _CENTRAL.unpack_from(directory, pos)
             )
             if signature != b"PK\x01\x02":
                 raise TrajectoryFileError(f"{self.path}: the zip directory is damaged")
@@ -245,7 +247,7 @@ class _Archive:
             pos += name_len + extra_len + comment_len
             if name in records:
                 raise TrajectoryFileError(f"{self.path}: zip record {name!r:.80} appears twice")
-            records[name] = _Record(size, method == 0 and comp == size, offset)
+            records[name] = _Record(size, method == 0 and comp == size, offset, crc)
         return records
 
     def data_start(self, name: str) -> tuple[int, int]:
@@ -427,6 +429,45 @@ def read_header(path: Path, data: bytes | None = None) -> dict[str, Any]:
         raise TrajectoryFileError(f"{path}: cannot read ({exc.strerror})") from None
     finally:
         os.close(fd)
+
+
+LOCAL_HEADER_BYTES = _LOCAL_HEADER.size  # the fixed part of a record's local header
+
+
+@dataclass(frozen=True)
+class ZipRecord:
+    """A record of a `.pt` zip as its central directory lists it."""
+
+    name: str
+    header_offset: int  # where its local header begins
+    size: int
+    crc32: int
+
+
+def zip_records(path: Path, read: Any, size: int) -> list[ZipRecord]:
+    """The records of a `.pt` file of `size` bytes from its zip directory, bytes from `read(offset, n)`.
+
+    Reads the tail (end-of-central-directory record) and the central directory only.
+    Raises UnusualLayout or TrajectoryFileError as read_header does.
+    """
+    archive = _Archive(path, read, size)
+    return [ZipRecord(n, r.header_offset, r.size, r.crc32) for n, r in archive.records.items()]
+
+
+def record_data_start(path: Path, record: ZipRecord, read: Any) -> int:
+    """Where a record's data begins, from its local header (`read(offset, n)` gives the bytes)."""
+    head = bytes(read(record.header_offset, _LOCAL_HEADER.size))
+    if len(head) != _LOCAL_HEADER.size:
+        raise TrajectoryFileError(f"{path}: truncated (a zip record header is cut short)")
+    signature, name_len, extra_len = _LOCAL_HEADER.unpack(head)
+    if signature != b"PK\x03\x04":
+        raise TrajectoryFileError(f"{path}: a zip record header is damaged")
+    return record.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+
+
+def parse_header(path: Path, read: Any, size: int) -> dict[str, Any]:
+    """read_header() over bytes from `read(offset, n)` instead of a local file of `size` bytes."""
+    return _parse(path, read, size)
 
 
 def iter_specs(

@@ -513,6 +513,10 @@ class IndexMirror:
         self.fetched += len(todo)
         self.fetched_bytes += sum(self.checkpoint.sizes[rel] for rel in todo)
 
+    def holds(self, rel: str) -> bool:
+        """True once the object `rel` is here whole (a JSON object, or fetched), not stood in for."""
+        return rel in self._done
+
     def __post_init__(self) -> None:
         self._done.update(rel for rel in self.checkpoint.sizes if rel.rsplit("/", 1)[-1] in _JSON_OBJECTS)
 

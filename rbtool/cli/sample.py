@@ -96,16 +96,21 @@ def field_rows(batch: dict[str, Any], prefix: str = "") -> list[dict[str, Any]]:
     return rows
 
 
-def _remote_reads(mirror: IndexMirror | None, view: CheckpointView, strategy: Strategy) -> Any:
+def _remote_reads(
+    mirror: IndexMirror | None, view: CheckpointView, strategy: Strategy, extra_fields: bool
+) -> Any:
     """For a URL: what to fetch, and when. Uniform draws from a checkpoint whose index records
-    every trajectory's schema read only the drawn trajectories, so only their objects are
-    fetched, once drawn; top-k reads the window's rewards, and unrecorded schemas the window's
-    headers, so then every object is fetched first."""
+    every trajectory's schema read only the drawn rows, so only the byte ranges those reads
+    need (zip directory, data.pkl, the drawn rows) are fetched, once drawn; top-k reads the
+    window's rewards, and unrecorded schemas the window's headers, so then every object is
+    fetched first."""
     if mirror is None:
         return None
     index = view.index
     if strategy is Strategy.uniform and all(e.get("schema") in index.schemas for e in index.entries.values()):
-        return lambda draw: mirror.fetch([view.file_of(t) for t in set(draw.trajectory_ids)])
+        from rbtool.ranges import drawn_rows
+
+        return drawn_rows(mirror, view, extra_fields=extra_fields)
     mirror.fetch()
     return None
 
@@ -177,7 +182,7 @@ def sample(
         progress_bar(SAMPLE_PHASES[0], phases, show_progress(json)) as advance,
     ):
         view = open_view(place.local, strict=strict)
-        before_gather = _remote_reads(place.mirror, view, strategy)
+        before_gather = _remote_reads(place.mirror, view, strategy, all_fields)
         index = view.index
         missing = view.dropped_ids()
         advance.phase(1, SAMPLE_PHASES[1])
