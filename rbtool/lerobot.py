@@ -964,6 +964,13 @@ def export_lerobot(
     (planning, then writing). With `dry_run` only the planning pass runs (every trajectory
     read, features, episodes and frames counted), `out` is checked as publishing would check
     it, and nothing is written (no file counts, no bytes).
+
+    Under torchrun (rbtool.ranks) both passes run over the ranks: each rank reads its share's
+    structure, every rank decides the same features and episode numbers from the gathered
+    results, each rank renders its share's rows into `.OUT.rbtool-resume-staging` beside `out`
+    (journaled in `journal`, default `.OUT.rbtool-resume-journal`, removed once published), and
+    rank 0 writes the files from them in trajectory order: the bytes one process writes. With
+    `journal` in one process the same resumable path runs. A failed run leaves `out` untouched.
     """
     pa = _require_arrow()
     if video and not images:
@@ -993,7 +1000,7 @@ def export_lerobot(
     # the ranks; the features are then decided from them in trajectory order, the same on
     # every rank, which fixes the plan: schemas, episode numbers and frame offsets.
     world = ranks.current()
-    if world.size > 1 and not dry_run:
+    if (world.size > 1 or journal is not None) and not dry_run:
         _check_dataset_target(out, overwrite)  # refused before any rank reads, as publishing would
     probes = ranks.ranked_pass(
         _probe,
@@ -1085,7 +1092,6 @@ def export_lerobot(
     # Over ranks (or resumable): every rank writes the rows of its share of the trajectories
     # into a fixed staging directory beside `out`, journaling each; rank 0 then lays them out
     # in the plan's files in trajectory order (the bytes one process writes) and publishes.
-    _check_dataset_target(out, overwrite)
     staging, journal_dir = _resume_dirs(out, None if journal is None else Path(journal))
     parts = staging / PARTS_DIR
     identity = {
