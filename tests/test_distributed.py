@@ -570,3 +570,15 @@ def test_export_with_a_journal_in_one_process_writes_the_same_dataset(ckpt40: Pa
     same_files(tmp_path / "plain", tmp_path / "journaled")
     assert journal_lines(tmp_path / "journal") == 40  # kept: it was given
     assert sorted(p.name for p in tmp_path.iterdir()) == ["journal", "journaled", "plain"]
+
+
+@needs_torchrun
+def test_export_over_two_ranks_fails_alike_on_a_damaged_file(ckpt40: Path, tmp_path: Path) -> None:
+    source, out = tmp_path / "in", tmp_path / "out"
+    shutil.copytree(ckpt40, source)
+    damaged = sorted(source.glob("trajectory_*"))[-1]
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    failed = torchrun("export", source, out, *EXPORT)
+    assert failed.returncode != 0 and failed.stdout == ""
+    assert f"Error: {damaged}" in failed.stderr
+    assert not out.exists() and not (tmp_path / ".out.rbtool-resume-staging" / "data").exists()
