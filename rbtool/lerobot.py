@@ -1475,11 +1475,11 @@ class _Assembly:
 
     def _video_frames(self, nodes: list[dict[str, Any]], blobs: Any, t: int, b: int) -> dict[str, Any]:
         """The exact frames of the trajectory's video columns (kept in its sidecar rows), in frame order."""
+        import pyarrow.compute as pc
+
         frames: dict[str, Any] = {}
         by_path = {c.path: c for c in self.columns}
-        for row in blobs.to_pylist():
-            if row["kind"] != "frames":
-                continue
+        for row in blobs.filter(pc.equal(blobs.column("kind"), "frames")).to_pylist():
             col = by_path[tuple(nodes[row["node"]]["path"])]
             arr = _to_numpy(_from_raw(row["data"], row["dtype"], row["shape"])).reshape(
                 t, b, *col.frame_shape
