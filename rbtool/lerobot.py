@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from rbtool import trajfile
+from rbtool import ranks, trajfile
 from rbtool.dirs import open_checkpoint, open_view
 from rbtool.errors import CheckpointError, RbtoolError, UsageError
 from rbtool.format import check_weights_id, is_checkpoint_dir
@@ -666,37 +666,6 @@ def _column_ok(tensor: torch.Tensor, path: tuple[str, ...], t: int, b: int) -> i
     return 0 if (rows, cols) == (t, b) else None
 
 
-def _schema_of(
-    traj: dict[str, Any], t: int, b: int, registry: _Registry
-) -> tuple[list[dict[str, Any]], list[Any]]:
-    """The trajectory's skeleton (how each entry is stored) and its scalar values, in dict order."""
-    nodes: list[dict[str, Any]] = []
-    values: list[Any] = []
-    columns: dict[tuple[str, ...], dict[str, Any]] = {}
-    for kind, path, value in _entries(traj):
-        if kind == "dict":
-            nodes.append({"path": list(path), "kind": "dict"})
-            continue
-        if kind == "value":
-            nodes.append({"path": list(path), "kind": "value"})
-            values.append(_encode_value(value))
-            continue
-        dtype = _dtype_name(value.dtype)
-        node: dict[str, Any] = {"path": list(path), "dtype": dtype}
-        extra = _column_ok(value, path, t, b)
-        shape = tuple(int(d) for d in value.shape[2:])
-        source = columns.get(("curr_obs", *path[1:])) if path[0] == "next_obs" and len(path) > 1 else None
-        if extra == 0 and source is not None and (source["dtype"], source["shape"]) == (dtype, list(shape)):
-            node.update(kind="derived", source=source["path"], shape=list(shape))
-        elif extra is not None and (col := registry.column(path, dtype, shape)) is not None:
-            node.update(kind="column", feature=col.feature, shape=list(shape), extra_rows=extra)
-            columns[path] = node
-        else:
-            node.update(kind="tensor")
-        nodes.append(node)
-    return nodes, values
-
-
 def _episode_ends(traj: dict[str, Any], t: int, b: int) -> np.ndarray:
     """[T, B] bool: where a done flag ends an episode (dones, else terminations | truncations)."""
     import numpy as np
@@ -982,6 +951,7 @@ def export_lerobot(
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
     dry_run: bool = False,
+    journal: str | os.PathLike[str] | None = None,
 ) -> ExportResult:
     """Write the checkpoint, buffer directory or rank tree at `source` as a LeRobot v3.0 dataset.
 
@@ -994,9 +964,14 @@ def export_lerobot(
     (planning, then writing). With `dry_run` only the planning pass runs (every trajectory
     read, features, episodes and frames counted), `out` is checked as publishing would check
     it, and nothing is written (no file counts, no bytes).
-    """
-    import numpy as np
 
+    Under torchrun (rbtool.ranks) both passes run over the ranks: each rank reads its share's
+    structure, every rank decides the same features and episode numbers from the gathered
+    results, each rank renders its share's rows into `.OUT.rbtool-resume-staging` beside `out`
+    (journaled in `journal`, default `.OUT.rbtool-resume-journal`, removed once published), and
+    rank 0 writes the files from them in trajectory order: the bytes one process writes. With
+    `journal` in one process the same resumable path runs. A failed run leaves `out` untouched.
+    """
     pa = _require_arrow()
     if video and not images:
         raise UsageError("video needs images: video features are image fields")
@@ -1021,24 +996,34 @@ def export_lerobot(
     ids = list(index.id_list)
     registry = _Registry(dict(names or {}), images, video)
 
-    # Pass 1: each trajectory's skeleton decides the features (memory-mapped, nothing copied).
+    # Pass 1: each trajectory's skeleton and episodes (memory-mapped, nothing copied), over
+    # the ranks; the features are then decided from them in trajectory order, the same on
+    # every rank, which fixes the plan: schemas, episode numbers and frame offsets.
+    world = ranks.current()
+    if (world.size > 1 or journal is not None) and not dry_run:
+        _check_dataset_target(out, overwrite)  # refused before any rank reads, as publishing would
+    probes = ranks.ranked_pass(
+        _probe,
+        [_Probe(view.file_of(tid), *(int(d) for d in index.entries[tid]["shape"][:2])) for tid in ids],
+        jobs=1,
+        weights=[_file_size(view.file_of(tid)) for tid in ids],
+        progress=progress,
+    )
     schemas: list[list[dict[str, Any]]] = []
     schema_ids: dict[bytes, int] = {}
     records: list[dict[str, Any]] = []
-    for tid in ids:
-        path = view.file_of(tid)
-        traj = with_stored_defaults(trajfile.load(path, mmap=True), path.name)
+    bounds_of: list[list[tuple[int, int]]] = []
+    for tid, (entries, values, bounds) in zip(ids, probes, strict=True):
         t, b = (int(d) for d in index.entries[tid]["shape"][:2])
-        nodes, values = _schema_of(traj, t, b, registry)
+        nodes = _schema_from(entries, registry)
         key = orjson.dumps(nodes)
         sid = schema_ids.setdefault(key, len(schemas))
         if sid == len(schemas):
             schemas.append(nodes)
         records.append({"trajectory_id": tid, "T": t, "B": b, "schema": sid, "values": values})
         if dry_run:
-            records[-1]["episodes"] = len(_episode_bounds(_episode_ends(traj, t, b), t, b))
-        if progress is not None:
-            progress(1)
+            records[-1]["episodes"] = len(bounds)
+        bounds_of.append([(int(lo), int(hi)) for lo, hi in bounds])
     unused = sorted(set(registry.names) - registry.used_names)
     if unused:
         raise UsageError(
@@ -1065,209 +1050,532 @@ def export_lerobot(
 
     result = ExportResult(out=out, source=Path(source), trajectories=len(ids))
     result.columns = {name: f for c in columns for name, f in c.fields().items()}
-    sidecar_fields: set[str] = set()
+    result.features = features
+    result.episodes = sum(len(bounds) for bounds in bounds_of)
+    result.frames = sum(r["T"] * r["B"] for r in records)
     if dry_run:
         _check_dataset_target(out, overwrite)
-        result.features = features
-        result.episodes = sum(r["episodes"] for r in records)
-        result.frames = sum(r["T"] * r["B"] for r in records)
         return result
-    staging = new_staging_dir(out)
+    tasks: list[_Write] = []
+    first_episode = first_frame = 0
+    for tid, record, bounds in zip(ids, records, bounds_of, strict=True):
+        tasks.append(
+            _Write(
+                tid, view.file_of(tid), record["T"], record["B"], record["schema"], first_episode, first_frame
+            )
+        )
+        first_episode += len(bounds)
+        first_frame += record["T"] * record["B"]
+    render = _Render(
+        schemas, registry.columns, columns, features, list(in_data), schema, fps, task, bounds_of
+    )
+    assembly = _Assembly(
+        out, overwrite, columns, features, video_names, task, fps, robot_type, data_file_size_mb,
+        video_file_size_mb, chunks_size, source, index, schemas, records, bounds_of,
+    )  # fmt: skip
+    if world.size == 1 and journal is None:
+        staging = new_staging_dir(out)
+        try:
+            assembly.open(staging)
+            for position, job in enumerate(tasks):
+                meta, data_table, blob_table = render(job, position)
+                assembly.add(position, job, meta, data_table, blob_table)
+                if progress is not None:
+                    progress(1)
+            assembly.finish(result)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        _publish_dataset(staging, out, overwrite)
+        return result
+
+    # Over ranks (or resumable): every rank writes the rows of its share of the trajectories
+    # into a fixed staging directory beside `out`, journaling each; rank 0 then lays them out
+    # in the plan's files in trajectory order (the bytes one process writes) and publishes.
+    staging, journal_dir = _resume_dirs(out, None if journal is None else Path(journal))
+    parts = staging / PARTS_DIR
+    identity = {
+        "command": "export lerobot",
+        "input": str(Path(source).absolute()),
+        "out": str(out.absolute()),
+        "fps": fps,
+        "robot_type": robot_type,
+        "task": task,
+        "names": sorted((names or {}).items()),
+        "images": images,
+        "video": video,
+        "data_file_size_mb": data_file_size_mb,
+        "video_file_size_mb": video_file_size_mb,
+        "chunks_size": chunks_size,
+    }
+    ranks.on_leader(world, lambda: parts.mkdir(parents=True, exist_ok=True))
+    metas = ranks.ranked_pass(
+        _RenderPart(render, parts),
+        [_Part(i, job) for i, job in enumerate(tasks)],
+        jobs=1,
+        weights=[_file_size(job.path) for job in tasks],
+        progress=progress,
+        journal=ranks.open_journal(journal_dir, identity),
+        files=lambda part: (part.job.path, *_part_files(parts, part.job.tid)),
+    )
+
+    def assemble() -> None:
+        for stale in staging.iterdir():  # what an interrupted assembly left
+            if stale.name != PARTS_DIR:
+                shutil.rmtree(stale) if stale.is_dir() and not stale.is_symlink() else stale.unlink()
+        assembly.open(staging)
+        for position, (job, meta) in enumerate(zip(tasks, metas, strict=True)):
+            data_path, blob_path = _part_files(parts, job.tid)
+            assembly.add(position, job, meta, _read_ipc(data_path), _read_ipc(blob_path))
+        assembly.finish(result)
+        shutil.rmtree(parts)
+        result.bytes = sum(p.stat().st_size for p in staging.rglob("*") if p.is_file())
+        _publish_dataset(staging, out, overwrite)
+        if journal is None:
+            shutil.rmtree(journal_dir, ignore_errors=True)
+
+    ranks.on_leader(world, assemble)
+    return result
+
+
+# ------------------------------------------------------------------ export: plan, rows, files
+PARTS_DIR = ".rbtool-parts"  # in the staging directory of an export over ranks: each trajectory's rows
+_BLOB_FIELDS = (
+    ("trajectory_id", "int64"),
+    ("node", "int32"),
+    ("kind", "string"),
+    ("t", "list<int64>"),
+    ("b", "list<int64>"),
+    ("dtype", "string"),
+    ("shape", "list<int64>"),
+    ("data", "large_binary"),
+)
+
+
+def _blob_schema() -> pa.Schema:
+    pa = _require_arrow()
+    types = {
+        "int64": pa.int64(),
+        "int32": pa.int32(),
+        "string": pa.string(),
+        "list<int64>": pa.list_(pa.int64()),
+        "large_binary": pa.large_binary(),
+    }
+    return pa.schema([(name, types[kind]) for name, kind in _BLOB_FIELDS])
+
+
+def _file_size(path: Path) -> int:
     try:
-        data = _RollingParquet(staging, DATA_PATH, data_file_size_mb * (1 << 20), chunks_size)
-        videos = {
-            name: _RollingVideo(staging, name, fps, video_file_size_mb * (1 << 20), chunks_size)
-            for name in video_names
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _resume_dirs(out: Path, journal: Path | None) -> tuple[Path, Path]:
+    """Where an export over ranks builds `out` (a fixed hidden directory beside it) and journals."""
+    staging = out.parent / f".{out.name}.rbtool-resume-staging"
+    return staging, journal if journal is not None else out.parent / f".{out.name}.rbtool-resume-journal"
+
+
+def _part_files(parts: Path, tid: int) -> tuple[Path, Path]:
+    return parts / f"{tid}.data.arrow", parts / f"{tid}.blobs.arrow"
+
+
+def _read_ipc(path: Path) -> Any:
+    pa = _require_arrow()
+    try:
+        with pa.memory_map(str(path)) as source:
+            return pa.ipc.open_file(source).read_all()
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise CheckpointError(f"{path}: cannot read the rows a rank wrote: {exc}") from None
+
+
+def _write_ipc(path: Path, table: Any) -> None:
+    """`table` as one Arrow IPC batch at `path`, whole or not at all."""
+    pa = _require_arrow()
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table.combine_chunks())
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@dataclass(frozen=True)
+class _Probe:
+    """Pass 1's task: one trajectory file, with its [T, B]."""
+
+    path: Path
+    t: int
+    b: int
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+def _probe(task: _Probe) -> tuple[list[dict[str, Any]], list[Any], list[tuple[int, int]]]:
+    """A trajectory's entries as the features are decided from them (kind, path, dtype, frame
+    shape, extra leading rows), its scalar values and its episode bounds."""
+    t, b = task.t, task.b
+    traj = with_stored_defaults(trajfile.load(task.path, mmap=True), task.path.name)
+    entries: list[dict[str, Any]] = []
+    values: list[Any] = []
+    for kind, path, value in _entries(traj):
+        if kind != "tensor":
+            entries.append({"path": list(path), "kind": kind})
+            if kind == "value":
+                values.append(_encode_value(value))
+            continue
+        entries.append(
+            {
+                "path": list(path),
+                "kind": "tensor",
+                "dtype": _dtype_name(value.dtype),
+                "shape": [int(d) for d in value.shape[2:]],
+                "extra": _column_ok(value, path, t, b),
+            }
+        )
+    return entries, values, _episode_bounds(_episode_ends(traj, t, b), t, b)
+
+
+def _schema_from(entries: list[dict[str, Any]], registry: _Registry) -> list[dict[str, Any]]:
+    """The trajectory's skeleton (how each entry is stored), its columns taken from `registry`."""
+    nodes: list[dict[str, Any]] = []
+    columns: dict[tuple[str, ...], dict[str, Any]] = {}
+    for entry in entries:
+        if entry["kind"] != "tensor":
+            nodes.append({"path": entry["path"], "kind": entry["kind"]})
+            continue
+        path, dtype, shape, extra = (
+            tuple(entry["path"]),
+            entry["dtype"],
+            tuple(entry["shape"]),
+            entry["extra"],
+        )
+        node: dict[str, Any] = {"path": list(path), "dtype": dtype}
+        source = columns.get(("curr_obs", *path[1:])) if path[0] == "next_obs" and len(path) > 1 else None
+        if extra == 0 and source is not None and (source["dtype"], source["shape"]) == (dtype, list(shape)):
+            node.update(kind="derived", source=source["path"], shape=list(shape))
+        elif extra is not None and (col := registry.column(path, dtype, shape)) is not None:
+            node.update(kind="column", feature=col.feature, shape=list(shape), extra_rows=extra)
+            columns[path] = node
+        else:
+            node.update(kind="tensor")
+        nodes.append(node)
+    return nodes
+
+
+@dataclass(frozen=True)
+class _Write:
+    """Pass 2's task: one trajectory, with its place in the plan (first episode and frame number)."""
+
+    tid: int
+    path: Path
+    t: int
+    b: int
+    schema: int
+    first_episode: int
+    first_frame: int
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+class _Render:
+    """A trajectory's rows: its data table, its sidecar rows, its episodes' statistics."""
+
+    def __init__(
+        self,
+        schemas: list[list[dict[str, Any]]],
+        by_path: dict[tuple[str, ...], Column],
+        columns: list[Column],
+        features: dict[str, dict[str, Any]],
+        in_data: list[str],
+        schema: Any,
+        fps: int,
+        task: str,
+        bounds_of: list[list[tuple[int, int]]],
+    ) -> None:
+        self.schemas, self.by_path, self.columns = schemas, by_path, columns
+        self.features, self.in_data, self.schema = features, in_data, schema
+        self.fps, self.task, self.bounds_of = fps, task, bounds_of
+
+    def __call__(self, job: _Write, position: int) -> tuple[dict[str, Any], Any, Any]:
+        import numpy as np
+
+        pa = _require_arrow()
+        tid, t, b, fps = job.tid, job.t, job.b, self.fps
+        nodes = self.schemas[job.schema]
+        traj = with_stored_defaults(trajfile.load(job.path, mmap=True), job.path.name)
+        digest = _digest(traj)
+        mwid = str(traj.get("model_weights_id") or "")
+        tensors = {p: v for kind, p, v in _entries(traj) if kind == "tensor"}
+        n = t * b
+        blob_rows: list[dict[str, Any]] = []
+        sidecar_fields: list[str] = []
+        frame_cols: dict[str, np.ndarray] = {}
+        for i, node in enumerate(nodes):
+            kind = node.get("kind")
+            npath = tuple(node["path"])
+            if kind == "column":
+                tensor = tensors[npath]
+                if node["extra_rows"]:
+                    e = node["extra_rows"]
+                    starts = [k * (1 + t // e) for k in range(e)]
+                    blob_rows.append(_blob(tid, i, "bootstrap", tensor[starts], [], []))
+                    tensor = drop_bootstrap_rows(tensor, t)
+                col = self.by_path[npath]
+                if col.video:  # the exact rows: the video is lossy
+                    blob_rows.append(_blob(tid, i, "frames", tensor, [], []))
+                arr = _to_numpy(tensor).reshape(t, b, *col.frame_shape)
+                frame_cols[col.feature] = arr.swapaxes(0, 1).reshape(n, *col.frame_shape)
+            elif kind == "derived":
+                nxt, cur = tensors[npath], tensors[tuple(node["source"])]
+                same = _rows_equal(nxt[:-1], cur[1:])
+                pos = [(ti, bi) for ti in range(t) for bi in range(b) if ti == t - 1 or not same[ti, bi]]
+                rows = nxt[[p[0] for p in pos], [p[1] for p in pos]]
+                blob_rows.append(_blob(tid, i, "next_obs", rows, [p[0] for p in pos], [p[1] for p in pos]))
+            elif kind == "tensor":
+                blob_rows.append(_blob(tid, i, "tensor", tensors[npath], [], []))
+                sidecar_fields.append(_field_name(npath))
+
+        bounds = self.bounds_of[position]
+        env = np.repeat(np.arange(b, dtype=np.int64), t)
+        step = np.tile(np.arange(t, dtype=np.int64), b)
+        frame_index = np.zeros(n, dtype=np.int64)
+        episode_index = np.zeros(n, dtype=np.int64)
+        for k, (lo, hi) in enumerate(bounds):
+            frame_index[lo:hi] = np.arange(hi - lo)
+            episode_index[lo:hi] = job.first_episode + k
+        arrays: dict[str, Any] = {}
+        for col in self.columns:
+            if col.video:
+                continue
+            if col.feature in frame_cols:
+                for name, frames in col.split(frame_cols[col.feature]).items():
+                    spec = self.features[name]
+                    arrays[name] = _image_array(frames) if col.image else _column_array(frames, spec)
+            else:
+                for name, spec in col.specs().items():
+                    arrays[name] = pa.nulls(n, _arrow_type(spec))
+        numeric: dict[str, np.ndarray] = {
+            RB_TRAJECTORY_ID: np.full(n, tid, dtype=np.int64),
+            RB_ENV: env,
+            RB_T: step,
+            "timestamp": (frame_index / fps).astype(np.float32),
+            "frame_index": frame_index,
+            "episode_index": episode_index,
+            "index": np.arange(job.first_frame, job.first_frame + n, dtype=np.int64),
+            "task_index": np.zeros(n, dtype=np.int64),
+        }
+        for name, values in numeric.items():
+            arrays[name] = pa.array(values)
+        arrays[RB_MODEL_WEIGHTS_ID] = pa.array([mwid] * n, pa.string())
+        table = pa.Table.from_arrays([arrays[name] for name in self.in_data], schema=self.schema)
+        stats: list[dict[str, dict[str, np.ndarray]]] = []
+        for lo, hi in bounds:
+            episode: dict[str, dict[str, np.ndarray]] = {}
+            for col in self.columns:
+                if col.feature in frame_cols:
+                    for name, frames in col.split(frame_cols[col.feature][lo:hi]).items():
+                        episode[name] = _stats(frames, col.image)
+            for name, series in numeric.items():
+                episode[name] = _stats(series[lo:hi].reshape(-1, 1), False)
+            stats.append(episode)
+        meta = {
+            "digest": digest,
+            "sidecar_fields": sidecar_fields,
+            "per_row": table.nbytes / max(n, 1),
+            "stats": stats,
+        }
+        return meta, table, pa.Table.from_pylist(blob_rows, schema=_blob_schema())
+
+
+@dataclass(frozen=True)
+class _Part:
+    """A trajectory's rows as a rank writes them (pass 2 over ranks): its position and task."""
+
+    position: int
+    job: _Write
+
+    def __str__(self) -> str:
+        return str(self.job.path)
+
+
+class _RenderPart:
+    """`_Render` on a rank: the tables go to the part files, the rest back to every rank."""
+
+    def __init__(self, render: _Render, parts: Path) -> None:
+        self.render, self.parts = render, parts
+
+    def __call__(self, part: _Part) -> dict[str, Any]:
+        meta, data_table, blob_table = self.render(part.job, part.position)
+        data_path, blob_path = _part_files(self.parts, part.job.tid)
+        _write_ipc(data_path, data_table)
+        _write_ipc(blob_path, blob_table)
+        return meta
+
+
+class _Assembly:
+    """The dataset's files, from each trajectory's rows in trajectory order (one process, rank 0)."""
+
+    def __init__(
+        self,
+        out: Path,
+        overwrite: bool,
+        columns: list[Column],
+        features: dict[str, dict[str, Any]],
+        video_names: list[str],
+        task: str,
+        fps: int,
+        robot_type: str | None,
+        data_file_size_mb: float,
+        video_file_size_mb: float,
+        chunks_size: int,
+        source: str | os.PathLike[str],
+        index: Index,
+        schemas: list[list[dict[str, Any]]],
+        records: list[dict[str, Any]],
+        bounds_of: list[list[tuple[int, int]]],
+    ) -> None:
+        self.out, self.overwrite, self.columns, self.features = out, overwrite, columns, features
+        self.video_names, self.task, self.fps, self.robot_type = video_names, task, fps, robot_type
+        self.data_file_size_mb, self.video_file_size_mb = data_file_size_mb, video_file_size_mb
+        self.chunks_size, self.source, self.index = chunks_size, source, index
+        self.schemas, self.records, self.bounds_of = schemas, records, bounds_of
+        self.episodes: list[dict[str, Any]] = []
+        self.episode_stats: list[dict[str, dict[str, Any]]] = []
+        self.sidecar_fields: set[str] = set()
+        self.pending_blobs: list[Any] = []
+
+    def open(self, staging: Path) -> None:
+        import pyarrow.parquet as pq
+
+        self.staging = staging
+        self.data = _RollingParquet(staging, DATA_PATH, self.data_file_size_mb * (1 << 20), self.chunks_size)
+        self.videos = {
+            name: _RollingVideo(
+                staging, name, self.fps, self.video_file_size_mb * (1 << 20), self.chunks_size
+            )
+            for name in self.video_names
         }
         blobs_path = staging / SIDECAR_TENSORS
         blobs_path.parent.mkdir(parents=True, exist_ok=True)
-        blob_schema = pa.schema(
-            [
-                ("trajectory_id", pa.int64()),
-                ("node", pa.int32()),
-                ("kind", pa.string()),
-                ("t", pa.list_(pa.int64())),
-                ("b", pa.list_(pa.int64())),
-                ("dtype", pa.string()),
-                ("shape", pa.list_(pa.int64())),
-                ("data", pa.large_binary()),
-            ]
-        )
-        import pyarrow.parquet as pq
+        self.blob_writer = pq.ParquetWriter(str(blobs_path), _blob_schema(), compression="zstd")
 
-        blob_writer = pq.ParquetWriter(str(blobs_path), blob_schema, compression="zstd")
-        blob_rows: list[dict[str, Any]] = []
+    def _flush_blobs(self, force: bool = False) -> None:
+        pa = _require_arrow()
+        if sum(t.num_rows for t in self.pending_blobs) >= (1 if force else 256):
+            self.blob_writer.write_table(pa.concat_tables(self.pending_blobs).combine_chunks())
+            self.pending_blobs = []
 
-        def flush_blobs(force: bool = False) -> None:
-            if blob_rows and (force or len(blob_rows) >= 256):
-                blob_writer.write_table(pa.Table.from_pylist(blob_rows, schema=blob_schema))
-                blob_rows.clear()
+    def _video_frames(self, nodes: list[dict[str, Any]], blobs: Any, t: int, b: int) -> dict[str, Any]:
+        """The exact frames of the trajectory's video columns (kept in its sidecar rows), in frame order."""
+        import pyarrow.compute as pc
 
-        episodes: list[dict[str, Any]] = []
-        episode_stats: list[dict[str, dict[str, np.ndarray]]] = []
-        frame_total = 0
-        for record in records:
-            tid, t, b = record["trajectory_id"], record["T"], record["B"]
-            nodes = schemas[record["schema"]]
-            path = view.file_of(tid)
-            traj = with_stored_defaults(trajfile.load(path, mmap=True), path.name)
-            record["digest"] = _digest(traj)
-            record["entry"] = index.entries[tid]
-            mwid = str(traj.get("model_weights_id") or "")
-            tensors = {p: v for kind, p, v in _entries(traj) if kind == "tensor"}
-            n = t * b
-            frame_cols: dict[str, np.ndarray] = {}
-            for i, node in enumerate(nodes):
-                kind = node.get("kind")
-                npath = tuple(node["path"])
-                if kind == "column":
-                    tensor = tensors[npath]
-                    if node["extra_rows"]:
-                        e = node["extra_rows"]
-                        starts = [k * (1 + t // e) for k in range(e)]
-                        blob_rows.append(_blob(tid, i, "bootstrap", tensor[starts], [], []))
-                        tensor = drop_bootstrap_rows(tensor, t)
-                    col = registry.columns[npath]
-                    if col.video:  # the exact rows: the video is lossy
-                        blob_rows.append(_blob(tid, i, "frames", tensor, [], []))
-                    arr = _to_numpy(tensor).reshape(t, b, *col.frame_shape)
-                    frame_cols[col.feature] = arr.swapaxes(0, 1).reshape(n, *col.frame_shape)
-                elif kind == "derived":
-                    nxt, cur = tensors[npath], tensors[tuple(node["source"])]
-                    same = _rows_equal(nxt[:-1], cur[1:])
-                    pos = [(ti, bi) for ti in range(t) for bi in range(b) if ti == t - 1 or not same[ti, bi]]
-                    rows = nxt[[p[0] for p in pos], [p[1] for p in pos]]
-                    blob_rows.append(
-                        _blob(tid, i, "next_obs", rows, [p[0] for p in pos], [p[1] for p in pos])
-                    )
-                elif kind == "tensor":
-                    blob_rows.append(_blob(tid, i, "tensor", tensors[npath], [], []))
-                    sidecar_fields.add(_field_name(npath))
-            flush_blobs()
+        frames: dict[str, Any] = {}
+        by_path = {c.path: c for c in self.columns}
+        for row in blobs.filter(pc.equal(blobs.column("kind"), "frames")).to_pylist():
+            col = by_path[tuple(nodes[row["node"]]["path"])]
+            arr = _to_numpy(_from_raw(row["data"], row["dtype"], row["shape"])).reshape(
+                t, b, *col.frame_shape
+            )
+            frames[col.feature] = arr.swapaxes(0, 1).reshape(t * b, *col.frame_shape)
+        return frames
 
-            ends = _episode_ends(traj, t, b)
-            env = np.repeat(np.arange(b, dtype=np.int64), t)
-            step = np.tile(np.arange(t, dtype=np.int64), b)
-            bounds = _episode_bounds(ends, t, b)
-            frame_index = np.zeros(n, dtype=np.int64)
-            episode_index = np.zeros(n, dtype=np.int64)
-            first_episode = len(episodes)
-            for k, (lo, hi) in enumerate(bounds):
-                frame_index[lo:hi] = np.arange(hi - lo)
-                episode_index[lo:hi] = first_episode + k
-            arrays: dict[str, Any] = {}
-            for col in columns:
-                if col.video:
+    def add(self, position: int, job: _Write, meta: dict[str, Any], table: Any, blobs: Any) -> None:
+        import numpy as np
+
+        record = self.records[position]
+        t, b, tid = job.t, job.b, job.tid
+        nodes = self.schemas[job.schema]
+        record["digest"] = meta["digest"]
+        record["entry"] = self.index.entries[tid]
+        self.sidecar_fields.update(meta["sidecar_fields"])
+        if blobs.num_rows:
+            self.pending_blobs.append(blobs)
+        self._flush_blobs()
+        video_frames = self._video_frames(nodes, blobs, t, b) if self.videos else {}
+        bounds = self.bounds_of[position]
+        per_row = meta["per_row"]
+        for k, (lo, hi) in enumerate(bounds):
+            chunk, file = self.data.add(table.slice(lo, hi - lo), int(per_row * (hi - lo)))
+            placed: dict[str, Any] = {}
+            for col in self.columns:
+                if not col.video:
                     continue
-                if col.feature in frame_cols:
-                    for name, frames in col.split(frame_cols[col.feature]).items():
-                        spec = features[name]
-                        arrays[name] = _image_array(frames) if col.image else _column_array(frames, spec)
-                else:
-                    for name, spec in col.specs().items():
-                        arrays[name] = pa.nulls(n, _arrow_type(spec))
-            arrays[RB_TRAJECTORY_ID] = pa.array(np.full(n, tid, dtype=np.int64))
-            arrays[RB_ENV] = pa.array(env)
-            arrays[RB_T] = pa.array(step)
-            arrays[RB_MODEL_WEIGHTS_ID] = pa.array([mwid] * n, pa.string())
-            arrays["timestamp"] = pa.array((frame_index / fps).astype(np.float32))
-            arrays["frame_index"] = pa.array(frame_index)
-            arrays["episode_index"] = pa.array(episode_index)
-            arrays["index"] = pa.array(np.arange(frame_total, frame_total + n, dtype=np.int64))
-            arrays["task_index"] = pa.array(np.zeros(n, dtype=np.int64))
-            table = pa.Table.from_arrays([arrays[name] for name in in_data], schema=schema)
-            per_row = table.nbytes / max(n, 1)
-            numeric = {
-                RB_TRAJECTORY_ID: np.full(n, tid, dtype=np.int64),
-                RB_ENV: env,
-                RB_T: step,
-                "timestamp": (frame_index / fps).astype(np.float32),
-                "frame_index": frame_index,
-                "episode_index": episode_index,
-                "index": np.arange(frame_total, frame_total + n, dtype=np.int64),
-                "task_index": np.zeros(n, dtype=np.int64),
-            }
-            for lo, hi in bounds:
-                chunk, file = data.add(table.slice(lo, hi - lo), int(per_row * (hi - lo)))
-                stats = {}
-                placed: dict[str, Any] = {}
-                for col in columns:
-                    if col.feature in frame_cols:
-                        for name, frames in col.split(frame_cols[col.feature][lo:hi]).items():
-                            stats[name] = _stats(frames, col.image)
-                            if col.video:
-                                placed.update(_video_columns(name, videos[name].add(frames)))
-                    elif col.video:
-                        # A trajectory without this field: black frames keep the video's timeline.
-                        for name in col.names():
-                            blank = np.zeros((hi - lo, *col.feature_shape), dtype=np.uint8)
-                            placed.update(_video_columns(name, videos[name].add(blank)))
-                for name, series in numeric.items():
-                    stats[name] = _stats(series[lo:hi].reshape(-1, 1), False)
-                episode_stats.append(stats)
-                episodes.append(
-                    {
-                        "episode_index": len(episodes),
-                        "tasks": [task],
-                        "length": hi - lo,
-                        "data/chunk_index": chunk,
-                        "data/file_index": file,
-                        "dataset_from_index": frame_total + lo,
-                        "dataset_to_index": frame_total + hi,
-                        **placed,
-                        "rb/trajectory_id": tid,
-                        "rb/env": int(env[lo]),
-                        "rb/t_start": int(step[lo]),
-                    }
-                )
-            record["episodes"] = [first_episode, len(bounds)]
-            frame_total += n
-            if progress is not None:
-                progress(1)
-        data.close()
-        for writer in videos.values():
-            writer.close_file()
-        flush_blobs(force=True)
-        blob_writer.close()
+                if col.feature in video_frames:
+                    for name, frames in col.split(video_frames[col.feature][lo:hi]).items():
+                        placed.update(_video_columns(name, self.videos[name].add(frames)))
+                else:  # a trajectory without this field: black frames keep the video's timeline
+                    for name in col.names():
+                        blank = np.zeros((hi - lo, *col.feature_shape), dtype=np.uint8)
+                        placed.update(_video_columns(name, self.videos[name].add(blank)))
+            self.episode_stats.append(meta["stats"][k])
+            self.episodes.append(
+                {
+                    "episode_index": job.first_episode + k,
+                    "tasks": [self.task],
+                    "length": hi - lo,
+                    "data/chunk_index": chunk,
+                    "data/file_index": file,
+                    "dataset_from_index": job.first_frame + lo,
+                    "dataset_to_index": job.first_frame + hi,
+                    **placed,
+                    "rb/trajectory_id": tid,
+                    "rb/env": lo // t,
+                    "rb/t_start": lo % t,
+                }
+            )
+        record["episodes"] = [job.first_episode, len(bounds)]
 
+    def finish(self, result: ExportResult) -> None:
+        """Close the data files and write the metadata: episodes, stats, tasks, info, sidecar."""
+        staging, features, index = self.staging, self.features, self.index
+        self.data.close()
+        for writer in self.videos.values():
+            writer.close_file()
+        self._flush_blobs(force=True)
+        self.blob_writer.close()
         stat_names = [name for name, spec in features.items() if spec["dtype"] != "string"]
         totals: dict[str, dict[str, np.ndarray]] = {}
         for name in stat_names:
-            parts = [s[name] for s in episode_stats if name in s]
+            parts = [s[name] for s in self.episode_stats if name in s]
             if parts:
                 totals[name] = _aggregate(parts)
         result.episode_files = _write_episodes(
-            staging, episodes, episode_stats, stat_names, data_file_size_mb, chunks_size
+            staging, self.episodes, self.episode_stats, stat_names, self.data_file_size_mb, self.chunks_size
         )
         write_bytes_atomic(
             staging / STATS_FILE, _json({k: _stats_json(v) for k, v in totals.items()}), sync_dir=False
         )
-        _write_tasks(staging, [task])
+        _write_tasks(staging, [self.task])
+        count = len(self.episodes)
         info = {
             "codebase_version": CODEBASE_VERSION,
-            "robot_type": robot_type,
-            "total_episodes": len(episodes),
-            "total_frames": frame_total,
+            "robot_type": self.robot_type,
+            "total_episodes": count,
+            "total_frames": sum(r["T"] * r["B"] for r in self.records),
             "total_tasks": 1,
-            "chunks_size": chunks_size,
-            "data_files_size_in_mb": int(data_file_size_mb)
-            if float(data_file_size_mb).is_integer()
-            else data_file_size_mb,
-            "video_files_size_in_mb": int(video_file_size_mb)
-            if float(video_file_size_mb).is_integer()
-            else video_file_size_mb,
-            "fps": fps,
-            "splits": {"train": f"0:{len(episodes)}"},
+            "chunks_size": self.chunks_size,
+            "data_files_size_in_mb": _mb(self.data_file_size_mb),
+            "video_files_size_in_mb": _mb(self.video_file_size_mb),
+            "fps": self.fps,
+            "splits": {"train": f"0:{count}"},
             "data_path": DATA_PATH,
-            "video_path": VIDEO_PATH if video_names else None,
+            "video_path": VIDEO_PATH if self.video_names else None,
             "features": features,
         }
         write_bytes_atomic(staging / INFO_FILE, _json(info), sync_dir=False)
         sidecar = {
             "rbtool_sidecar": SIDECAR_VERSION,
-            "source": str(source),
+            "source": str(self.source),
             "checkpoint": {
-                "trajectory_id_list": ids,
+                "trajectory_id_list": list(index.id_list),
                 "trajectory_counter": index.trajectory_counter,
                 "seed": index.seed,
                 "trajectory_format": index.trajectory_format,
@@ -1282,25 +1590,21 @@ def export_lerobot(
                     "views": c.views,
                     "video": c.video,
                 }
-                for c in columns
+                for c in self.columns
             },
-            "schemas": schemas,
-            "trajectories": records,
+            "schemas": self.schemas,
+            "trajectories": self.records,
             "tensors": SIDECAR_TENSORS,
         }
         write_bytes_atomic(staging / SIDECAR_FILE, _json(sidecar), sync_dir=False)
-        result.data_files = data.files
-        result.video_files = sum(writer.files for writer in videos.values())
+        result.data_files = self.data.files
+        result.video_files = sum(writer.files for writer in self.videos.values())
         result.bytes = sum(p.stat().st_size for p in staging.rglob("*") if p.is_file())
-        result.episodes = len(episodes)
-        result.frames = frame_total
-        result.features = features
-        result.sidecar_fields = sorted(sidecar_fields)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    _publish_dataset(staging, out, overwrite)
-    return result
+        result.sidecar_fields = sorted(self.sidecar_fields)
+
+
+def _mb(value: float) -> float | int:
+    return int(value) if float(value).is_integer() else value
 
 
 def _rows_equal(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:

@@ -495,3 +495,90 @@ def test_convert_with_a_journal_resumes_after_a_bad_file(ckpt200: Path, tmp_path
     assert not (tmp_path / ".out.rbtool-resume-staging").exists()
     check = run("verify", out, "--deep", "--json")
     assert check.exit_code == 0 and json.loads(check.stdout)["ok"]
+
+
+# ------------------------------------------------------------------ export --to lerobot over ranks
+@pytest.fixture(scope="module")
+def ckpt40(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """40 trajectories of varied lengths with RGB images (even sizes, so --video takes them)."""
+    from rbtool import TrajectoryReplayBuffer
+
+    path = tmp_path_factory.mktemp("c40") / "ckpt"
+    buf = TrajectoryReplayBuffer(seed=3, sample_window_size=0)
+    buf.add_trajectories([make_traj(t=2 + i % 4, b=2, seed=i, image=4 + 2 * (i % 2)) for i in range(40)])
+    buf.save_checkpoint(path)
+    buf.close()
+    return path
+
+
+EXPORT = ("--to", "lerobot", "--fps", "10", "--data-file-size-mb", "0.02", "--json")
+
+
+def same_files(a: Path, b: Path) -> list[Path]:
+    """The files of two trees, asserted equal byte for byte; returns their relative paths."""
+    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    for rel in files:
+        assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
+    return files
+
+
+def exported(doc: dict[str, Any]) -> dict[str, Any]:
+    doc.pop("out")
+    return doc
+
+
+@needs_torchrun
+@pytest.mark.parametrize("video", [False, True])
+def test_export_over_two_ranks_writes_the_dataset_one_process_writes(
+    ckpt40: Path, video: bool, tmp_path: Path
+) -> None:
+    opts = (*EXPORT, *(("--video",) if video else ()))
+    one = single("export", ckpt40, tmp_path / "one", *opts)
+    two = torchrun("export", ckpt40, tmp_path / "two", *opts)
+    assert one.returncode == two.returncode == 0, two.stderr[-2000:]
+    doc = json.loads(one.stdout)
+    assert exported(json.loads(two.stdout)) == exported(doc)
+    assert doc["data_files"] > 1 and doc["episodes"] > 40 and (doc["video_files"] > 0) == video
+    files = same_files(tmp_path / "one", tmp_path / "two")
+    assert any(p.suffix == ".mp4" for p in files) == video
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]  # no staging, no journal left
+
+
+@needs_torchrun
+def test_export_over_two_ranks_resumes_from_its_journal(ckpt40: Path, tmp_path: Path) -> None:
+    one = single("export", ckpt40, tmp_path / "one", *EXPORT)
+    assert one.returncode == 0, one.stderr
+    out = tmp_path / "two"
+    lost = torchrun("export", ckpt40, out, *EXPORT, RBTOOL_TEST_EXIT_RANK="1", RBTOOL_TEST_EXIT_AFTER="5")
+    assert lost.returncode != 0 and lost.stdout == ""
+    assert not out.exists()  # nothing half-written where OUT goes
+    staging, journal = tmp_path / ".two.rbtool-resume-staging", tmp_path / ".two.rbtool-resume-journal"
+    assert staging.is_dir() and 5 <= journal_lines(journal) < 40
+    again = torchrun("export", ckpt40, out, *EXPORT)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert exported(json.loads(again.stdout)) == exported(json.loads(one.stdout))
+    same_files(tmp_path / "one", out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]
+
+
+def test_export_with_a_journal_in_one_process_writes_the_same_dataset(ckpt40: Path, tmp_path: Path) -> None:
+    plain = run("export", ckpt40, tmp_path / "plain", *EXPORT)
+    journaled = run("export", ckpt40, tmp_path / "journaled", *EXPORT, "--journal", tmp_path / "journal")
+    assert plain.exit_code == journaled.exit_code == 0, journaled.stderr
+    assert exported(json.loads(journaled.stdout)) == exported(json.loads(plain.stdout))
+    same_files(tmp_path / "plain", tmp_path / "journaled")
+    assert journal_lines(tmp_path / "journal") == 40  # kept: it was given
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["journal", "journaled", "plain"]
+
+
+@needs_torchrun
+def test_export_over_two_ranks_fails_alike_on_a_damaged_file(ckpt40: Path, tmp_path: Path) -> None:
+    source, out = tmp_path / "in", tmp_path / "out"
+    shutil.copytree(ckpt40, source)
+    damaged = sorted(source.glob("trajectory_*"))[-1]
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    failed = torchrun("export", source, out, *EXPORT)
+    assert failed.returncode != 0 and failed.stdout == ""
+    assert f"Error: {damaged}" in failed.stderr
+    assert not out.exists() and not (tmp_path / ".out.rbtool-resume-staging" / "data").exists()

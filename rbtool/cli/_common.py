@@ -109,7 +109,7 @@ def exit_status(exc: RbtoolError) -> int:
 
 # Commands that may run under torchrun with more than one rank: the passes spread over the
 # ranks (rbtool.ranks) and read-only commands; a writer started K times would race itself.
-OVER_RANKS = frozenset({"verify", "stats", "convert", "diff", "version"})
+OVER_RANKS = frozenset({"verify", "stats", "convert", "export", "diff", "version"})
 
 
 def _world_size() -> int:

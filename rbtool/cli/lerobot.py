@@ -16,6 +16,7 @@ from rbtool.cli._common import (
     ForceOpt,
     FormatOpt,
     Group,
+    JournalOpt,
     JsonOpt,
     PrettyOpt,
     StorageOpt,
@@ -136,10 +137,13 @@ def export(
     json: JsonOpt = False,
     pretty: PrettyOpt = False,
     storage_option: StorageOpt = None,
+    journal: JournalOpt = None,
 ) -> None:
     """Write a checkpoint as a LeRobot v3.0 dataset that `rbtool import lerobot` turns back into it.
 
     One episode per (trajectory, env column) segment, split where the done flags end an episode.
+    Under torchrun every rank reads and encodes its share of the trajectories and rank 0 writes
+    the dataset one process would write (byte for byte); with --journal a rerun resumes.
     """
     refuse_output_mix(json, pretty=pretty)
     with reading(source_arg, storage_option, data=True, enabled=show_progress(json)) as src:
@@ -175,6 +179,7 @@ def export(
                 overwrite=force,
                 progress=advance,
                 dry_run=dry_run,
+                journal=journal,
             )
         fields = {feature: field for feature, field in result.columns.items()}
         doc: dict[str, Any] = {
