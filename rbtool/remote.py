@@ -526,8 +526,9 @@ def index_mirror(url: str, options: dict[str, Any] | None = None) -> Iterator[In
     """A temporary IndexMirror of `url`, removed on exit.
 
     For the commands that read only the index and the listing (names and sizes), nothing
-    but the JSON objects (and the marker) is read from the store; `sample` fetches the
-    objects of the trajectories it draws, and nothing else.
+    but the JSON objects (and the marker) is read from the store; `sample` fetches, of the
+    trajectories it draws, only the byte ranges its reads need (`rbtool.ranges`; small and
+    `.pkl` files whole), and nothing else.
     """
     ckpt = inspect(url, options)
     with _scratch("index") as tmp:
