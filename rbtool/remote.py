@@ -547,22 +547,46 @@ def _mirror_state(mirror: Path) -> dict[str, Any]:
         return {}
 
 
-def _make_room(root: Path, keep: Path, needed: int, limit: int) -> int:
-    """Remove least recently used mirrors (never `keep`) until `needed` more bytes fit under `limit`.
+_RESERVED = ".rbtool-reserved"  # in a cache entry: the bytes it may grow to
 
-    Everything in the cache counts (mirrors, other readers' streamed objects, staging
-    directories); a mirror another process reads (holds its lock, `Pin`) is not removed.
-    Returns the bytes the cache holds afterwards.
+
+def _held(entry: Path) -> int:
+    """What a cache entry counts for: its allocated bytes, or the room it reserved if that is more."""
+    try:
+        reserved = int((entry / _RESERVED).read_text())
+    except (OSError, ValueError):
+        reserved = 0
+    return max(reserved, _allocated(entry))
+
+
+def _make_room(root: Path, keep: Path, needed: int, limit: int) -> int:
+    """Remove least recently used mirrors (never `keep`) until `keep` can hold `needed` bytes under `limit`.
+
+    Everything else in the cache counts (mirrors, other readers' streamed objects and
+    reservations, staging directories); a mirror another process reads (holds its lock,
+    `Pin`) is not removed. Returns the bytes the rest of the cache holds afterwards. Callers
+    hold the cache lock (`_cache_lock`) until they have reserved what they take.
     """
     mirrors = [p for p in root.glob("mirror-*") if p.is_dir() and p != keep]
-    used = sum(_allocated(p) for p in root.iterdir() if p.is_dir())
+    used = sum(_held(p) for p in root.iterdir() if p.is_dir() and p != keep and p.name != ".locks")
     for old in sorted(mirrors, key=lambda p: p.stat().st_mtime):
         if used + needed <= limit:
             break
-        size = _allocated(old)
+        size = _held(old)
         if _try_evict(old):
             used -= size
     return used
+
+
+@contextmanager
+def _cache_lock(root: Path) -> Iterator[None]:
+    """The cache-wide lock under which a process measures the room and reserves its share."""
+    pin = Pin(root / ".cache")
+    try:
+        pin.exclusive()
+        yield
+    finally:
+        pin.close()
 
 
 @contextmanager
@@ -650,21 +674,17 @@ def _update_mirror(
     pin.exclusive()  # other readers of this mirror finish first
     todo, stale = plan()
     _start(progress, len(todo), f"fetching {url}")
-    used = _make_room(root, mirror, sum(ckpt.sizes[rel] for rel in todo), limit)
-    replaced = 0  # the old copies of what is fetched again go
-    for rel in todo:
-        try:
-            info = (mirror / "ckpt" / rel).stat()
-        except OSError:
-            continue
-        replaced += min(info.st_size, info.st_blocks * 512)
-    if used - replaced + sum(ckpt.sizes[rel] for rel in todo) > limit:
-        raise CacheFullError(
-            f"{url}: its {sum(ckpt.sizes.values())} bytes do not fit beside the {used} bytes other processes "
-            f"are reading in the local cache ({limit} bytes); retry once they are done, or raise "
-            "RBTOOL_CACHE_BYTES"
-        )
-    (mirror / "ckpt").mkdir(parents=True, exist_ok=True)
+    needed = sum(ckpt.sizes.values())
+    with _cache_lock(root):
+        used = _make_room(root, mirror, needed, limit)
+        if used + needed > limit:
+            raise CacheFullError(
+                f"{url}: its {needed} bytes do not fit beside the {used} bytes other processes are "
+                f"reading in the local cache ({limit} bytes); retry once they are done, or raise "
+                "RBTOOL_CACHE_BYTES"
+            )
+        (mirror / "ckpt").mkdir(parents=True, exist_ok=True)
+        (mirror / _RESERVED).write_text(str(needed))
     for path in stale:
         path.unlink()
 
@@ -851,18 +871,26 @@ def fits_cache(url: str, options: dict[str, Any] | None = None) -> bool:
 def stream_mirror(url: str, options: dict[str, Any] | None = None) -> Iterator[StreamMirror]:
     """A StreamMirror of `url`: the index mirror, pinned while it is read, and a budget in the cache.
 
-    Mirrors of other URLs that no process reads are removed (least recently used first) to
-    leave the whole bound to the pass, as far as they are in the way.
+    Mirrors of other URLs that no process reads are removed (least recently used first) as
+    far as they are in the way. The pass reserves half the room that is free (at least its
+    largest object; the rest is left for another reader), recorded in the entry so that
+    other processes count it.
     """
     root = cache_root()
     limit = cache_bytes()
     with index_mirror(url, options) as mirror:
         entry = mirror.path.parent  # a scratch directory of this process: never evicted
-        total = sum(mirror.checkpoint.sizes.values())
-        _make_room(root, entry, min(total, limit), limit)
-        others = sum(_allocated(p) for p in root.iterdir() if p.is_dir() and p != entry)
-        free = max(0, limit - others - _allocated(entry))
-        yield StreamMirror(mirror, free // _local_ranks())
+        sizes = mirror.checkpoint.sizes
+        objects = [size for rel, size in sizes.items() if rel.rsplit("/", 1)[-1] not in _JSON_OBJECTS]
+        largest = max(objects, default=0)
+        with _cache_lock(root):
+            others = _make_room(root, entry, min(sum(objects), limit), limit)
+            here = _allocated(entry)  # the JSON objects
+            free = max(0, limit - others - here) // _local_ranks()
+            # half the free room (at least the largest object), so that another reader can stream too
+            budget = min(free, max(largest, free // 2), sum(objects))
+            (entry / _RESERVED).write_text(str(budget + here))
+        yield StreamMirror(mirror, budget)
 
 
 def _local_ranks() -> int:

@@ -66,14 +66,15 @@ def measured(path: Path) -> Iterator[list[int]]:
         watcher.join()
 
 
-def build(root: Path, n: int = 24) -> Path:
-    """A local checkpoint of `n` trajectory files of unequal sizes (about 50-200 KB each)."""
+def build(root: Path, n: int = 24, *, uniform: bool = False) -> Path:
+    """A local checkpoint of `n` trajectory files, of unequal sizes (50-200 KB) unless `uniform`."""
     import torch
 
     loose = root / "loose"
     loose.mkdir()
     for i in range(n):
-        traj = make_traj(t=4 + i % 4 * 4, b=4, seed=i, image=32, model_weights_id=f"w{i}")
+        t = 8 if uniform else 4 + i % 4 * 4
+        traj = make_traj(t=t, b=4, seed=i, image=32, model_weights_id=f"w{i}")
         torch.save(traj, loose / f"t{i}.pt")
     assert run("checkpoint", "save", loose, root / "ckpt", "--window", "0").exit_code == 0
     return root / "ckpt"
@@ -250,3 +251,74 @@ def test_readers_of_one_mirror_share_it(bucket: str, tmp_path: Path, _cache: Pat
                 h.stdin.close()
             h.wait(timeout=60)
     assert [h.returncode for h in holders] == [0, 0]
+
+
+def test_processes_streaming_at_once_stay_within_the_bound(
+    bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, _cache: Path
+) -> None:
+    """Each streaming reader reserves its room under the cache lock: together they stay under the bound."""
+    import json
+
+    local = build(tmp_path, n=40, uniform=True)
+    urls = [f"{bucket}/{name}" for name in ("one", "two", "three")]
+    total = upload(local, urls[0])
+    for url in urls[1:]:
+        upload(local, url)
+    largest = max(p.stat().st_size for p in local.glob("*.pt"))
+    bound = 9 * largest  # three readers: half, a quarter, an eighth of it (each at least one file)
+    assert bound < total // 4
+    monkeypatch.setenv("RBTOOL_CACHE_BYTES", str(bound))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    want = without_timings(run_json("verify", local, "--deep", "--jobs", "1"))
+    with measured(_cache) as peak:
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "rbtool", "verify", url, "--deep", "--json", "--jobs", "1"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            for url in urls
+        ]
+        outputs = [p.communicate(timeout=300) for p in procs]
+    for proc, (stdout, stderr) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, stderr
+        assert without_timings(json.loads(stdout)) == want
+    assert 0 < peak[0] <= bound, (peak[0], bound)
+    assert on_disk(_cache) == 0
+
+
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed")
+def test_ranks_stream_their_shares_within_the_bound(
+    bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, _cache: Path
+) -> None:
+    """Under torchrun each rank streams its own share, the node's ranks splitting the free room."""
+    import json
+
+    local = build(tmp_path, n=24, uniform=True)
+    url = f"{bucket}/ranked"
+    total = upload(local, url)
+    largest = max(p.stat().st_size for p in local.glob("*.pt"))
+    bound = 6 * largest
+    assert bound < total // 3
+    monkeypatch.setenv("RBTOOL_CACHE_BYTES", str(bound))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    want = without_timings(run_json("verify", local, "--deep", "--jobs", "1"))
+    argv = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "rbtool"]
+    with measured(_cache) as peak:
+        done = subprocess.run(
+            [*argv, "verify", url, "--deep", "--json", "--jobs", "1"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+    assert done.returncode == 0, done.stderr
+    got = without_timings(json.loads(done.stdout))
+    assert got.pop("jobs") == 2 and want.pop("jobs") == 1  # one worker on each of two ranks
+    assert got == want
+    assert 0 < peak[0] <= bound, (peak[0], bound)
