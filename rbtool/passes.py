@@ -18,7 +18,10 @@ threads do not make it faster: worker processes do.
 - `progress(1)` is called in the calling process as each task completes;
 - Ctrl-C (or any error) stops the workers at once; a worker that dies (killed, out of
   memory) is a one-line RbtoolError, never a hang;
-- `jobs=1`, or a single task, runs in the calling process: no worker is started.
+- `jobs=1`, or a single task, runs in the calling process: no worker is started;
+- inside `feeding(feed)` (a remote checkpoint larger than the cache, rbtool.remote's
+  StreamMirror), the files `files(task)` names are fetched in batches ahead of the tasks,
+  as many as fit the feed's budget, and released as each task completes.
 
 `func` must be a module-level function and tasks and results must pickle. Workers are
 forked when that is safe (Linux, no other Python thread running: a fork copies no thread,
@@ -39,11 +42,14 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
 from rbtool.errors import RbtoolError, UsageError
 
@@ -164,6 +170,81 @@ def _stop(pool: ProcessPoolExecutor) -> None:
         manager.join(timeout=5)  # it closes the queues (and their feeder threads) once the workers are gone
 
 
+class Feed(Protocol):
+    """Where a pass's files come from when they are not all here (rbtool.remote.StreamMirror)."""
+
+    budget: int  # the most bytes of fetched files held at once
+    held: int  # bytes fetched and not yet released
+
+    def served(self, paths: Sequence[Path]) -> list[str]: ...
+    def size(self, names: Sequence[str]) -> int: ...
+    def fetch(self, names: Sequence[str]) -> None: ...
+    def release(self, names: Sequence[str]) -> None: ...
+    def too_big(self, names: Sequence[str]) -> BaseException: ...
+
+
+_feed: Feed | None = None
+
+
+@contextmanager
+def feeding(feed: Feed) -> Iterator[Feed]:
+    """Passes run inside the block fetch their files from `feed` ahead of their tasks."""
+    global _feed
+    previous, _feed = _feed, feed
+    try:
+        yield feed
+    finally:
+        _feed = previous
+
+
+class _Window:
+    """The tasks whose files are fetched: taken in `order`, as many ahead as the feed's budget allows."""
+
+    def __init__(self, feed: Feed, names: Callable[[int], list[str]], order: Sequence[int], ahead: int):
+        self.feed = feed
+        self.names_of = names
+        self.queue = deque(order)
+        self.ready: deque[int] = deque()
+        self.names: dict[int, list[str]] = {}
+        self.ahead = ahead
+
+    def fill(self) -> None:
+        """Fetch the files of the next tasks (one batch) while they fit beside what is held."""
+        batch: list[int] = []
+        wanted: set[str] = set()
+        while self.queue and len(self.ready) + len(batch) < self.ahead:
+            position = self.queue[0]
+            got = self.names_of(position)
+            need = self.feed.size(sorted(wanted | set(got)))
+            if self.feed.held + need > self.feed.budget:
+                if self.feed.held == 0 and not batch:
+                    raise self.feed.too_big(got)
+                break
+            self.queue.popleft()
+            batch.append(position)
+            wanted.update(got)
+            self.names[position] = got
+        if batch:
+            self.feed.fetch(sorted(wanted))
+            self.ready.extend(batch)
+
+    def next(self) -> int | None:
+        """The next task whose files are here (fetching a batch if none is), or None when all were taken."""
+        if not self.ready:
+            self.fill()
+        return self.ready.popleft() if self.ready else None
+
+    def done(self, position: int) -> None:
+        """Release the files of a finished task (those another task still needs stay)."""
+        names = self.names.pop(position, [])
+        still = {n for ns in self.names.values() for n in ns}
+        self.feed.release([n for n in names if n not in still])
+
+    def close(self) -> None:
+        for position in list(self.names):
+            self.done(position)
+
+
 def run_pass(
     func: Callable[[T], R],
     tasks: Sequence[T],
@@ -173,17 +254,54 @@ def run_pass(
     progress: Progress | None = None,
     preload: Sequence[str] = (),
     describe: Callable[[T], str] = str,
+    files: Callable[[T], Sequence[Path]] | None = None,
 ) -> list[R]:
     """`[func(t) for t in tasks]` on `jobs` worker processes (see the module docstring).
 
     `weights` (e.g. each task's file size) decide the order tasks start in, largest first;
     `preload` names the modules `func` needs, imported before any worker starts so forked
-    workers inherit them; `describe(task)` names a task in the error a dead worker raises.
+    workers inherit them; `describe(task)` names a task in the error a dead worker raises;
+    `files(task)` names the files a task reads (fetched first inside `feeding`).
     """
     jobs = check_jobs(jobs)
     if weights is not None and len(weights) != len(tasks):
         raise UsageError(f"{len(weights)} weights for {len(tasks)} tasks")
     workers = min(jobs, len(tasks))
+    feed = _feed if files is not None else None
+    if feed is not None and tasks:
+        assert files is not None
+        order = list(range(len(tasks)))
+        if workers > 1 and weights is not None:
+            order.sort(key=lambda i: -weights[i])
+        window = _Window(
+            feed, lambda i: feed.served(files(tasks[i])), order, max(1, workers) * IN_FLIGHT_PER_WORKER * 2
+        )
+        try:
+            return _run(func, tasks, workers, weights, progress, preload, describe, window)
+        finally:
+            window.close()
+    return _run(func, tasks, workers, weights, progress, preload, describe, None)
+
+
+def _run(
+    func: Callable[[T], R],
+    tasks: Sequence[T],
+    workers: int,
+    weights: Sequence[int] | None,
+    progress: Progress | None,
+    preload: Sequence[str],
+    describe: Callable[[T], str],
+    window: _Window | None,
+) -> list[R]:
+    """run_pass on `workers` processes, the tasks' files fetched through `window` if there is one."""
+    if workers <= 1 and window is not None:
+        by_position: dict[int, R] = {}
+        while (position := window.next()) is not None:
+            by_position[position] = func(tasks[position])
+            window.done(position)
+            if progress is not None:
+                progress(1)
+        return [by_position[i] for i in range(len(tasks))]
     if workers <= 1:
         results = []
         for task in tasks:
@@ -204,9 +322,20 @@ def run_pass(
     queue = iter(order)
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=_context(preload), initializer=_worker_init)
 
+    def taken() -> Iterator[int]:
+        """The next positions to submit; with a window, those whose files are here now (it may run
+        dry while the tasks in flight hold the budget, and be called again once they are done)."""
+        if window is None:
+            yield from queue
+            return
+        while (position := window.next()) is not None:
+            yield position
+
     def submit_next() -> None:
-        for position in queue:
+        for position in taken() if window is not None else queue:
             if first_error is not None and position > first_error[0]:
+                if window is not None:
+                    window.done(position)
                 continue  # its result would not be used: an earlier task failed
             pending[pool.submit(func, tasks[position])] = position
             return
@@ -228,9 +357,13 @@ def run_pass(
                 else:
                     results_by_position[position] = future.result()
                 finished[position] = 1
+                if window is not None:
+                    window.done(position)
                 if progress is not None:
                     progress(1)
                 submit_next()
+            if window is not None:
+                window.fill()  # the next batch, while the workers read the tasks in flight
             while lowest_unfinished < len(tasks) and finished[lowest_unfinished]:
                 lowest_unfinished += 1
             if first_error is not None and lowest_unfinished >= first_error[0]:
@@ -252,4 +385,13 @@ def run_pass(
     return [results_by_position[i] for i in range(len(tasks))]
 
 
-__all__ = ["Throughput", "Timer", "check_jobs", "default_jobs", "keep_freed_memory", "run_pass"]
+__all__ = [
+    "Feed",
+    "Throughput",
+    "Timer",
+    "check_jobs",
+    "default_jobs",
+    "feeding",
+    "keep_freed_memory",
+    "run_pass",
+]

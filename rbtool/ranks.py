@@ -547,6 +547,7 @@ def ranked_pass(
             progress=progress,
             preload=preload,
             describe=describe,
+            files=files,
         )
     if weights is not None and len(weights) != len(tasks):
         raise UsageError(f"{len(weights)} weights for {len(tasks)} tasks")
@@ -589,6 +590,7 @@ def ranked_pass(
             progress=progress,
             preload=preload,
             describe=lambda job: describe(job.task),
+            files=None if files is None else lambda job: job.files,
         )
         outcome = (mine, results, None)
     except _TaskFailed as failed:  # the first failing task of this rank's share, in list order

@@ -552,19 +552,46 @@ def _mirror_state(mirror: Path) -> dict[str, Any]:
         return {}
 
 
-def _dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+_RESERVED = ".rbtool-reserved"  # in a cache entry: the bytes it may grow to
 
 
-def _make_room(root: Path, keep: Path, needed: int, limit: int) -> None:
-    """Remove least recently used mirrors (never `keep`) until `needed` more bytes fit under `limit`."""
+def _held(entry: Path) -> int:
+    """What a cache entry counts for: its allocated bytes, or the room it reserved if that is more."""
+    try:
+        reserved = int((entry / _RESERVED).read_text())
+    except (OSError, ValueError):
+        reserved = 0
+    return max(reserved, _allocated(entry))
+
+
+def _make_room(root: Path, keep: Path, needed: int, limit: int) -> int:
+    """Remove least recently used mirrors (never `keep`) until `keep` can hold `needed` bytes under `limit`.
+
+    Everything else in the cache counts (mirrors, other readers' streamed objects and
+    reservations, staging directories); a mirror another process reads (holds its lock,
+    `Pin`) is not removed. Returns the bytes the rest of the cache holds afterwards. Callers
+    hold the cache lock (`_cache_lock`) until they have reserved what they take.
+    """
     mirrors = [p for p in root.glob("mirror-*") if p.is_dir() and p != keep]
-    used = sum(_dir_bytes(p) for p in mirrors) + (_dir_bytes(keep) if keep.exists() else 0)
+    used = sum(_held(p) for p in root.iterdir() if p.is_dir() and p != keep and p.name != ".locks")
     for old in sorted(mirrors, key=lambda p: p.stat().st_mtime):
         if used + needed <= limit:
             break
-        used -= _dir_bytes(old)
-        shutil.rmtree(old, ignore_errors=True)
+        size = _held(old)
+        if _try_evict(old):
+            used -= size
+    return used
+
+
+@contextmanager
+def _cache_lock(root: Path) -> Iterator[None]:
+    """The cache-wide lock under which a process measures the room and reserves its share."""
+    pin = Pin(root / ".cache")
+    try:
+        pin.exclusive()
+        yield
+    finally:
+        pin.close()
 
 
 @contextmanager
@@ -590,10 +617,30 @@ def data_mirror(
     needed = sum(ckpt.sizes.values())
     if needed > limit:
         raise CheckpointError(
-            f"{url}: {needed} bytes do not fit the local cache ({limit} bytes); raise RBTOOL_CACHE_BYTES"
+            f"{url}: {needed} bytes do not fit the local cache ({limit} bytes), and this command needs every "
+            "object at once; raise RBTOOL_CACHE_BYTES"
         )
-    state = _mirror_state(mirror)
-    known: dict[str, Any] = state.get("files", {}) if state.get("url") == url else {}
+    pin = Pin(mirror)
+    try:
+        pin.share()
+        ckpt_dir = _update_mirror(ckpt, mirror, pin, url, limit, jobs, progress)
+        yield ckpt_dir
+    finally:
+        pin.close()
+
+
+def _update_mirror(
+    ckpt: RemoteCheckpoint,
+    mirror: Path,
+    pin: Pin,
+    url: str,
+    limit: int,
+    jobs: int | None,
+    progress: Progress | None,
+) -> Path:
+    """Bring `mirror` up to date with `ckpt`, under the exclusive lock if anything changes; returns its
+    checkpoint directory, with `pin` held shared."""
+    root = mirror.parent
 
     def identity(path: Path) -> list[int] | None:
         """What tells a verified copy is untouched since: size, inode, mtime (outputs may hard-link it)."""
@@ -603,24 +650,48 @@ def data_mirror(
             return None
         return [info.st_size, info.st_ino, info.st_mtime_ns]
 
-    def fresh(rel: str) -> bool:
-        want, seen = ckpt.objects[rel], known.get(rel)
-        return (
-            want is not None
-            and seen is not None
-            and seen.get("sha256") == want.sha256
-            and seen.get("identity") == identity(mirror / "ckpt" / rel)
-            and seen["identity"][0] == want.size
-        )
+    def plan() -> tuple[list[str], list[Path]]:
+        state = _mirror_state(mirror)
+        known: dict[str, Any] = state.get("files", {}) if state.get("url") == url else {}
 
-    todo = [rel for rel in ckpt.sizes if not fresh(rel)]
+        def fresh(rel: str) -> bool:
+            want, seen = ckpt.objects[rel], known.get(rel)
+            return (
+                want is not None
+                and seen is not None
+                and seen.get("sha256") == want.sha256
+                and seen.get("identity") == identity(mirror / "ckpt" / rel)
+                and seen["identity"][0] == want.size
+            )
+
+        todo = [rel for rel in ckpt.sizes if not fresh(rel)]
+        stale = [
+            p
+            for p in (mirror / "ckpt").rglob("*")
+            if p.is_file() and p.relative_to(mirror / "ckpt").as_posix() not in ckpt.sizes
+        ]
+        return todo, stale
+
+    todo, stale = plan()
+    if not todo and not stale and (mirror / ".rbtool-mirror.json").is_file():
+        os.utime(mirror)
+        return mirror / "ckpt"
+    pin.exclusive()  # other readers of this mirror finish first
+    todo, stale = plan()
     _start(progress, len(todo), f"fetching {url}")
-    _make_room(root, mirror, sum(ckpt.sizes[rel] for rel in todo), limit)
-    (mirror / "ckpt").mkdir(parents=True, exist_ok=True)
-    for stale in (mirror / "ckpt").rglob("*"):
-        rel = str(stale.relative_to(mirror / "ckpt"))
-        if stale.is_file() and rel not in ckpt.sizes:
-            stale.unlink()
+    needed = sum(ckpt.sizes.values())
+    with _cache_lock(root):
+        used = _make_room(root, mirror, needed, limit)
+        if used + needed > limit:
+            raise CacheFullError(
+                f"{url}: its {needed} bytes do not fit beside the {used} bytes other processes are "
+                f"reading in the local cache ({limit} bytes); retry once they are done, or raise "
+                "RBTOOL_CACHE_BYTES"
+            )
+        (mirror / "ckpt").mkdir(parents=True, exist_ok=True)
+        (mirror / _RESERVED).write_text(str(needed))
+    for path in stale:
+        path.unlink()
 
     def get(rel: str) -> None:
         _fetch(ckpt, rel, mirror / "ckpt" / rel)
@@ -636,4 +707,200 @@ def data_mirror(
     }
     (mirror / ".rbtool-mirror.json").write_text(json.dumps({"url": url, "files": files}))
     os.utime(mirror)
-    yield mirror / "ckpt"
+    pin.share()
+    return mirror / "ckpt"
+
+
+# ------------------------------------------------------------------ pins and streamed reads
+def _lock_path(entry: Path) -> Path:
+    """The lock file of a cache entry, in the cache's `.locks` directory (never removed: a removed
+    lock file could be locked by one process while another creates a new one under the same name)."""
+    locks = entry.parent / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    return locks / entry.name
+
+
+class CacheFullError(CheckpointError):
+    """A data mirror does not fit the cache beside what other processes are reading."""
+
+
+class Pin:
+    """The lock of a cache entry: held shared while a process reads the entry, exclusive to change it.
+
+    An flock on the entry's file in the cache's `.locks` directory. Eviction
+    (`_make_room`) removes an entry only under its exclusive lock, taken without waiting, so
+    an entry another process reads is skipped. Closing the pin releases the lock.
+    """
+
+    def __init__(self, entry: Path) -> None:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(_lock_path(entry), os.O_RDWR | os.O_CREAT, 0o644)
+
+    def share(self) -> None:
+        import fcntl
+
+        fcntl.flock(self.fd, fcntl.LOCK_SH)
+
+    def exclusive(self) -> None:
+        import fcntl
+
+        fcntl.flock(self.fd, fcntl.LOCK_UN)  # a shared lock is let go first: two upgraders would deadlock
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _try_evict(entry: Path) -> bool:
+    """Remove `entry` if no other process holds its lock; False (and nothing removed) if one does."""
+    import fcntl
+
+    fd = os.open(_lock_path(entry), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        shutil.rmtree(entry, ignore_errors=True)
+        return True
+    finally:
+        os.close(fd)
+
+
+def _allocated(path: Path) -> int:
+    """Bytes the files under `path` take on disk (a sparse stand-in takes none).
+
+    Other processes add and remove files meanwhile: what vanishes while it is walked counts nothing.
+    """
+    total = 0
+    for parent, _, names in os.walk(path):
+        for name in names:
+            try:
+                info = os.lstat(os.path.join(parent, name))
+            except OSError:
+                continue
+            if not os.path.islink(os.path.join(parent, name)):
+                total += min(info.st_size, info.st_blocks * 512)
+    return total
+
+
+class StreamMirror:
+    """An IndexMirror whose objects are fetched in batches ahead of a pass and released after it.
+
+    For the passes that read each file once (verify --deep, stats' data pass, convert) over
+    a checkpoint larger than the cache: `rbtool.passes.run_pass` calls `fetch` for the files
+    of the next tasks while their bytes fit `budget` (the cache bound less what the rest of
+    the cache holds), and `release` for a task's files once it is done, which puts the
+    sparse stand-in back. At most `budget` bytes of objects are here at any time.
+    """
+
+    def __init__(self, mirror: IndexMirror, budget: int, jobs: int | None = None) -> None:
+        self.mirror = mirror
+        self.budget = budget
+        self.jobs = jobs
+        self.held = 0  # bytes of fetched objects not yet released
+        self.peak = 0  # the most bytes held at once
+        self.fetched = 0
+        self.fetched_bytes = 0
+        self._here: set[str] = set()
+
+    @property
+    def path(self) -> Path:
+        return self.mirror.path
+
+    def _rel(self, path: Path) -> str | None:
+        """The object name of `path`, or None if it is not one of the mirror's streamed objects."""
+        try:
+            rel = Path(path).relative_to(self.path).as_posix()
+        except ValueError:
+            return None
+        if rel not in self.mirror.checkpoint.sizes or rel.rsplit("/", 1)[-1] in _JSON_OBJECTS:
+            return None
+        return rel
+
+    def served(self, paths: Sequence[Path]) -> list[str]:
+        """The objects among `paths` this mirror fetches and releases (others are read as they are)."""
+        return sorted({rel for p in paths if (rel := self._rel(p)) is not None})
+
+    def size(self, rels: Sequence[str]) -> int:
+        return sum(self.mirror.checkpoint.sizes[rel] for rel in rels if rel not in self._here)
+
+    def too_big(self, rels: Sequence[str]) -> RbtoolError:
+        """The error for a task whose files alone do not fit the budget."""
+        url = self.mirror.checkpoint.remote.url
+        return CheckpointError(
+            f"{url}/{rels[0]}: {self.size(rels)} bytes do not fit the {self.budget} bytes of the local "
+            "cache that are free (RBTOOL_CACHE_BYTES, less what other readers hold); raise RBTOOL_CACHE_BYTES"
+        )
+
+    def fetch(self, rels: Sequence[str]) -> None:
+        """Fetch the objects `rels` (in parallel, each verified against its record)."""
+        todo = sorted({rel for rel in rels if rel not in self._here})
+        if not todo:
+            return
+        need = self.size(todo)
+
+        def get(rel: str) -> None:
+            _fetch(self.mirror.checkpoint, rel, self.path / rel)
+
+        self.held += need
+        self.peak = max(self.peak, self.held)
+        with ThreadPoolExecutor(min(len(todo), self.jobs or min(16, (os.cpu_count() or 1) * 4))) as pool:
+            list(pool.map(get, todo))
+        self._here.update(todo)
+        self.fetched += len(todo)
+        self.fetched_bytes += need
+
+    def release(self, rels: Sequence[str]) -> None:
+        """Put the stand-ins of `rels` back (a new file: an output may hard-link the fetched one)."""
+        for rel in rels:
+            if rel not in self._here:
+                continue
+            dst = self.path / rel
+            tmp = dst.with_name(f".{dst.name}.standin-{os.getpid()}")
+            with open(tmp, "wb") as f:
+                f.truncate(self.mirror.checkpoint.sizes[rel])
+            os.replace(tmp, dst)
+            self._here.discard(rel)
+            self.held -= self.mirror.checkpoint.sizes[rel]
+
+
+def fits_cache(url: str, options: dict[str, Any] | None = None) -> bool:
+    """True if every object at `url` fits the cache bound (a data mirror is possible)."""
+    return sum(inspect(url, options).sizes.values()) <= cache_bytes()
+
+
+@contextmanager
+def stream_mirror(url: str, options: dict[str, Any] | None = None) -> Iterator[StreamMirror]:
+    """A StreamMirror of `url`: the index mirror, pinned while it is read, and a budget in the cache.
+
+    Mirrors of other URLs that no process reads are removed (least recently used first) as
+    far as they are in the way. The pass reserves half the room that is free (at least its
+    largest object; the rest is left for another reader), recorded in the entry so that
+    other processes count it.
+    """
+    root = cache_root()
+    limit = cache_bytes()
+    with index_mirror(url, options) as mirror:
+        entry = mirror.path.parent  # a scratch directory of this process: never evicted
+        sizes = mirror.checkpoint.sizes
+        objects = [size for rel, size in sizes.items() if rel.rsplit("/", 1)[-1] not in _JSON_OBJECTS]
+        largest = max(objects, default=0)
+        with _cache_lock(root):
+            others = _make_room(root, entry, min(sum(objects), limit), limit)
+            here = _allocated(entry)  # the JSON objects
+            free = max(0, limit - others - here) // _local_ranks()
+            # half the free room (at least the largest object), so that another reader can stream too
+            budget = min(free, max(largest, free // 2), sum(objects))
+            (entry / _RESERVED).write_text(str(budget + here))
+        yield StreamMirror(mirror, budget)
+
+
+def _local_ranks() -> int:
+    """The torchrun ranks on this node (1 without torchrun): they share the cache, and its room."""
+    from rbtool.ranks import from_env
+
+    world = from_env()
+    return world.local_size if world is not None else 1

@@ -11,7 +11,7 @@ import os
 import sys
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -798,13 +798,21 @@ def local_path_arg(value: str) -> Path:
 
 @contextmanager
 def reading(
-    value: str, storage_options: list[str] | None, *, data: bool, enabled: bool = False
+    value: str,
+    storage_options: list[str] | None,
+    *,
+    data: bool,
+    enabled: bool = False,
+    stream: bool = False,
 ) -> Iterator[Place]:
     """The directory `value` to read: itself if local; for a URL a local mirror.
 
     With `data`, every object is copied into the bounded cache (verified against the upload's
     marker); without, only the JSON objects are read and the rest stand in by name and size
-    (`Place.mirror.fetch` fetches some of them).
+    (`Place.mirror.fetch` fetches some of them). With `stream` (a command whose data is read
+    by one pass, each file once), a checkpoint that does not fit the cache (or not beside
+    what other processes are reading there) is read through a streamed mirror instead: the
+    pass fetches its files in batches and releases each once read.
     """
     from rbtool.remote import local_path
 
@@ -820,11 +828,33 @@ def reading(
             place.mirror = mirror
             yield place
         return
-    with (
-        progress_bar(f"fetching {value}", None, enabled) as advance,
-        remote.data_mirror(value, options, progress=advance) as local,
-    ):
-        yield Place(value, local, value.rstrip("/"))
+    if stream and not remote.fits_cache(value, options):
+        with _streamed(value, options) as place:
+            yield place
+        return
+    with ExitStack() as stack:
+        advance = stack.enter_context(progress_bar(f"fetching {value}", None, enabled))
+        try:
+            local = stack.enter_context(remote.data_mirror(value, options, progress=advance))
+        except remote.CacheFullError:
+            if not stream:
+                raise
+            local = None  # other processes read what the cache holds: stream instead
+        if local is not None:
+            yield Place(value, local, value.rstrip("/"))
+            return
+    with _streamed(value, options) as place:
+        yield place
+
+
+@contextmanager
+def _streamed(value: str, options: dict[str, Any]) -> Iterator[Place]:
+    """A streamed mirror of the URL `value`, fed to the passes run inside the block."""
+    from rbtool import passes, remote
+
+    with remote.stream_mirror(value, options) as streamed, passes.feeding(streamed):
+        place = Place(value, streamed.path, value.rstrip("/"))
+        yield place
 
 
 @contextmanager

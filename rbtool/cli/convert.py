@@ -21,6 +21,7 @@ from rbtool.cli._common import (
     bound_state,
     count,
     files_line,
+    is_url,
     out,
     print_json,
     progress_bar,
@@ -64,7 +65,15 @@ def convert(
     """Write OUT with every trajectory file of IN in FORMAT (a rank tree keeps its rank_* layout)."""
     refuse_output_mix(json, pretty=pretty)
     with (
-        reading(source_arg, storage_option, data=not dry_run, enabled=show_progress(json)) as src,
+        # to a local OUT, each file is read once: a source larger than the cache is streamed (a
+        # remote OUT is staged whole in the cache first, so there the source must fit beside it)
+        reading(
+            source_arg,
+            storage_option,
+            data=not dry_run,
+            enabled=show_progress(json),
+            stream=not is_url(target_arg),
+        ) as src,
         writing(target_arg, storage_option, overwrite=force, enabled=show_progress(json)) as dst,
     ):
         source, target = src.local, dst.local

@@ -175,7 +175,7 @@ def stats(
     def one(path: str) -> Iterator[dict[str, Any]]:
         """The statistics of `path`, named as given (a URL, not the local mirror they were read from)."""
         with (
-            reading(path, storage_option, data=not index_only, enabled=enabled) as place,
+            reading(path, storage_option, data=not index_only, enabled=enabled, stream=True) as place,
             progress_bar("reading the index", None, enabled) as advance,
         ):
             doc = collect_stats(

@@ -173,7 +173,7 @@ def verify(
     for i, path in enumerate(paths):
         try:
             with (
-                reading(path, storage_option, data=deep, enabled=enabled) as place,
+                reading(path, storage_option, data=deep, enabled=enabled, stream=True) as place,
                 progress_bar("checking index files and listings", None, enabled) as advance,
             ):
                 result = run_verify(
