@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -298,3 +299,11 @@ def columns(request: pytest.FixtureRequest) -> Iterator[int]:
     _common.out.width = _common.err.width = request.param
     yield request.param
     _common.out._fixed_width, _common.err._width = saved
+
+
+def sigint_default() -> None:
+    """`preexec_fn` of a child a test sends SIGINT to: SIGINT back at its default, as a command
+    typed at a terminal has it. A test run started in the background of a non-interactive shell
+    (`cmd &` in a script) ignores SIGINT, children inherit that, and Python then leaves it
+    ignored, so the child would never see the Ctrl-C the test sends."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

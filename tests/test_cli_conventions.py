@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import typer
-from conftest import make_traj
+from conftest import make_traj, sigint_default
 from typer.testing import CliRunner
 
 import rbtool
@@ -288,6 +288,7 @@ def interrupt(argv: list[str | Path], ready: object, cwd: Path) -> tuple[int, li
         cwd=cwd,
         env={**os.environ, "PYTHONPATH": str(Path(rbtool.__file__).parents[1])},
         start_new_session=True,
+        preexec_fn=sigint_default,
     )
     assert proc.stderr is not None
     lines: list[str] = []
@@ -415,6 +416,7 @@ def at_terminal(argv: list[str | Path], cwd: Path, interrupt_on: bytes | None = 
         cwd=cwd,
         env={**env, "TERM": "xterm", "PYTHONPATH": str(Path(rbtool.__file__).parents[1])},
         start_new_session=True,
+        preexec_fn=sigint_default,
     )
     os.close(slave)
     seen, sent = b"", False

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FIXTURES, assert_one_error, make_traj, run, run_json
+from conftest import FIXTURES, assert_one_error, make_traj, run, run_json, sigint_default
 
 from rbtool import remote
 
@@ -431,7 +431,12 @@ def test_ctrl_c_mid_upload_says_what_readers_see_then_a_rerun_completes_it(
     )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.Popen(
-        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=sigint_default,
     )
     assert proc.stdout is not None
     assert proc.stdout.readline() == "three up\n"
