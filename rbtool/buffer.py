@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rbtool import trajfile
+from rbtool.batchmem import BatchMemory
 from rbtool.dirs import CheckpointView, open_view, warn_layout
 from rbtool.errors import BufferClosedError, CheckpointError, EmptyBufferError, UsageError
 from rbtool.format import FORMATS, trajectory_file_name
@@ -140,6 +141,8 @@ class TrajectoryReplayBuffer:
         self._counts = SampleCounts()
         self._window_schema = WindowSchema()
         self._rows = RowCache()
+        # the memory of sampled batches' large fields, reused once no batch refers to it
+        self._batch_memory = BatchMemory()
         # Reward scores for top-k sampling; created by the first top-k call, then fed per add.
         self._rewards: RewardIndex | None = None
 
@@ -359,9 +362,14 @@ class TrajectoryReplayBuffer:
                 self._publish_now.clear()
 
     # -------------------------------------------------------------- sampling
-    def _raw(self, tid: int) -> RawTrajectory | None:
-        shape = self._index.entries[tid]["shape"]
-        return self._store.raw(tid, shape[0], shape[1])
+    def _raws(self, tids: list[int]) -> list[RawTrajectory | None]:
+        entries = self._index.entries
+
+        def shape_of(tid: int) -> tuple[int, int]:
+            shape = entries[tid]["shape"]
+            return shape[0], shape[1]
+
+        return self._store.raw_many(tids, shape_of)
 
     def _view(self, tid: int) -> FlatView:
         shape = self._index.entries[tid]["shape"]
@@ -486,7 +494,8 @@ class TrajectoryReplayBuffer:
             base = self._counts.start(lo)
             self._rows.trim(lo, base)
             cached = self._rows.covering(lo, hi, base)
-            batch = gather(draw, schema, self._view, cached, self._raw, self._store.rowmap)
+            memory = self._batch_memory
+            batch = gather(draw, schema, self._view, cached, self._raws, self._store.rowmap, memory)
         except BaseException:
             self.random_generator.set_state(state)
             raise
@@ -513,6 +522,7 @@ class TrajectoryReplayBuffer:
         self.flush()
         with self._window_lock:
             self._store.clear_views()
+            self._batch_memory.clear()
 
     def _new_generation(self) -> None:
         """The id list was replaced: window bookkeeping starts again from it."""
@@ -646,6 +656,7 @@ class TrajectoryReplayBuffer:
                     self._publish_now.set()
                     self._writer.close(wait=wait)
                 self._store.clear()
+                self._batch_memory.clear()
 
     def __enter__(self) -> TrajectoryReplayBuffer:
         return self

@@ -71,6 +71,14 @@ class IdRange(Sequence[int]):
         return self.ids[self.lo + k % len(self)]
 
 
+def ids_at(ids: Sequence[int], positions: list[int]) -> list[int]:
+    """`[ids[k] for k in positions]`, without a call per position for an IdRange."""
+    if isinstance(ids, IdRange):
+        seen, lo = ids.ids, ids.lo
+        return [seen[lo + k] for k in positions]
+    return [ids[k] for k in positions]
+
+
 class SampleCounts:
     """Cumulative sample counts along an id list, extended as ids are added.
 

@@ -36,11 +36,13 @@ from rbtool.layout import (
 from rbtool.ptheader import SMALL_FILE_BYTES, TensorSpec, UnusualLayout, iter_specs, open_regular, read_header
 from rbtool.rowmap import RowMap
 from rbtool.rowmap import available as rowmap_available
+from rbtool.sampling import ids_at
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
 
+    from rbtool.batchmem import BatchMemory
     from rbtool.sampling import Draw
 
 FieldPath = tuple[str, ...]
@@ -805,6 +807,20 @@ class TrajectoryStore:
             self.memory.pop(tid, None)
             self.not_raw.discard(tid)
 
+    def raw_many(
+        self, tids: list[int], shape_of: Callable[[int], tuple[int, int]]
+    ) -> list[RawTrajectory | None]:
+        """raw() of each id (a batch's drawn files: the held ones under one lock)."""
+        with self._raw_lock:
+            found = [self.raws.get(tid) for tid in tids]
+            for tid, raw in zip(tids, found, strict=True):
+                if raw is not None:
+                    self.raws.move_to_end(tid)
+        for j, raw in enumerate(found):
+            if raw is None:
+                found[j] = self.raw(tids[j], *shape_of(tids[j]))
+        return found
+
     def raw(self, tid: int, t: int, b: int) -> RawTrajectory | None:
         """The trajectory as bytes (see RawTrajectory), or None (in memory, unusual, .pkl)."""
         with self._raw_lock:
@@ -1263,13 +1279,14 @@ def gather(
     schema: Schema,
     view_of: Callable[[int], FlatView],
     cached: dict[FieldPath, torch.Tensor] | CachedRows | None = None,
-    raw_of: Callable[[int], RawTrajectory | None] | None = None,
+    raws_of: Callable[[list[int]], list[RawTrajectory | None]] | None = None,
     rowmap: RowMap | None = None,
+    memory: BatchMemory | None = None,
 ) -> dict[str, Any]:
-    """Build the batch, copying only the drawn rows.
+    """Build the batch, copying only the drawn rows (into memory from `memory` when given).
 
     Draws covered by `cached` (a RowCache's run, or a window_cache covering the whole window)
-    cost one index_select per field. Draws from small files held as bytes (`raw_of`) cost one
+    cost one index_select per field. Draws from small files held as bytes (`raws_of`) cost one
     gather of rows per field per block of held bytes they reach (their large rows one pread per row, or with
     `rowmap` one index_select per field over the mapped files). The others are grouped by
     trajectory; each (trajectory, field) pair costs one index_select (or one read per row for
@@ -1277,10 +1294,10 @@ def gather(
     numpy: on a few hundred numbers torch's thread pool costs more than the work.
     """
     if rowmap is None:
-        return _gather(draw, schema, view_of, cached, raw_of, None)
+        return _gather(draw, schema, view_of, cached, raws_of, None, memory)
     with rowmap.lock:  # nothing is unmapped or moved while this batch reads the map
         rowmap.settle()
-        batch = _gather(draw, schema, view_of, cached, raw_of, rowmap)
+        batch = _gather(draw, schema, view_of, cached, raws_of, rowmap, memory)
         rowmap.after_batch()
     return batch
 
@@ -1290,11 +1307,17 @@ def _gather(
     schema: Schema,
     view_of: Callable[[int], FlatView],
     cached: dict[FieldPath, torch.Tensor] | CachedRows | None,
-    raw_of: Callable[[int], RawTrajectory | None] | None,
+    raws_of: Callable[[list[int]], list[RawTrajectory | None]] | None,
     rowmap: RowMap | None,
+    memory: BatchMemory | None = None,
 ) -> dict[str, Any]:
     import numpy as np
     import torch
+
+    def empty(path: FieldPath, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if memory is None:
+            return torch.empty(shape, dtype=dtype)
+        return memory.empty(path, shape, dtype)
 
     if isinstance(cached, dict):
         cached = CachedRows(cached, 0, len(draw.window_ids), 0) if cached else None
@@ -1315,7 +1338,7 @@ def _gather(
     def group(key: str) -> _Group:
         if key not in groups:
             selection = every if key == "every" else uncovered
-            groups[key] = _Group(selection, positions, local, draw.window_ids, view_of, raw_of, rowmap)
+            groups[key] = _Group(selection, positions, local, draw.window_ids, view_of, raws_of, rowmap)
         return groups[key]
 
     out: dict[FieldPath, torch.Tensor] = {}
@@ -1323,9 +1346,10 @@ def _gather(
         in_cache = cached is not None and covered is not None and path in cached.columns
         if in_cache and covered is not None and covered.size == count:
             assert cached is not None and cache_rows is not None
-            out[path] = cached.columns[path].index_select(0, cache_rows)
+            column = cached.columns[path]
+            out[path] = torch.index_select(column, 0, cache_rows, out=empty(path, (count, *shape), dtype))
             continue
-        target = torch.empty((count, *shape), dtype=dtype)
+        target = empty(path, (count, *shape), dtype)
         if in_cache:
             assert cached is not None and covered is not None and cache_rows is not None
             target.index_copy_(0, torch.from_numpy(covered), cached.columns[path].index_select(0, cache_rows))
@@ -1347,15 +1371,15 @@ class _Group:
         local: Any,
         window_ids: Sequence[int],
         view_of: Callable[[int], FlatView],
-        raw_of: Callable[[int], RawTrajectory | None] | None,
+        raws_of: Callable[[list[int]], list[RawTrajectory | None]] | None,
         rowmap: RowMap | None = None,
     ) -> None:
         import numpy as np
 
         self.parts: list[_RawRows | _ViewRows] = []
-        if raw_of is not None and selection.size:
+        if raws_of is not None and selection.size:
             unique, inverse = np.unique(positions[selection], return_inverse=True)
-            raws = [raw_of(window_ids[k]) for k in unique.tolist()]
+            raws = raws_of(ids_at(window_ids, unique.tolist()))
             held = np.array([r is not None for r in raws], dtype=bool)
             if held.any():
                 mask = held[inverse]
