@@ -108,6 +108,17 @@ def tree_digest(root: Path) -> dict[str, str]:
     }
 
 
+def flat_batch(batch: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested batch as {"curr_obs.main_images": tensor, ...}, in the batch's order."""
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        if isinstance(value, dict):
+            out.update(flat_batch(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
 def assert_batches_equal(actual: dict[str, Any], expected: dict[str, Any], prefix: str = "") -> None:
     """Same keys, same nesting, same dtypes, torch.equal on every tensor."""
     import torch

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_traj
+from conftest import flat_batch, make_traj
 
 from rbtool import TrajectoryReplayBuffer, batchmem, rowmap
 from rbtool.batchmem import BatchMemory
@@ -23,26 +23,16 @@ IMAGE = 48  # 6,912-byte rows: 256 of them are 1.7 MiB, past batchmem.MIN_BYTES
 DRAWS = 256
 
 
-def flat(batch: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for key, value in batch.items():
-        if isinstance(value, dict):
-            out.update(flat(value, f"{prefix}{key}."))
-        else:
-            out[prefix + key] = value
-    return out
-
-
 def copies(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in flat(batch).items()}
+    return {k: v.clone() for k, v in flat_batch(batch).items()}
 
 
 def large(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in flat(batch).items() if v.numel() * v.element_size() > batchmem.MIN_BYTES}
+    return {k: v for k, v in flat_batch(batch).items() if v.numel() * v.element_size() > batchmem.MIN_BYTES}
 
 
 def assert_unchanged(batch: dict[str, Any], saved: dict[str, torch.Tensor]) -> None:
-    now = flat(batch)
+    now = flat_batch(batch)
     assert list(now) == list(saved)
     for key, value in saved.items():
         assert torch.equal(now[key], value), key
@@ -84,7 +74,7 @@ def test_views_numpy_and_shared_copies_hold_the_memory(buffer: TrajectoryReplayB
     name, field = next(iter(large(batch).items()))
     view = field[3:9]
     array = field[10:12].numpy()
-    shared = flat(buffer.sample(DRAWS))[name].share_memory_()
+    shared = flat_batch(buffer.sample(DRAWS))[name].share_memory_()
     saved = (view.clone(), array.copy(), shared.clone())
     del batch, field
     for _ in range(2 * batchmem.KEEP + 2):
@@ -119,7 +109,7 @@ def test_same_batches_as_without_reuse(
 
 
 def test_fields_do_not_share_memory(buffer: TrajectoryReplayBuffer) -> None:
-    batch = flat(buffer.sample(DRAWS))
+    batch = flat_batch(buffer.sample(DRAWS))
     for value in batch.values():
         assert value.untyped_storage().nbytes() == value.numel() * value.element_size()
     field = next(iter(large(buffer.sample(DRAWS)).values()))

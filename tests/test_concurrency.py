@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_traj
+from conftest import flat_batch, make_traj
 
 from rbtool import TrajectoryReplayBuffer, ingest, trajfile
 from rbtool.fsutil import DirLock
@@ -147,16 +147,6 @@ def large_checkpoint(path: Path, count: int) -> Path:
     source.save_checkpoint(path)
     source.close()
     return path
-
-
-def flat_batch(batch: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for key, value in batch.items():
-        if isinstance(value, dict):
-            out.update(flat_batch(value, f"{prefix}{key}."))
-        else:
-            out[prefix + key] = value
-    return out
 
 
 @pytest.mark.parametrize("map_rows", [False, True], ids=["pread", "map_rows"])

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import make_traj
+from conftest import flat_batch, make_traj
 
 from rbtool import TrajectoryReplayBuffer, rowmap
 from rbtool.errors import TrajectoryFileError, UsageError
@@ -27,18 +27,8 @@ pytestmark = pytest.mark.skipif(not rowmap.available(), reason="the row map need
 IMAGE = 48  # 6,912-byte rows: large rows, left in the file by the default path
 
 
-def flat(batch: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for key, value in batch.items():
-        if isinstance(value, dict):
-            out.update(flat(value, f"{prefix}{key}."))
-        else:
-            out[prefix + key] = value
-    return out
-
-
 def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
-    fa, fb = flat(a), flat(b)
+    fa, fb = flat_batch(a), flat_batch(b)
     assert list(fa) == list(fb)
     for key in fa:
         assert fa[key].dtype == fb[key].dtype and fa[key].shape == fb[key].shape, key
@@ -92,7 +82,7 @@ def test_every_field_read_through_the_map_matches_the_files(tmp_path: Path) -> N
     other.load_checkpoint(ckpt)
     d, again = other.sample_with_draw(40)
     trajs = [make_traj(t=8, b=4, seed=i, image=IMAGE) for i in range(3)]
-    images = flat(again)["curr_obs.main_images"]
+    images = flat_batch(again)["curr_obs.main_images"]
     for row, (tid, local) in enumerate(zip(d.trajectory_ids, d.local_indices.tolist(), strict=True)):
         source = trajs[tid]["curr_obs"]["main_images"].reshape(-1, IMAGE, IMAGE, 3)
         assert torch.equal(images[row], source[local])
@@ -135,7 +125,7 @@ def test_files_evicted_by_another_thread_while_batches_are_read(tmp_path: Path) 
         fast.add_trajectories([make_traj(t=8, b=4, seed=80 + i, image=IMAGE)])
     reader.join()
     assert not failures, failures
-    assert batches and all(flat(b)["curr_obs.main_images"].shape[0] == 128 for b in batches)
+    assert batches and all(flat_batch(b)["curr_obs.main_images"].shape[0] == 128 for b in batches)
     fast.sample(16)
     held = set(fast._store.files)
     assert set(the_map(fast).slots) <= held
