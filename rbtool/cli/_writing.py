@@ -9,12 +9,14 @@ creates, changes and removes nothing.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from rbtool.cli._common import count, out
+from rbtool.cli._common import Place, count, out, reading, refuse_overlap, show_progress, writing
 
 DryRunOpt = Annotated[
     bool,
@@ -33,3 +35,29 @@ def dry_run_note(target: Path | str, what: str) -> None:
 def trajectories(n: int) -> str:
     """`1 trajectory`, `5 trajectories`."""
     return count(n, "trajectory", "trajectories")
+
+
+@contextmanager
+def read_and_write(
+    sources: Sequence[str],
+    target: str,
+    storage_options: list[str] | None,
+    *,
+    json: bool,
+    force: bool,
+    dry_run: bool,
+    stream: bool = False,
+) -> Iterator[tuple[list[Place], Place]]:
+    """A writer's opening: its input checkpoints read (a URL fetched; its files only when it is
+    no dry run; streamed passes allowed with `stream`), its `--out` opened (a URL staged for
+    upload, an existing one refused without `force`), progress shown unless `json`, and an
+    `--out` that is, lies in or holds an input refused. The command calls `dst.finish()`."""
+    enabled = show_progress(json)
+    with ExitStack() as stack:
+        places = [
+            stack.enter_context(reading(s, storage_options, data=not dry_run, enabled=enabled, stream=stream))
+            for s in sources
+        ]
+        dst = stack.enter_context(writing(target, storage_options, overwrite=force, enabled=enabled))
+        refuse_overlap(dst.local, [p.local for p in places], "--out")
+        yield places, dst

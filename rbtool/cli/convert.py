@@ -25,17 +25,14 @@ from rbtool.cli._common import (
     out,
     print_json,
     progress_bar,
-    reading,
     refuse_output_mix,
-    refuse_overlap,
     show_progress,
     size,
     state_table,
     summary_limit,
     upload_note,
-    writing,
 )
-from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
+from rbtool.cli._writing import DryRunOpt, dry_run_note, read_and_write, trajectories
 
 
 def convert(
@@ -64,22 +61,16 @@ def convert(
 ) -> None:
     """Write OUT with every trajectory file of IN in FORMAT (a rank tree keeps its rank_* layout)."""
     refuse_output_mix(json, pretty=pretty)
-    with (
-        # to a local OUT, each file is read once: a source larger than the cache is streamed (a
-        # remote OUT is staged whole in the cache first, so there the source must fit beside it)
-        reading(
-            source_arg,
-            storage_option,
-            data=not dry_run,
-            enabled=show_progress(json),
-            stream=not is_url(target_arg),
-        ) as src,
-        writing(target_arg, storage_option, overwrite=force, enabled=show_progress(json)) as dst,
-    ):
+    # to a local OUT, each file is read once: a source larger than the cache is streamed (a
+    # remote OUT is staged whole in the cache first, so there the source must fit beside it)
+    stream = not is_url(target_arg)
+    opening = read_and_write(
+        [source_arg], target_arg, storage_option, json=json, force=force, dry_run=dry_run, stream=stream
+    )
+    with opening as ([src], dst):
         source, target = src.local, dst.local
         from rbtool import conversion
 
-        refuse_overlap(target, [source], "--out")
         with progress_bar("converting", None, show_progress(json) and not dry_run) as advance:
             result = conversion.convert(
                 source,

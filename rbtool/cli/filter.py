@@ -23,16 +23,13 @@ from rbtool.cli._common import (
     out,
     print_json,
     progress_bar,
-    reading,
     refuse_output_mix,
-    refuse_overlap,
     show_progress,
     state_table,
     summary_limit,
     upload_note,
-    writing,
 )
-from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
+from rbtool.cli._writing import DryRunOpt, dry_run_note, read_and_write, trajectories
 
 
 def filter_(
@@ -86,14 +83,13 @@ def filter_(
 ) -> None:
     """Write OUT holding IN's trajectories that match every criterion given (files linked; see --copy)."""
     refuse_output_mix(json, pretty=pretty)
-    with (
-        reading(source_arg, storage_option, data=not dry_run, enabled=show_progress(json)) as src,
-        writing(target_arg, storage_option, overwrite=force, enabled=show_progress(json)) as dst,
-    ):
+    opening = read_and_write(
+        [source_arg], target_arg, storage_option, json=json, force=force, dry_run=dry_run
+    )
+    with opening as ([src], dst):
         source, target = src.local, dst.local
         from rbtool import filtering
 
-        refuse_overlap(target, [source], "--out")
         criteria = filtering.Criteria(
             model_weights_ids=tuple(model_weights_id or ()),
             min_version=min_version,

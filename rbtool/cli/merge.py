@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -25,16 +24,13 @@ from rbtool.cli._common import (
     out,
     print_json,
     progress_bar,
-    reading,
     refuse_output_mix,
-    refuse_overlap,
     show_progress,
     state_table,
     summary_limit,
     upload_note,
-    writing,
 )
-from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
+from rbtool.cli._writing import DryRunOpt, dry_run_note, read_and_write, trajectories
 
 
 def _shown(places: dict[Path, Place], path: Path) -> str:
@@ -65,20 +61,12 @@ def merge(
 ) -> None:
     """Merge checkpoints: unique ids are kept in input order, colliding ids renumbered from 0."""
     refuse_output_mix(json, pretty=pretty)
-    with ExitStack() as stack:
-        places = [
-            stack.enter_context(reading(d, storage_option, data=not dry_run, enabled=show_progress(json)))
-            for d in dir_args
-        ]
-        dst = stack.enter_context(
-            writing(target_arg, storage_option, overwrite=force, enabled=show_progress(json))
-        )
+    opening = read_and_write(dir_args, target_arg, storage_option, json=json, force=force, dry_run=dry_run)
+    with opening as (places, dst):
         dirs, target = [p.local for p in places], dst.local
         shown = {p.local: p for p in places}
         from rbtool import checkpoint
         from rbtool.dirs import checkpoint_dirs
-
-        refuse_overlap(target, dirs, "--out")
 
         inputs = [p for d in dirs for p in checkpoint_dirs(d)]
         with progress_bar("merging", None, show_progress(json) and not dry_run) as advance:

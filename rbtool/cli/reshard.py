@@ -27,16 +27,13 @@ from rbtool.cli._common import (
     out,
     print_json,
     progress_bar,
-    reading,
     refuse_output_mix,
-    refuse_overlap,
     show_progress,
     size,
     summary_limit,
     upload_note,
-    writing,
 )
-from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
+from rbtool.cli._writing import DryRunOpt, dry_run_note, read_and_write, trajectories
 
 
 class Balance(str, enum.Enum):
@@ -71,14 +68,13 @@ def reshard(
 ) -> None:
     """Write OUT/rank_r for N ranks from IN's trajectories (the merge of its ranks), files linked."""
     refuse_output_mix(json, pretty=pretty)
-    with (
-        reading(source_arg, storage_option, data=not dry_run, enabled=show_progress(json)) as src,
-        writing(target_arg, storage_option, overwrite=force, enabled=show_progress(json)) as dst,
-    ):
+    opening = read_and_write(
+        [source_arg], target_arg, storage_option, json=json, force=force, dry_run=dry_run
+    )
+    with opening as ([src], dst):
         source, target = src.local, dst.local
         from rbtool import resharding
 
-        refuse_overlap(target, [source], "--out")
         with progress_bar("resharding", None, show_progress(json) and not dry_run) as advance:
             result = resharding.reshard(
                 source,

@@ -21,16 +21,13 @@ from rbtool.cli._common import (
     out,
     print_json,
     progress_bar,
-    reading,
     refuse_output_mix,
-    refuse_overlap,
     show_progress,
     state_table,
     summary_limit,
     upload_note,
-    writing,
 )
-from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
+from rbtool.cli._writing import DryRunOpt, dry_run_note, read_and_write, trajectories
 
 
 def shard(
@@ -52,14 +49,11 @@ def shard(
 ) -> None:
     """Write OUT/rank_r for every rank: exactly what a distributed load of CKPT by rank r yields."""
     refuse_output_mix(json, pretty=pretty)
-    with (
-        reading(ckpt_arg, storage_option, data=not dry_run, enabled=show_progress(json)) as src,
-        writing(target_arg, storage_option, overwrite=force, enabled=show_progress(json)) as dst,
-    ):
+    opening = read_and_write([ckpt_arg], target_arg, storage_option, json=json, force=force, dry_run=dry_run)
+    with opening as ([src], dst):
         ckpt, target = src.local, dst.local
         from rbtool import checkpoint
 
-        refuse_overlap(target, [ckpt], "--out")
         with progress_bar("sharding", None, show_progress(json) and not dry_run) as advance:
             shards, report = checkpoint.shard(
                 ckpt,
