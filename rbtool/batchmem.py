@@ -12,7 +12,8 @@ pages already faulted in.
 
 Each field path keeps its last KEEP arrays (a training loop holds the previous batch while
 it samples the next); fields of MIN_BYTES or less, and of more than MAX_BYTES, are plain
-allocations, and the arrays kept total at most KEEP_BYTES. Such a tensor's storage is not
+allocations, and the arrays kept total at most KEEP_BYTES (free ones of other fields are let go
+to make room). Such a tensor's storage is not
 resizable (`resize_` raises), like any tensor made from a numpy array.
 """
 
@@ -80,10 +81,23 @@ class BatchMemory:
         array = whole[skip : skip + nbytes]
         if len(ring) == KEEP:
             self._kept -= ring.popleft().nbytes  # the oldest: its batch is someone's to keep
+        if self._kept + nbytes > KEEP_BYTES:
+            self._make_room(nbytes)
         if self._kept + nbytes <= KEEP_BYTES:
             ring.append(array)
             self._kept += nbytes
         return array
+
+    def _make_room(self, nbytes: int) -> None:
+        """Forget free arrays of any field (one no longer sampled, say) until `nbytes` more fit."""
+        for ring in self._rings.values():
+            i = 0
+            while i < len(ring) and self._kept + nbytes > KEEP_BYTES:
+                if _refs(ring, i) == self._free_refs:
+                    self._kept -= ring[i].nbytes
+                    del ring[i]
+                else:
+                    i += 1
 
     @property
     def kept_bytes(self) -> int:

@@ -151,3 +151,16 @@ def test_the_total_kept_is_capped(monkeypatch: pytest.MonkeyPatch) -> None:
     again = memory.empty("a", shape, torch.uint8)
     assert memory.kept_bytes == 2 * (batchmem.MIN_BYTES + 64)
     assert again.numel() == shape[0]
+
+
+def test_room_is_made_from_free_arrays_of_other_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(batchmem, "KEEP_BYTES", 2 * batchmem.MIN_BYTES + 128)
+    memory = BatchMemory()
+    shape = (batchmem.MIN_BYTES + 64,)
+    held = memory.empty("a", shape, torch.uint8)
+    memory.empty("b", shape, torch.uint8)  # dropped at once: its array is free
+    new = memory.empty("c", shape, torch.uint8)  # b's free array makes room; a's is held
+    assert memory.kept_bytes == 2 * shape[0]
+    assert [len(memory._rings[k]) for k in "abc"] == [1, 0, 1]
+    assert memory._rings["c"][0].ctypes.data == new.data_ptr()
+    assert memory._rings["a"][0].ctypes.data == held.data_ptr()
