@@ -251,9 +251,10 @@ def _seaweedfs(workdir: Path) -> Iterator[str]:
                 time.sleep(0.5)
         yield endpoint
     finally:
+        # its graceful shutdown takes about half a minute; the data is the test's to drop
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(20)
+            proc.wait(2)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
