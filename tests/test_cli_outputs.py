@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +185,29 @@ def test_stats_jsonl_of_a_real_checkpoint_agrees_with_the_columns() -> None:
         {"path": str(AUTOSAVE), **dict(zip(columns, values, strict=True))}
         for values in zip(*columns.values(), strict=True)
     ]
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly(big: Path) -> None:
+    """`rbtool stats --jsonl | head -1`: no error line, and the status of a tool that SIGPIPE
+    ended (141)."""
+    argv = [sys.executable, "-m", "rbtool", "stats", str(big), "--index-only", "--jsonl"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()  # far more than a pipe holds is still to come
+    stderr = proc.stderr.read()
+    assert proc.wait(120) == _common.BROKEN_PIPE_STATUS, stderr
+    assert json.loads(first)["id"] == 0
+    assert stderr == b""
+
+
+def test_stdout_closed_tells_a_pipe_nobody_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    read_end, write_end = os.pipe()
+    with os.fdopen(write_end, "w") as writer:
+        monkeypatch.setattr(sys, "stdout", writer)
+        assert not _common.stdout_closed()  # read end open: a pipe in use
+        os.close(read_end)
+        assert _common.stdout_closed()
 
 
 def test_verify_jsonl_is_one_object_per_problem_and_complete(big: Path) -> None:

@@ -187,6 +187,14 @@ class Group(TyperGroup):
                 command = ctx.meta.get(_COMMAND)
                 print_error(str(exc) + option_hint(exc, command) + fix_hint(exc, command))
                 raise typer.Exit(exit_status(exc)) from None
+            except BrokenPipeError:
+                if not stdout_closed():
+                    raise  # a pipe of the command's own: an error like any other
+                # the reader of our stdout stopped (`| head`): stop quietly, as other tools do
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())  # nothing left unflushed fails again at exit
+                os.close(devnull)
+                raise typer.Exit(BROKEN_PIPE_STATUS) from None
             except OSError as exc:  # the library maps these itself; this is the last net
                 from rbtool.fsutil import os_error
 
@@ -516,6 +524,21 @@ def print_json(doc: Any, pretty: bool = False) -> None:
         _write_blocks([data, b"\n"])
     else:
         _write_blocks(chain(_json_chunks(doc), [b"\n"]))
+
+
+BROKEN_PIPE_STATUS = 141  # 128 + SIGPIPE: what a tool killed by a closed pipe exits with
+
+
+def stdout_closed() -> bool:
+    """Whether stdout is a pipe (or socket) that nobody reads any more."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no descriptor (captured), or no poll
+        return False
 
 
 def _plain(value: Any) -> Any:
