@@ -505,6 +505,11 @@ def test_remote_sources_of_save_ingest_and_load(bucket: str, tmp_path: Path, fiv
     assert (got["mode"], got["trajectory_id_list"]) == (local["mode"], local["trajectory_id_list"])
     added = run_json("ingest", url, "--buffer", tmp_path / "buffer")
     assert added["added"] == len(remote.inspect(url).sizes) - 2  # every trajectory object
+    again = run_json("ingest", url, "--buffer", tmp_path / "buffer")  # each one already there
+    assert again["added"] == 0 and len(again["skipped"]) == added["added"]
+    assert all(s["source"].startswith(f"{url}/trajectory_") for s in again["skipped"])  # not the cache
+    human = run("ingest", url, "--buffer", tmp_path / "buffer")
+    assert f"skipped {url}/trajectory_" in human.stdout and str(remote.cache_root()) not in human.stdout
     restored = run_json("checkpoint", "load", url, "--buffer", tmp_path / "restored")
     assert restored["checkpoint"] == url and restored["restored_to"] == str(tmp_path / "restored")
     assert run_json("verify", tmp_path / "restored", "--deep")["ok"] is True

@@ -777,6 +777,15 @@ class Place:
         return self.url if str(rel) == "." else f"{self.url}/{rel.as_posix()}"
 
 
+def shown_in(places: Sequence[Place], path: str | os.PathLike[str]) -> str:
+    """A path under one of the inputs read, named as it was given (under its URL, if it was)."""
+    given = Path(path)
+    for place in places:
+        if given == place.local or place.local in given.parents:
+            return place.show(given)
+    return str(path)
+
+
 def upload_line(upload: dict[str, int]) -> str:
     """What an upload did, for a person: `upload: 12 objects uploaded (3.4 MiB), 0 kept, 0 removed`."""
     return (

@@ -27,6 +27,7 @@ from rbtool.cli._common import (
     reading,
     refuse_output_mix,
     show_progress,
+    shown_in,
 )
 from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
 
@@ -110,10 +111,11 @@ def ingest(
         )
     buffer = local_dir(buffer_arg, "--buffer")
     with ExitStack() as stack:
-        sources = [
-            stack.enter_context(reading(s, storage_option, data=True, enabled=show_progress(json))).local
+        places = [
+            stack.enter_context(reading(s, storage_option, data=True, enabled=show_progress(json)))
             for s in source_args
         ]
+        sources = [place.local for place in places]
         from rbtool.errors import UsageError
         from rbtool.ingestion import ingest as ingest_sources
 
@@ -154,7 +156,7 @@ def ingest(
             "files": result.report.as_json(),
             "removed_leftovers": result.removed_leftovers,
             "duplicates": result.duplicates,
-            "skipped": [s.as_json() for s in result.skipped],
+            "skipped": [{**s.as_json(), "source": shown_in(places, s.path)} for s in result.skipped],
             "dry_run": dry_run,
         }
         if dry_run:
@@ -179,7 +181,7 @@ def ingest(
         out.print(key_values(f"{'would ingest' if dry_run else 'ingest'} into {result.buffer}", rows))
         shown = 20
         for skipped in result.skipped[:shown]:
-            out.print(f"skipped {skipped.path}: {skipped.reason}", markup=False)
+            out.print(f"skipped {shown_in(places, skipped.path)}: {skipped.reason}", markup=False)
         if len(result.skipped) > shown:
             more = len(result.skipped) - shown
             out.print(f"... and {more} more skipped (--json lists them all)", markup=False)

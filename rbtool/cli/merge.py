@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -14,7 +13,6 @@ from rbtool.cli._common import (
     ForceOpt,
     FormatOpt,
     JsonOpt,
-    Place,
     PrettyOpt,
     StorageOpt,
     StrictOpt,
@@ -26,19 +24,12 @@ from rbtool.cli._common import (
     progress_bar,
     refuse_output_mix,
     show_progress,
+    shown_in,
     state_table,
     summary_limit,
     upload_note,
 )
 from rbtool.cli._writing import DryRunOpt, dry_run_note, read_and_write, trajectories
-
-
-def _shown(places: dict[Path, Place], path: Path) -> str:
-    """An input checkpoint's name: under the URL it was read from, if it was."""
-    for local, place in places.items():
-        if path == local or local in path.parents:
-            return place.show(path)
-    return str(path)
 
 
 def merge(
@@ -64,7 +55,6 @@ def merge(
     opening = read_and_write(dir_args, target_arg, storage_option, json=json, force=force, dry_run=dry_run)
     with opening as (places, dst):
         dirs, target = [p.local for p in places], dst.local
-        shown = {p.local: p for p in places}
         from rbtool import checkpoint
         from rbtool.dirs import checkpoint_dirs
 
@@ -83,7 +73,7 @@ def merge(
         dst.finish()  # upload before printing (a URL's checkpoint exists only then)
         index = result.index
         doc: dict[str, Any] = {
-            "inputs": [_shown(shown, p) for p in inputs],
+            "inputs": [shown_in(places, p) for p in inputs],
             "out": dst.show(),
             "upload": dst.upload,
             "renumbered": result.renumbered,
