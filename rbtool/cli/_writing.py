@@ -47,17 +47,21 @@ def read_and_write(
     force: bool,
     dry_run: bool,
     stream: bool = False,
+    data: bool | None = None,
+    option: str = "--out",
 ) -> Iterator[tuple[list[Place], Place]]:
     """A writer's opening: its input checkpoints read (a URL fetched; its files only when it is
-    no dry run; streamed passes allowed with `stream`), its `--out` opened (a URL staged for
-    upload, an existing one refused without `force`), progress shown unless `json`, and an
-    `--out` that is, lies in or holds an input refused. The command calls `dst.finish()`."""
+    no dry run, unless `data` says otherwise; streamed passes allowed with `stream`), its output
+    opened (a URL staged for upload, an existing one refused without `force`), progress shown
+    unless `json`, and an output that is, lies in or holds an input refused, named as `option`.
+    The command calls `dst.finish()`."""
     enabled = show_progress(json)
+    fetch = not dry_run if data is None else data
     with ExitStack() as stack:
         places = [
-            stack.enter_context(reading(s, storage_options, data=not dry_run, enabled=enabled, stream=stream))
+            stack.enter_context(reading(s, storage_options, data=fetch, enabled=enabled, stream=stream))
             for s in sources
         ]
         dst = stack.enter_context(writing(target, storage_options, overwrite=force, enabled=enabled))
-        refuse_overlap(dst.local, [p.local for p in places], "--out")
+        refuse_overlap(dst.local, [p.local for p in places], option)
         yield places, dst

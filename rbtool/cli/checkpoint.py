@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterator
-from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -41,10 +40,9 @@ from rbtool.cli._common import (
     state_table,
     summary_limit,
     upload_note,
-    writing,
 )
 from rbtool.cli._window import DEFAULT_WINDOW, window_line
-from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
+from rbtool.cli._writing import DryRunOpt, dry_run_note, read_and_write, trajectories
 
 if TYPE_CHECKING:
     from rbtool.index import Index
@@ -110,15 +108,20 @@ def save(
 ) -> None:
     """Write the checkpoint a buffer's save_checkpoint would write, from files on disk."""
     refuse_output_mix(json, pretty=pretty)
-    with ExitStack() as stack:
-        enabled = show_progress(json)
-        sources = [
-            stack.enter_context(reading(s, storage_option, data=True, enabled=enabled)).local
-            for s in source_args
-        ]
-        place = stack.enter_context(writing(target_arg, storage_option, overwrite=force, enabled=enabled))
+    # a dry run of a save reads every file, as the save does
+    opening = read_and_write(
+        source_args,
+        target_arg,
+        storage_option,
+        json=json,
+        force=force,
+        dry_run=dry_run,
+        data=True,
+        option="OUT",
+    )
+    with opening as (places, place):
         _save(
-            sources,
+            [p.local for p in places],
             place,
             window,
             mode,
@@ -153,7 +156,6 @@ def _save(
     from rbtool.format import is_checkpoint_dir
 
     fmt = None if trajectory_format is None else trajectory_format.value
-    refuse_overlap(target, sources, "OUT")
     chosen = mode
     if mode is SaveMode.auto:
         single_dir = (
