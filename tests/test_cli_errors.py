@@ -365,18 +365,28 @@ def test_a_buffer_path_that_is_a_file_says_so(tmp_path: Path, columns: int) -> N
     assert afile.read_text() == "keep me"
 
 
-@pytest.mark.parametrize(
+# a listed trajectory file replaced by something that is no regular file
+NOT_FILES = pytest.mark.parametrize(
     ("make", "what"),
     [(os.mkfifo, "a FIFO"), (os.mkdir, "a directory")],
     ids=["fifo", "directory"],
 )
-def test_stats_says_what_a_listed_name_is_when_it_is_no_file(
-    rlinf_copy, columns: int, make: Callable[[Path], None], what: str
-) -> None:
+
+
+def _with_id_3_no_file(rlinf_copy: Callable[[str], Path], make: Callable[[Path], None]) -> Path:
+    """A copy of the autosave fixture whose trajectory 3 is `make(path)` instead of its file."""
     ckpt = rlinf_copy("autosave_pt/autosave")
     (target,) = ckpt.glob("trajectory_3_*.pt")
     target.unlink()
     make(target)
+    return ckpt
+
+
+@NOT_FILES
+def test_stats_says_what_a_listed_name_is_when_it_is_no_file(
+    rlinf_copy, columns: int, make: Callable[[Path], None], what: str
+) -> None:
+    ckpt = _with_id_3_no_file(rlinf_copy, make)
     doc = json.loads(run("stats", ckpt, "--json").stdout)
     assert doc["files"]["missing"] == 0 and doc["files"]["missing_ids"] == []
     assert doc["files"]["not_files"] == [{"trajectory_id": 3, "is": what}]
@@ -432,24 +442,18 @@ def test_no_repair_hint_where_repair_cannot_mend_it(tmp_path: Path, columns: int
     )
 
 
-@pytest.mark.parametrize(
-    ("make", "what"),
-    [(os.mkfifo, "a FIFO"), (os.mkdir, "a directory")],
-    ids=["fifo", "directory"],
-)
+@NOT_FILES
 def test_verify_says_what_a_listed_name_is_when_it_is_no_file(
     rlinf_copy, columns: int, make: Callable[[Path], None], what: str
 ) -> None:
-    ckpt = rlinf_copy("autosave_pt/autosave")
-    (target,) = ckpt.glob("trajectory_3_*.pt")
-    target.unlink()
-    make(target)
+    ckpt = _with_id_3_no_file(rlinf_copy, make)
     result = run("verify", ckpt, "--json")
     assert result.exit_code == 1
     (problem,) = [
         p for c in json.loads(result.stdout)["checkpoints"] for p in c["problems"] if p["trajectory_id"]
     ]
     assert problem["code"] == "file_missing"
+    (target,) = ckpt.glob("trajectory_3_*.pt")
     assert problem["message"] == f"{target.name}: listed trajectory 3 has no file: the name is {what}"
 
 
