@@ -16,19 +16,22 @@ load it.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
 import shutil
+import stat
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rbtool.errors import CheckpointError, OutputExistsError, RbtoolError, UsageError
+from rbtool.errors import CheckpointError, FileSystemError, OutputExistsError, RbtoolError, UsageError
 from rbtool.format import INDEX_FILE, LEGACY_INDEX_FILE, MERGE_MAP_FILE, METADATA_FILE, one_line
 
 MARKER = "rbtool-upload-complete.json"  # written last: the upload is whole
@@ -306,20 +309,254 @@ def upload_dir(
 
 
 def cache_root() -> Path:
-    """Where mirrors and staging directories live: $RBTOOL_CACHE_DIR, else ~/.cache/rbtool/remote."""
+    """Where mirrors and staging directories live: $RBTOOL_CACHE_DIR, else ~/.cache/rbtool/remote.
+
+    The cache is the user's own (docs/format.md, "The local cache"): its missing directories
+    are made 0700, and a cache directory that is a symbolic link, that another user owns, or
+    that group or others can write is refused, as is an ancestor through which another user
+    could swap it. With $RBTOOL_CACHE_SHARED=1 the directory may be shared (sticky, or a
+    setgid group directory); this user's entries then live in its private `user-<uid>`.
+    """
     configured = os.environ.get("RBTOOL_CACHE_DIR")
-    base = Path(configured) if configured else Path.home() / ".cache" / "rbtool" / "remote"
-    base.mkdir(parents=True, exist_ok=True)
-    return base
+    base = Path(os.path.abspath(configured)) if configured else Path.home() / ".cache" / "rbtool" / "remote"
+    shared = cache_shared()
+    _check_ancestors(base, shared)
+    _make_dirs(base)
+    _check_cache_dir(base, shared)
+    if not shared:
+        return base
+    own = base / f"user-{os.geteuid()}"
+    _private_dir(own, discard=False)  # another user's entry in its place is refused, never removed
+    _check_cache_dir(own, False)
+    return own
+
+
+def cache_shared() -> bool:
+    """True if $RBTOOL_CACHE_SHARED says the cache directory is shared by several users on purpose."""
+    text = os.environ.get("RBTOOL_CACHE_SHARED", "").strip().lower()
+    if text in ("", "0", "false", "no", "off"):
+        return False
+    if text in ("1", "true", "yes", "on"):
+        return True
+    raise UsageError(f"RBTOOL_CACHE_SHARED={text!r}: expected 1 (a shared cache directory) or 0")
+
+
+class UntrustedCacheError(FileSystemError):
+    """The cache directory, an ancestor of it, or an entry in it is not the user's own."""
+
+
+_SHARED_FIX = "or, for a cache shared on purpose, make it sticky (chmod +t) and set RBTOOL_CACHE_SHARED=1"
+
+
+def _dir_problem(info: os.stat_result, shared: bool, *, ancestor: bool) -> str | None:
+    """What makes a directory unfit to hold the cache (None: nothing): who owns it, who can write it.
+
+    The cache directory must be the user's and writable by nobody else; an ancestor the
+    user's or root's, writable by others only when sticky (they cannot rename what is not
+    theirs). Shared, any owner will do, and others may write a sticky directory or, for its
+    group only, a setgid one.
+    """
+    if stat.S_ISLNK(info.st_mode):
+        return "a symbolic link"
+    if not stat.S_ISDIR(info.st_mode):
+        return "not a directory"
+    mode = info.st_mode
+    sticky, setgid = mode & stat.S_ISVTX, mode & stat.S_ISGID
+    group_w, other_w = mode & 0o020, mode & 0o002
+    if shared:
+        if other_w and not sticky:
+            return "writable by others and not sticky"
+        if group_w and not (sticky or setgid):
+            return "writable by its group and neither sticky nor setgid"
+        return None
+    if info.st_uid != os.geteuid() and (not ancestor or info.st_uid != 0):
+        return f"owned by uid {info.st_uid}"
+    if ancestor and sticky:
+        return None
+    if other_w:
+        return "writable by others"
+    if group_w:
+        return "writable by its group"
+    return None
+
+
+def _check_ancestors(base: Path, shared: bool) -> None:
+    """Refuse a cache whose existing ancestors another user could rename or replace it through.
+
+    Each one is checked as it is named (a symbolic link must be the user's or root's) and
+    as it resolves.
+    """
+    real = Path(os.path.realpath(base.parent))
+    for chain in (reversed(base.parents), reversed((real, *real.parents))):
+        for path in chain:
+            try:
+                info = os.lstat(path)
+            except FileNotFoundError:
+                break  # this one and those below it are made, the user's own
+            except OSError as exc:
+                raise UntrustedCacheError(
+                    f"{path}: cannot check this ancestor of the rbtool cache ({exc.strerror})"
+                ) from None
+            if stat.S_ISLNK(info.st_mode):
+                if info.st_uid not in (0, os.geteuid()):
+                    raise UntrustedCacheError(
+                        f"{path}: an ancestor of the rbtool cache {base} is a symbolic link owned by uid "
+                        f"{info.st_uid}; set RBTOOL_CACHE_DIR to a directory of your own"
+                    )
+                continue  # where it leads is checked as the real path
+            problem = _dir_problem(info, shared, ancestor=True)
+            if problem is not None:
+                raise UntrustedCacheError(
+                    f"{path}: an ancestor of the rbtool cache {base} is {problem}, so another user could "
+                    "swap the cache; set RBTOOL_CACHE_DIR to a directory of your own"
+                )
+
+
+def _check_cache_dir(path: Path, shared: bool) -> None:
+    """Refuse a cache directory that is a symbolic link, or another user's, or that others can write."""
+    try:
+        info = os.lstat(path)
+    except OSError as exc:
+        raise UntrustedCacheError(f"{path}: cannot check the rbtool cache ({exc.strerror})") from None
+    problem = _dir_problem(info, shared, ancestor=False)
+    if problem is None:
+        return
+    if problem == "a symbolic link":
+        fix = "set RBTOOL_CACHE_DIR to a real directory of your own (links are never followed)"
+    elif problem.startswith("owned by"):
+        fix = f"set RBTOOL_CACHE_DIR to a directory of your own (uid {os.geteuid()}), {_SHARED_FIX}"
+    elif problem == "not a directory":
+        fix = "set RBTOOL_CACHE_DIR to a directory"
+    elif shared:
+        fix = f"chmod +t {path} (or a setgid group directory: chmod g+s,o-w)"
+    else:
+        fix = f"chmod go-w {path} (or chmod 700), {_SHARED_FIX}"
+    raise UntrustedCacheError(f"{path}: the rbtool cache directory is {problem}; {fix}")
+
+
+def _make_dirs(path: Path) -> None:
+    """Make the missing directories of `path`, each 0700 whatever the umask."""
+    missing = []
+    for p in (path, *path.parents):
+        if os.path.lexists(p):
+            break
+        missing.append(p)
+    for p in reversed(missing):
+        try:
+            os.mkdir(p, 0o700)
+        except FileExistsError:
+            continue  # made meanwhile, by this user's other run or someone else: checked next
+        except OSError as exc:
+            raise FileSystemError(f"{p}: cannot make the rbtool cache directory ({exc.strerror})") from None
+        _chmod_dir(p)
+
+
+def _chmod_dir(path: Path, mode: int = 0o700) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def _private_dir(path: Path, *, discard: bool = True) -> Path:
+    """`path` as a directory of the cache: the user's, 0700, made if missing.
+
+    What stands in its place and is no directory (a symbolic link, a file) is removed, never
+    followed (with `discard` False it is refused); a directory of another user is refused.
+    """
+    for _ in range(5):
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise FileSystemError(f"{path}: cannot make this cache directory ({exc.strerror})") from None
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            continue  # removed meanwhile (evicted): make it again
+        if stat.S_ISDIR(info.st_mode):
+            break
+        if not discard:
+            raise UntrustedCacheError(
+                f"{path}: in the rbtool cache, but a symbolic link or a file, not this user's directory; "
+                "remove it (it is never followed)"
+            )
+        _discard(path)
+    else:
+        raise UntrustedCacheError(f"{path}: cannot make this directory of the rbtool cache")
+    if info.st_uid != os.geteuid():
+        raise UntrustedCacheError(
+            f"{path}: in the rbtool cache, but owned by uid {info.st_uid}; remove it, or set "
+            "RBTOOL_CACHE_DIR to a directory of your own"
+        )
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        _chmod_dir(path)
+    return path
+
+
+def _discard(path: Path) -> None:
+    """Remove a cache entry without following a symbolic link: a link or a file is unlinked, a
+    directory removed with what it holds (links inside it are removed, not followed)."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(info.st_mode):
+        shutil.rmtree(path, ignore_errors=True)  # fd-based on Linux: never leaves the tree
+    else:
+        with suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _create_private(path: Path) -> int:
+    """A new file at `path`, 0600 whatever the umask, opened for writing; something at `path` is
+    replaced (a link is unlinked, not followed)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileExistsError:
+        _discard(path)
+        fd = os.open(path, flags, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Write a small file of the cache whole: a new 0600 file renamed over `path` (never written
+    through a link that stands there)."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    fd = _create_private(tmp)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def _read_private(path: Path, limit: int) -> bytes | None:
+    """The bytes of a regular file of the cache (at most `limit`), or None: missing, a link, not a file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)
 
 
 @contextmanager
 def _scratch(name: str) -> Iterator[Path]:
-    """A fresh directory in the cache, removed afterwards; those a killed run left are removed first."""
+    """A fresh directory in the cache (0700), removed afterwards; those killed runs left are removed first."""
     from rbtool.fsutil import new_staging_dir
 
     path = new_staging_dir(cache_root() / name)
     try:
+        _chmod_dir(path)
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
@@ -459,9 +696,11 @@ def _fetch(ckpt: RemoteCheckpoint, rel: str, dst: Path, *, in_place: bool = Fals
     `in_place` writes the checked bytes into the existing file `dst` (same inode), so that a
     reader that already holds it open (a loaded buffer pins its files) reads them.
     """
-    dst.parent.mkdir(parents=True, exist_ok=True)
+    _make_dirs(dst.parent)
+    _private_dir(dst.parent)  # in the cache: the user's own directory, not a link to elsewhere
     tmp = dst.with_name(f".{dst.name}.part-{os.getpid()}")
     try:
+        os.close(_create_private(tmp))  # 0600; the store's bytes are written into it
         ckpt.remote.fs.get_file(ckpt.remote.key(rel), str(tmp))
         got = digest_file(tmp)
         want = ckpt.objects[rel]
@@ -471,7 +710,12 @@ def _fetch(ckpt: RemoteCheckpoint, rel: str, dst: Path, *, in_place: bool = Fals
                 "sha256 (changed during the read?); rerun"
             )
         if in_place:
-            with open(tmp, "rb") as src, open(dst, "r+b") as f:
+            fd = os.open(dst, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # never written through a link
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+                os.close(fd)
+                raise UntrustedCacheError(f"{dst}: a stand-in in the rbtool cache is not a file of its own")
+            with open(tmp, "rb") as src, open(fd, "r+b") as f:
                 shutil.copyfileobj(src, f, _CHUNK)
         else:
             os.replace(tmp, dst)
@@ -530,25 +774,40 @@ def index_mirror(url: str, options: dict[str, Any] | None = None) -> Iterator[In
     trajectories it draws, only the byte ranges its reads need (`rbtool.ranges`; small and
     `.pkl` files whole), and nothing else.
     """
+    cache_root()  # an untrusted cache is refused before the store is asked anything
     ckpt = inspect(url, options)
     with _scratch("index") as tmp:
-        root = tmp / "ckpt"
-        root.mkdir()
+        root = _private_dir(tmp / "ckpt")
         for rel, size in ckpt.sizes.items():
             dst = root / rel
             if rel.rsplit("/", 1)[-1] in _JSON_OBJECTS:
                 _fetch(ckpt, rel, dst)
             else:
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                with open(dst, "wb") as f:
-                    f.truncate(size)
+                _standin(dst, size)
         yield IndexMirror(root, ckpt)
 
 
-def _mirror_state(mirror: Path) -> dict[str, Any]:
+def _standin(dst: Path, size: int) -> None:
+    """A sparse file of `size` bytes at `dst` (0600, its directories 0700) that holds no data yet."""
+    _make_dirs(dst.parent)
+    _private_dir(dst.parent)
+    fd = _create_private(dst)
     try:
-        return dict(json.loads((mirror / ".rbtool-mirror.json").read_text()))
-    except (OSError, ValueError):
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
+_STATE = ".rbtool-mirror.json"  # in a mirror: its URL and the digests it was fetched for; never trusted
+
+
+def _mirror_state(mirror: Path) -> dict[str, Any]:
+    """What a mirror's state file says (empty when missing or not a regular file). Informative only:
+    a reused copy is trusted through its hash and the marker, never through this file."""
+    data = _read_private(mirror / _STATE, 64 << 20)
+    try:
+        return dict(json.loads(data)) if data else {}
+    except (ValueError, TypeError):
         return {}
 
 
@@ -558,10 +817,27 @@ _RESERVED = ".rbtool-reserved"  # in a cache entry: the bytes it may grow to
 def _held(entry: Path) -> int:
     """What a cache entry counts for: its allocated bytes, or the room it reserved if that is more."""
     try:
-        reserved = int((entry / _RESERVED).read_text())
-    except (OSError, ValueError):
+        reserved = int(_read_private(entry / _RESERVED, 64) or b"0")
+    except ValueError:
         reserved = 0
     return max(reserved, _allocated(entry))
+
+
+def _entries(root: Path) -> list[tuple[Path, os.stat_result]]:
+    """The directories directly in the cache (links and files among them are never followed)."""
+    found = []
+    try:
+        scan = list(os.scandir(root))
+    except OSError:
+        return []
+    for item in scan:
+        try:
+            info = item.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISDIR(info.st_mode):
+            found.append((Path(item.path), info))
+    return found
 
 
 def _make_room(root: Path, keep: Path, needed: int, limit: int) -> int:
@@ -570,11 +846,13 @@ def _make_room(root: Path, keep: Path, needed: int, limit: int) -> int:
     Everything else in the cache counts (mirrors, other readers' streamed objects and
     reservations, staging directories); a mirror another process reads (holds its lock,
     `Pin`) is not removed. Returns the bytes the rest of the cache holds afterwards. Callers
-    hold the cache lock (`_cache_lock`) until they have reserved what they take.
+    hold the cache lock (`_cache_lock`) until they have reserved what they take. Entries are
+    looked at without following links: a link in the cache counts nothing and leads nowhere.
     """
-    mirrors = [p for p in root.glob("mirror-*") if p.is_dir() and p != keep]
-    used = sum(_held(p) for p in root.iterdir() if p.is_dir() and p != keep and p.name != ".locks")
-    for old in sorted(mirrors, key=lambda p: p.stat().st_mtime):
+    entries = [(p, info) for p, info in _entries(root) if p != keep and p.name != ".locks"]
+    mirrors = [(p, info) for p, info in entries if p.name.startswith("mirror-")]
+    used = sum(_held(p) for p, _ in entries)
+    for old, _ in sorted(mirrors, key=lambda item: item[1].st_mtime):
         if used + needed <= limit:
             break
         size = _held(old)
@@ -605,13 +883,15 @@ def data_mirror(
     """A local copy of every object at `url` in the bounded cache ($RBTOOL_CACHE_DIR, $RBTOOL_CACHE_BYTES).
 
     Objects are copied streamed and in parallel, each checked against the marker's size and
-    sha256; a copy a previous run verified is reused while the marker records the same
-    digest and the copy's size, inode and mtime are those it had then (an output that
-    hard-links it may have been written in place). Least recently used mirrors of other
-    URLs are removed to stay under the bound.
+    sha256. A copy already in the cache is reused only if it is a regular file of the user's
+    own with no other link, and its sha256 (hashed here, or earlier in this process while
+    its size, inode, mtime and ctime stay the same) is the one the marker records now;
+    nothing in the cache vouches for it (`.rbtool-mirror.json` is never trusted). The objects
+    of an upload without a marker are fetched again every time. Least recently used mirrors
+    of other URLs are removed to stay under the bound.
     """
-    ckpt = inspect(url, options)
     root = cache_root()
+    ckpt = inspect(url, options)
     mirror = root / ("mirror-" + hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:24])
     limit = cache_bytes()
     needed = sum(ckpt.sizes.values())
@@ -629,6 +909,57 @@ def data_mirror(
         pin.close()
 
 
+# (device, inode, size, mtime_ns, ctime_ns) of a cached file -> the sha256 this process hashed it to
+_HASHED: dict[tuple[int, int, int, int, int], str] = {}
+
+
+def _cached_sha256(path: Path, info: os.stat_result) -> str | None:
+    """The sha256 of the cached file `path` (lstat `info`), hashed once per process and identity;
+    None if it changed while it was read."""
+    key = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+    known = _HASHED.get(key)
+    if known is not None:
+        return known
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        sha = hashlib.sha256()
+        while block := os.read(fd, _CHUNK):
+            sha.update(block)
+        after = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if (after.st_dev, after.st_ino, after.st_size, after.st_mtime_ns, after.st_ctime_ns) != key:
+        return None
+    _HASHED[key] = sha.hexdigest()
+    return _HASHED[key]
+
+
+def _own_file(info: os.stat_result) -> bool:
+    """A regular file of the user's with no other name (no link to elsewhere, no file an output shares)."""
+    return stat.S_ISREG(info.st_mode) and info.st_nlink == 1 and info.st_uid == os.geteuid()
+
+
+def _tree(top: Path) -> Iterator[tuple[Path, os.stat_result]]:
+    """Every entry below the directory `top`, with its lstat; a link or a file is never descended into."""
+    pending = [top]
+    while pending:
+        try:
+            scan = list(os.scandir(pending.pop()))
+        except OSError:
+            continue
+        for item in scan:
+            try:
+                info = item.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            yield Path(item.path), info
+            if stat.S_ISDIR(info.st_mode):
+                pending.append(Path(item.path))
+
+
 def _update_mirror(
     ckpt: RemoteCheckpoint,
     mirror: Path,
@@ -641,41 +972,49 @@ def _update_mirror(
     """Bring `mirror` up to date with `ckpt`, under the exclusive lock if anything changes; returns its
     checkpoint directory, with `pin` held shared."""
     root = mirror.parent
-
-    def identity(path: Path) -> list[int] | None:
-        """What tells a verified copy is untouched since: size, inode, mtime (outputs may hard-link it)."""
-        try:
-            info = path.stat()
-        except OSError:
-            return None
-        return [info.st_size, info.st_ino, info.st_mtime_ns]
+    workers = jobs or min(16, (os.cpu_count() or 1) * 4)
+    data = mirror / "ckpt"
 
     def plan() -> tuple[list[str], list[Path]]:
-        state = _mirror_state(mirror)
-        known: dict[str, Any] = state.get("files", {}) if state.get("url") == url else {}
-
-        def fresh(rel: str) -> bool:
-            want, seen = ckpt.objects[rel], known.get(rel)
-            return (
-                want is not None
-                and seen is not None
-                and seen.get("sha256") == want.sha256
-                and seen.get("identity") == identity(mirror / "ckpt" / rel)
-                and seen["identity"][0] == want.size
-            )
-
-        todo = [rel for rel in ckpt.sizes if not fresh(rel)]
-        stale = [
-            p
-            for p in (mirror / "ckpt").rglob("*")
-            if p.is_file() and p.relative_to(mirror / "ckpt").as_posix() not in ckpt.sizes
-        ]
-        return todo, stale
+        """The objects to fetch, and what to remove: anything in the entry that is not a verified
+        copy of an object, its directories, or the entry's own small files."""
+        try:
+            top = os.lstat(mirror)
+        except FileNotFoundError:
+            return list(ckpt.sizes), []
+        if not stat.S_ISDIR(top.st_mode) or top.st_uid != os.geteuid():
+            return list(ckpt.sizes), [mirror]  # a link, a file, another user's directory: never used
+        wanted_dirs = {data, *(p for rel in ckpt.sizes for p in (data / rel).parents if data in p.parents)}
+        stale: list[Path] = []
+        candidates: list[tuple[str, Path, os.stat_result]] = []
+        for path, info in _tree(mirror):
+            if stat.S_ISDIR(info.st_mode):
+                if path not in wanted_dirs or info.st_uid != os.geteuid():
+                    stale.append(path)
+                continue
+            if path.parent == mirror and path.name in (_STATE, _RESERVED) and stat.S_ISREG(info.st_mode):
+                continue  # rewritten (never through a link) before they are read again
+            rel = path.relative_to(data).as_posix() if data in path.parents else None
+            want = ckpt.objects.get(rel) if rel is not None else None
+            if rel is None or want is None or not _own_file(info) or info.st_size != want.size:
+                stale.append(path)  # a link, a hard link, no object, an upload without a marker: fetched anew
+            else:
+                candidates.append((rel, path, info))
+        with ThreadPoolExecutor(workers) as pool:
+            hashes = list(pool.map(lambda c: _cached_sha256(c[1], c[2]), candidates))
+        fresh = set()
+        for (rel, path, _), got in zip(candidates, hashes, strict=True):
+            want = ckpt.objects[rel]
+            if want is not None and got == want.sha256:
+                fresh.add(rel)
+            else:
+                stale.append(path)
+        return [rel for rel in ckpt.sizes if rel not in fresh], stale
 
     todo, stale = plan()
-    if not todo and not stale and (mirror / ".rbtool-mirror.json").is_file():
+    if not todo and not stale:
         os.utime(mirror)
-        return mirror / "ckpt"
+        return data
     pin.exclusive()  # other readers of this mirror finish first
     todo, stale = plan()
     _start(progress, len(todo), f"fetching {url}")
@@ -688,36 +1027,62 @@ def _update_mirror(
                 f"reading in the local cache ({limit} bytes); retry once they are done, or raise "
                 "RBTOOL_CACHE_BYTES"
             )
-        (mirror / "ckpt").mkdir(parents=True, exist_ok=True)
-        (mirror / _RESERVED).write_text(str(needed))
-    for path in stale:
-        path.unlink()
+        for path in stale:
+            _discard(path)
+        _private_dir(mirror)
+        _private_dir(data)
+        _write_private(mirror / _RESERVED, str(needed).encode())
 
     def get(rel: str) -> None:
-        _fetch(ckpt, rel, mirror / "ckpt" / rel)
+        _fetch(ckpt, rel, data / rel)
         if progress is not None:
             progress(1)
 
-    with ThreadPoolExecutor(jobs or min(16, (os.cpu_count() or 1) * 4)) as pool:
+    with ThreadPoolExecutor(workers) as pool:
         list(pool.map(get, todo))
-    files = {
-        rel: {"sha256": d.sha256, "identity": identity(mirror / "ckpt" / rel)}
-        for rel, d in ckpt.objects.items()
-        if d is not None
-    }
-    (mirror / ".rbtool-mirror.json").write_text(json.dumps({"url": url, "files": files}))
+    files = {rel: d.sha256 for rel, d in ckpt.objects.items() if d is not None}
+    _write_private(mirror / _STATE, json.dumps({"url": url, "files": files}).encode())
     os.utime(mirror)
     pin.share()
-    return mirror / "ckpt"
+    return data
 
 
 # ------------------------------------------------------------------ pins and streamed reads
 def _lock_path(entry: Path) -> Path:
     """The lock file of a cache entry, in the cache's `.locks` directory (never removed: a removed
     lock file could be locked by one process while another creates a new one under the same name)."""
-    locks = entry.parent / ".locks"
-    locks.mkdir(parents=True, exist_ok=True)
-    return locks / entry.name
+    return _private_dir(entry.parent / ".locks") / entry.name
+
+
+def _open_lock(entry: Path) -> int:
+    """Open (make, 0600) the lock file of a cache entry, never through a link.
+
+    Something in its place that is not a lock file rbtool made (a symbolic link, a hard link,
+    a FIFO, another user's file) is removed and a lock file made instead.
+    """
+    path = _lock_path(entry)
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    for _ in range(5):
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            info = None
+        if info is not None and not _own_file(info):
+            _discard(path)
+            continue
+        try:
+            fd = os.open(path, flags, 0o600)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a link appeared meanwhile
+                continue
+            raise FileSystemError(f"{path}: cannot open this rbtool cache lock ({exc.strerror})") from None
+        info = os.fstat(fd)
+        if _own_file(info):
+            if stat.S_IMODE(info.st_mode) != 0o600:
+                os.fchmod(fd, 0o600)
+            return fd
+        os.close(fd)
+    raise UntrustedCacheError(f"{path}: not a lock file of the rbtool cache and it comes back; remove it")
 
 
 class CacheFullError(CheckpointError):
@@ -733,8 +1098,7 @@ class Pin:
     """
 
     def __init__(self, entry: Path) -> None:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(_lock_path(entry), os.O_RDWR | os.O_CREAT, 0o644)
+        self.fd = _open_lock(entry)
 
     def share(self) -> None:
         import fcntl
@@ -757,13 +1121,13 @@ def _try_evict(entry: Path) -> bool:
     """Remove `entry` if no other process holds its lock; False (and nothing removed) if one does."""
     import fcntl
 
-    fd = os.open(_lock_path(entry), os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock(entry)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False
-        shutil.rmtree(entry, ignore_errors=True)
+        _discard(entry)  # a link is unlinked, never followed; a directory removed without leaving it
         return True
     finally:
         os.close(fd)
@@ -775,6 +1139,8 @@ def _allocated(path: Path) -> int:
     Other processes add and remove files meanwhile: what vanishes while it is walked counts nothing.
     """
     total = 0
+    if not os.path.isdir(path) or os.path.islink(path):
+        return 0  # a link in the cache leads nowhere
     for parent, _, names in os.walk(path):
         for name in names:
             try:
@@ -860,8 +1226,7 @@ class StreamMirror:
                 continue
             dst = self.path / rel
             tmp = dst.with_name(f".{dst.name}.standin-{os.getpid()}")
-            with open(tmp, "wb") as f:
-                f.truncate(self.mirror.checkpoint.sizes[rel])
+            _standin(tmp, self.mirror.checkpoint.sizes[rel])
             os.replace(tmp, dst)
             self._here.discard(rel)
             self.held -= self.mirror.checkpoint.sizes[rel]
@@ -894,7 +1259,7 @@ def stream_mirror(url: str, options: dict[str, Any] | None = None) -> Iterator[S
             free = max(0, limit - others - here) // _local_ranks()
             # half the free room (at least the largest object), so that another reader can stream too
             budget = min(free, max(largest, free // 2), sum(objects))
-            (entry / _RESERVED).write_text(str(budget + here))
+            _write_private(entry / _RESERVED, str(budget + here).encode())
         yield StreamMirror(mirror, budget)
 
 
