@@ -1,15 +1,20 @@
 """Diff: what differs between two checkpoints (or rank trees, each read as its merge).
 
-Entries are matched by id. Without `deep`, files in the same format are compared by identity
-(a hard link is equal), by their recorded hashes where both sides record one, else by size
-and then bytes; files in different formats are counted as unchecked;
-with `deep`, by content (every tensor's dtype, shape and values, every plain field), so
-a checkpoint and its pt -> pkl -> pt conversion compare equal.
+Entries are matched by id. Every file's size on disk is compared with the other side's
+(files in the same format) and with the `file_bytes` its own entry records. Without `deep`,
+files in the same format are then compared by identity (a hard link is equal), by their
+recorded hashes where both sides record one (the bytes are not read: counted as
+`contents_not_compared`), else by their bytes (hashed on the way where one side records a
+hash); files in different formats are counted as unchecked, and A and B are then not called
+equal. With `deep`, by content (every tensor's dtype, shape and values, every plain field),
+each recorded hash checked against the bytes read, so a checkpoint and its pt -> pkl -> pt
+conversion compare equal. The file format, the number of rank directories and the bytes
+that encode the same content are layout: reported, never a difference.
 """
 
 from __future__ import annotations
 
-import filecmp
+import hashlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +28,9 @@ from rbtool.layout import iter_tensors
 Progress = Callable[[int], None]
 
 # Metadata a load reports, compared on the merged views.
-METADATA_KEYS = ("trajectory_format", "size", "total_samples", "trajectory_counter", "seed")
+METADATA_KEYS = ("size", "total_samples", "trajectory_counter", "seed")
+# How the data is stored: reported under `layout`, never a difference.
+LAYOUT_KEYS = ("trajectory_format", "rank_directories")
 # Entry keys compared between entries of the same id (uuid only when both record one:
 # RLinf's entries have none). file_bytes and sha256 are facts about files, compared as files.
 ENTRY_KEYS = ("trajectory_id", "num_samples", "shape", "max_episode_length", "model_weights_id")
@@ -43,11 +50,14 @@ class Diff:
     order_changed: bool = False
     unchanged: int = 0
     files_unchecked: int = 0
+    contents_not_compared: int = 0
+    layout: list[dict[str, Any]] = field(default_factory=list)
     schema: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def equal(self) -> bool:
-        return not (
+    def different(self) -> bool:
+        """True when a difference was found (files left unchecked are no difference)."""
+        return bool(
             self.metadata
             or self.added
             or self.removed
@@ -58,11 +68,23 @@ class Diff:
             or self.schema.get("changed")
         )
 
+    @property
+    def equal(self) -> bool:
+        """No difference found and every file compared (by content, bytes, or recorded hash and size)."""
+        return not self.different and not self.files_unchecked
+
+    @property
+    def verdict(self) -> str:
+        """`equal`, `different`, or `unchecked` (nothing differs, but files in other formats were
+        not compared)."""
+        return "different" if self.different else "unchecked" if self.files_unchecked else "equal"
+
     def as_json(self) -> dict[str, Any]:
         return {
             "a": str(self.a.path),
             "b": str(self.b.path),
             "equal": self.equal,
+            "verdict": self.verdict,
             "deep": self.deep,
             "metadata": self.metadata,
             "added": self.added,
@@ -71,6 +93,8 @@ class Diff:
             "order_changed": self.order_changed,
             "unchanged": self.unchanged,
             "files_unchecked": self.files_unchecked,
+            "contents_not_compared": self.contents_not_compared,
+            "layout": self.layout,
             "schema": self.schema,
         }
 
@@ -79,6 +103,7 @@ def _metadata(view: CheckpointView) -> dict[str, Any]:
     index = view.index
     return {
         "trajectory_format": index.trajectory_format,
+        "rank_directories": len(view.dirs) if view.is_tree else None,
         "size": index.size,
         "total_samples": index.total_samples,
         "trajectory_counter": index.trajectory_counter,
@@ -161,6 +186,64 @@ def compare_schemas(a: dict[str, dict[str, Any]], b: dict[str, dict[str, Any]]) 
     }
 
 
+def _read_compare(fa: Path, fb: Path) -> tuple[bool, str, str]:
+    """Read both files once: (same bytes, sha256 of A, sha256 of B)."""
+    ha, hb = hashlib.sha256(), hashlib.sha256()
+    same = True
+    with open(fa, "rb") as xa, open(fb, "rb") as xb:
+        while True:
+            block_a, block_b = xa.read(1 << 20), xb.read(1 << 20)
+            if not block_a and not block_b:
+                break
+            same = same and block_a == block_b
+            ha.update(block_a)
+            hb.update(block_b)
+    return same, ha.hexdigest(), hb.hexdigest()
+
+
+def _recorded_size_problems(
+    ea: dict[str, Any], eb: dict[str, Any], sa: int | None, sb: int | None
+) -> list[str]:
+    """`A records file_bytes N, M on disk` for each side whose recorded size disagrees with its file."""
+    found = []
+    for side, entry, actual in (("A", ea, sa), ("B", eb, sb)):
+        recorded = entry.get("file_bytes")
+        if isinstance(recorded, int) and actual is not None and recorded != actual:
+            found.append(f"{side} records file_bytes {recorded}, {actual} on disk")
+    return found
+
+
+def _hash_problems(ea: dict[str, Any], eb: dict[str, Any], ha: str | None, hb: str | None) -> list[str]:
+    """`B's recorded sha256 ... is not its file's ...` for each side whose recorded hash disagrees."""
+    found = []
+    for side, entry, actual in (("A", ea, ha), ("B", eb, hb)):
+        recorded = entry.get("sha256")
+        if isinstance(recorded, str) and actual is not None and recorded != actual:
+            found.append(f"{side} records sha256 {recorded[:12]}..., its file has {actual[:12]}...")
+    return found
+
+
+def _load(path: Path, want_hash: bool) -> tuple[dict[str, Any] | None, str | None, str | None]:
+    """(the trajectory or None, the sha256 of its bytes when asked, why it could not be read)."""
+    from rbtool.errors import RbtoolError
+
+    try:
+        if want_hash:
+            data = trajfile.read_file_bytes(path)
+            return trajfile.load_bytes(data, path), trajfile.sha256_bytes(data), None
+        return trajfile.load(path, mmap=True), None, None
+    except RbtoolError as exc:
+        return None, None, " ".join(str(exc).split())
+
+
+def _first_schema(view: CheckpointView, ids: list[int]) -> dict[str, dict[str, Any]] | None:
+    """The schema of the first listed trajectory (None when its file cannot be read)."""
+    if not ids:
+        return {}
+    traj, _, why = _load(view.file_of(ids[0]), False)
+    return None if why is not None or traj is None else schema_of(traj)
+
+
 def diff(
     a: str | os.PathLike[str],
     b: str | os.PathLike[str],
@@ -174,6 +257,7 @@ def diff(
     result = Diff(va, vb, deep)
     ma, mb = _metadata(va), _metadata(vb)
     result.metadata = [{"key": k, "a": ma[k], "b": mb[k]} for k in METADATA_KEYS if ma[k] != mb[k]]
+    result.layout = [{"key": k, "a": ma[k], "b": mb[k]} for k in LAYOUT_KEYS if ma[k] != mb[k]]
     ia, ib = va.index, vb.index
     in_a, in_b = set(ia.id_list), set(ib.id_list)
     result.removed = [i for i in ia.id_list if i not in in_b]
@@ -182,55 +266,114 @@ def diff(
     result.order_changed = common != [i for i in ib.id_list if i in in_a]
     schemas_a: list[dict[str, dict[str, Any]]] = []
     schemas_b: list[dict[str, dict[str, Any]]] = []
+    other_bytes = 0  # deep: files in the same format, same content, other bytes (layout)
     for tid in common:
         ea, eb = ia.entries[tid], ib.entries[tid]
         keys = [k for k in ENTRY_KEYS if ea.get(k) != eb.get(k)]
         if "uuid" in ea and "uuid" in eb and ea["uuid"] != eb["uuid"]:
             keys.append("uuid")
         fa, fb = va.file_of(tid), vb.file_of(tid)
+        sa, sb = _size(fa), _size(fb)
+        same_format = fa.suffix == fb.suffix
         file_diff: str | None = None
-        detail: str | None = None
+        details = _recorded_size_problems(ea, eb, sa, sb)  # a record that disagrees with its file
+        if details:
+            file_diff = "file_bytes"
         if deep:
-            ta, tb = trajfile.load(fa, mmap=True), trajfile.load(fb, mmap=True)
-            schemas_a.append(schema_of(ta))
-            schemas_b.append(schema_of(tb))
-            detail = content_difference(ta, tb)
-            file_diff = "content" if detail else None
-        elif fa.suffix != fb.suffix:
+            ta, ha, why_a = _load(fa, isinstance(ea.get("sha256"), str))
+            tb, hb, why_b = _load(fb, isinstance(eb.get("sha256"), str))
+            hashes = _hash_problems(ea, eb, ha, hb)
+            if why_a or why_b:
+                file_diff = "unreadable"
+                details = [f"A: {why_a}" if why_a else f"B: {why_b}", *details]
+            elif hashes:
+                file_diff = "sha256"
+                details += hashes
+            else:
+                assert ta is not None and tb is not None
+                schemas_a.append(schema_of(ta))
+                schemas_b.append(schema_of(tb))
+                found = content_difference(ta, tb)
+                if found:
+                    file_diff = file_diff or "content"
+                    details.insert(0, found)
+                elif same_format and sa != sb and not file_diff:
+                    other_bytes += 1
+        elif not same_format:
             result.files_unchecked += 1
-        elif _same_file(fa, fb):
-            pass  # one file under two names (a link): nothing to read
-        elif ea.get("sha256") and eb.get("sha256"):
+        elif sa != sb:
+            file_diff = "file_bytes"
+            details.insert(0, f"{sa} vs {sb} bytes")
+        elif file_diff or _same_file(fa, fb):
+            pass  # a record that disagrees with the file, or one file under two names: nothing to read
+        elif isinstance(ea.get("sha256"), str) and isinstance(eb.get("sha256"), str):
             if ea["sha256"] != eb["sha256"]:
                 file_diff = "sha256"
-        elif _size(fa) != _size(fb):
-            file_diff = "file_bytes"
-            detail = f"{_size(fa)} vs {_size(fb)} bytes"
-        elif not filecmp.cmp(fa, fb, shallow=False):  # no hash to trust: compare the bytes
-            file_diff = "bytes"
+            else:
+                result.contents_not_compared += 1  # equal recorded hashes, sizes checked, bytes not read
+        else:  # no pair of hashes to trust: compare the bytes (and the one recorded hash)
+            same, ha, hb = _read_compare(fa, fb)
+            hashes = _hash_problems(ea, eb, ha, hb)
+            if hashes:
+                file_diff = "sha256"
+                details += hashes
+            elif not same:
+                file_diff = "bytes"
         if keys or file_diff:
-            result.changed.append({"trajectory_id": tid, "fields": keys, "file": file_diff, "detail": detail})
+            result.changed.append(
+                {
+                    "trajectory_id": tid,
+                    "fields": keys,
+                    "file": file_diff,
+                    "detail": "; ".join(details) or None,
+                }
+            )
         else:
             result.unchanged += 1
         if progress is not None:
             progress(1)
+    if other_bytes:
+        result.layout.append({"key": "file_bytes", "a": None, "b": None, "files": other_bytes})
+    schema_a: dict[str, dict[str, Any]] | None
+    schema_b: dict[str, dict[str, Any]] | None
     if deep:
-        schemas_a += [schema_of(trajfile.load(va.file_of(i), mmap=True)) for i in result.removed]
-        schemas_b += [schema_of(trajfile.load(vb.file_of(i), mmap=True)) for i in result.added]
+        for view, ids, schemas in ((va, result.removed, schemas_a), (vb, result.added, schemas_b)):
+            for i in ids:
+                traj, _, _why = _load(view.file_of(i), False)
+                if traj is not None:
+                    schemas.append(schema_of(traj))
         compared = "every trajectory"
+        schema_a, schema_b = _schema_union(schemas_a), _schema_union(schemas_b)
     else:
-        schemas_a = [schema_of(trajfile.load(va.file_of(ia.id_list[0]), mmap=True))] if ia.id_list else []
-        schemas_b = [schema_of(trajfile.load(vb.file_of(ib.id_list[0]), mmap=True))] if ib.id_list else []
         compared = "first trajectory"
-    result.schema = {
-        "compared": compared,
-        **compare_schemas(_schema_union(schemas_a), _schema_union(schemas_b)),
-    }
+        schema_a, schema_b = _first_schema(va, ia.id_list), _first_schema(vb, ib.id_list)
+    if schema_a is None or schema_b is None:
+        side = "A" if schema_a is None else "B"
+        result.schema = {
+            "compared": f"none ({side}'s first trajectory file cannot be read)",
+            "added": [],
+            "removed": [],
+            "changed": [],
+        }
+        tid = (ia if side == "A" else ib).id_list[0]
+        if not any(c["trajectory_id"] == tid for c in result.changed) and tid in in_a and tid in in_b:
+            result.unchanged -= 1
+            result.changed.append(
+                {
+                    "trajectory_id": tid,
+                    "fields": [],
+                    "file": "unreadable",
+                    "detail": f"{side}'s file cannot be read",
+                }
+            )
+    else:
+        result.schema = {"compared": compared, **compare_schemas(schema_a, schema_b)}
     return result
 
 
 __all__ = [
     "ENTRY_KEYS",
+    "LAYOUT_KEYS",
     "METADATA_KEYS",
     "Diff",
     "compare_schemas",

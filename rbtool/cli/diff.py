@@ -82,14 +82,55 @@ def diff(
             raise typer.Exit(1)
 
 
+def _layout_text(item: dict[str, Any]) -> str:
+    if item["key"] == "file_bytes":
+        held = "holds" if item["files"] == 1 else "hold"
+        return f"{count(item['files'], 'file')} in the same format {held} the same content in other bytes"
+    if item["key"] == "rank_directories":
+        shown = [
+            "one directory" if n is None else count(n, "rank directory", "rank directories")
+            for n in (item["a"], item["b"])
+        ]
+        return f"{shown[0]} vs {shown[1]}"
+    return f"{item['key']} {item['a']} vs {item['b']}"
+
+
+def notes(doc: dict[str, Any]) -> list[str]:
+    """What was not compared, and how A and B differ in layout only (lines under the verdict)."""
+    lines = []
+    if doc["layout"]:
+        lines.append("layout (not a difference): " + "; ".join(_layout_text(item) for item in doc["layout"]))
+    n = doc["contents_not_compared"]
+    if n:
+        lines.append(
+            f"contents not compared: {count(n, 'file')} (equal recorded hashes, sizes checked); "
+            "--deep compares them"
+        )
+    return lines
+
+
 def render(doc: dict[str, Any], limit: int | None = SUMMARY_ITEMS) -> None:
-    """The human view: a verdict, then a table of what differs (the first `limit` id runs and changes)."""
+    """The human view: a verdict, then a table of what differs (the first `limit` id runs and changes),
+    then what was not compared and what differs in layout only."""
     from rich.text import Text
 
-    how = "by content" if doc["deep"] else "by recorded hash or size"
-    if doc["equal"]:
+    how = "by content" if doc["deep"] else "by size, then recorded hash or bytes"
+    if doc["verdict"] == "equal":
         unchanged = count(doc["unchanged"], "trajectory", "trajectories")
         out.print(Text(f"equal ({how}): {doc['a']} and {doc['b']}, {unchanged}"))
+        for line in notes(doc):
+            out.print(Text(line))
+        return
+    if doc["verdict"] == "unchecked":
+        out.print(
+            Text.assemble(
+                ("not shown equal", "bold"),
+                f" ({how}): {doc['a']} and {doc['b']}: no difference found, but "
+                f"{count(doc['files_unchecked'], 'file')} in different formats not compared",
+            )
+        )
+        for line in notes(doc):
+            out.print(Text(line))
         return
     out.print(Text.assemble(("differ", "bold"), f" ({how}): {doc['a']} -> {doc['b']}"))
     rows: list[list[str | Text]] = []
@@ -124,3 +165,5 @@ def render(doc: dict[str, Any], limit: int | None = SUMMARY_ITEMS) -> None:
         )
     out.print(Fitted([Column("what"), Column("A", wrap=True), Column("B", wrap=True)], rows))
     out.print(f"{count(doc['unchanged'], 'trajectory', 'trajectories')} unchanged")
+    for line in notes(doc):
+        out.print(Text(line))
