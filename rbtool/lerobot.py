@@ -25,6 +25,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import sys
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -191,6 +192,11 @@ def _from_raw(data: bytes, dtype: str, shape: Sequence[int]) -> torch.Tensor:
     import torch
 
     tdtype = _torch_dtype(dtype)
+    if not isinstance(shape, (list, tuple)) or not all(_is_int(d) and 0 <= d < (1 << 31) for d in shape):
+        raise CheckpointError(f"a stored tensor of shape {str(shape)[:80]}, not a shape")
+    if not isinstance(data, bytes) or len(data) != math.prod(shape) * tdtype.itemsize:
+        size = len(data) if isinstance(data, bytes) else "no"
+        raise CheckpointError(f"a stored {dtype} tensor of shape {list(shape)} has {size} bytes")
     if math.prod(shape) == 0:
         return torch.empty(tuple(shape), dtype=tdtype)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(tdtype).reshape(tuple(shape)).clone()
@@ -860,31 +866,6 @@ def _video_columns(name: str, where: tuple[int, int, float, float]) -> dict[str,
     """An episode's `videos/<feature>/...` metadata columns, as LeRobot names them."""
     keys = ("chunk_index", "file_index", "from_timestamp", "to_timestamp")
     return {f"videos/{name}/{key}": value for key, value in zip(keys, where, strict=True)}
-
-
-def _decode_video(path: Path, feature: str, channels: int) -> tuple[np.ndarray, np.ndarray]:
-    """Every frame of an mp4 file: (timestamps in seconds, uint8 frames `[n, H, W, C]`)."""
-    import numpy as np
-
-    av = _require_av()
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing (video of feature {feature!r})")
-    times: list[float] = []
-    frames: list[np.ndarray] = []
-    try:
-        with av.open(str(path)) as container:
-            stream = container.streams.video[0]
-            for frame in container.decode(stream):
-                times.append(float(frame.pts * frame.time_base) if frame.pts is not None else len(times))
-                if channels == 1:
-                    frames.append(frame.to_ndarray(format="gray")[..., None])
-                else:
-                    frames.append(frame.to_ndarray(format="rgba" if channels == 4 else "rgb24"))
-    except (av.error.FFmpegError, IndexError) as exc:
-        raise CheckpointError(f"{path}: not a readable video ({exc})") from None
-    if not frames:
-        return np.zeros(0), np.zeros((0, 0, 0, channels), dtype=np.uint8)
-    return np.asarray(times), np.stack(frames)
 
 
 def _check_dataset_target(out: Path, overwrite: bool) -> None:
@@ -1731,6 +1712,100 @@ def _write_tasks(root: Path, tasks: list[str]) -> None:
 
 
 # ====================================================================== reading datasets
+# Every dataset may come from someone else: what it names is read only inside its root, and
+# what it declares is checked against a memory budget before anything is decoded.
+MAX_BYTES_ENV = "RBTOOL_LEROBOT_MAX_BYTES"
+DEFAULT_MAX_BYTES = 4 << 30  # what one decoded file or episode may take
+_MAX_FEATURE_DIMS = 8
+_MAX_TEMPLATE_CHARS = 512
+_MAX_TEMPLATE_WIDTH = 20  # `:03d`, `:06d`: LeRobot's widths; an int64 has 19 digits
+_TEMPLATE_SPEC = re.compile(r"(0?)([0-9]{0,2})d?")
+_ID_LIMIT = 1 << 63  # ids and counters are int64, as in a checkpoint
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def max_bytes() -> int:
+    """The memory budget of a LeRobot import (RBTOOL_LEROBOT_MAX_BYTES, default 4 GiB)."""
+    text = os.environ.get(MAX_BYTES_ENV, "").strip()
+    if not text:
+        return DEFAULT_MAX_BYTES
+    match = re.fullmatch(r"([0-9]{1,15})([KMG]i?B?|B)?", text, flags=re.IGNORECASE)
+    if match is None:
+        raise UsageError(f"{MAX_BYTES_ENV}={text!r} is not a byte count (for example 1048576, 512M or 8G)")
+    scale = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[(match.group(2) or "")[:1].upper()]
+    return int(match.group(1)) * scale
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def _within_budget(need: int, what: str) -> None:
+    """Refuse, before decoding, what would take more memory than the budget."""
+    limit = max_bytes()
+    if need > limit:
+        raise CheckpointError(
+            f"{what} would take {_human(need)} of memory to decode, more than the {_human(limit)} "
+            f"{MAX_BYTES_ENV} allows"
+        )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _fill_template(template: Any, values: dict[str, Any], key: str, where: Path) -> str:
+    """A path template of meta/info.json filled in: only the named fields, no attribute access
+    or indexing, no conversion, and integer format specs of bounded width (`:03d`)."""
+    import string
+
+    shown = repr(template)[:80]
+    if not isinstance(template, str) or not template or len(template) > _MAX_TEMPLATE_CHARS:
+        raise CheckpointError(f"{where}: {key} {shown} is not a path template")
+    try:
+        parts = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise CheckpointError(f"{where}: {key} {shown} is not a path template ({exc})") from None
+    out = []
+    for literal, name, spec, conversion in parts:
+        out.append(literal)
+        if name is None:
+            continue
+        if name not in values:
+            raise CheckpointError(
+                f"{where}: {key} {shown} names {{{name}}}; a LeRobot path template names only "
+                + ", ".join(f"{{{n}}}" for n in values)
+            )
+        if conversion is not None:
+            raise CheckpointError(f"{where}: {key} {shown} converts {{{name}!{conversion}}}; refused")
+        value = values[name]
+        if isinstance(value, str):
+            if spec:
+                raise CheckpointError(f"{where}: {key} {shown} formats {{{name}}} with :{spec[:20]}; refused")
+            out.append(value)
+            continue
+        spec = spec or ""
+        match = _TEMPLATE_SPEC.fullmatch(spec)
+        if match is None or int(match.group(2) or 0) > _MAX_TEMPLATE_WIDTH:
+            raise CheckpointError(
+                f"{where}: {key} {shown} formats {{{name}}} with :{spec[:20]}; only integer forms such "
+                f"as :03d (width at most {_MAX_TEMPLATE_WIDTH}) are read"
+            )
+        out.append(format(value, spec or ""))
+    return "".join(out)
+
+
+def _check_index(value: Any, what: str, where: Path, limit: int = _ID_LIMIT) -> int:
+    """A non-negative int64 (an episode, chunk, file or frame index; a length)."""
+    if not _is_int(value) or not 0 <= value < limit:
+        raise CheckpointError(f"{where}: {what} {str(value)[:40]!r} is not an integer in [0, {limit})")
+    return int(value)
+
+
 @dataclass
 class _Episode:
     index: int
@@ -1742,27 +1817,43 @@ class _Episode:
 
 
 class LeRobotSource:
-    """A LeRobot dataset on disk (v3.0, or v2.x with one Parquet file per episode)."""
+    """A LeRobot dataset on disk (v3.0, or v2.x with one Parquet file per episode).
+
+    Nothing outside `root` is read: every file it names (path templates filled in, the
+    sidecar's tensors) must be a regular file under the root reached through no symlink.
+    Declared shapes, Parquet sizes and video frames are checked against `max_bytes()` before
+    anything is decoded.
+    """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
-        info_path = self.root / INFO_FILE
-        if not info_path.is_file():
+        if not self.root.is_dir():
             if not self.root.exists():
                 raise CheckpointError(f"{self.root}: no such file or directory")
+            raise CheckpointError(f"{self.root}: not a LeRobot dataset (not a directory)")
+        info_path = self.root / INFO_FILE
+        if not self._exists(INFO_FILE):
             raise CheckpointError(f"{self.root}: not a LeRobot dataset (no {INFO_FILE})")
+        info_path = self._file(INFO_FILE, "the dataset's info")
         try:
             self.info = orjson.loads(info_path.read_bytes())
         except orjson.JSONDecodeError as exc:
             raise CheckpointError(f"{info_path}: not valid JSON ({exc})") from None
         if not isinstance(self.info, dict) or not isinstance(self.info.get("features"), dict):
             raise CheckpointError(f"{info_path}: has no 'features' object")
-        self.version = str(self.info.get("codebase_version", ""))
+        self.version = str(self.info.get("codebase_version", ""))[:40]
         if not re.fullmatch(r"v[23]\.\d+", self.version):
             raise CheckpointError(
                 f"{info_path}: codebase_version {self.version!r}; rbtool reads LeRobot v2.x and v3.0 datasets"
             )
         self.features: dict[str, dict[str, Any]] = self.info["features"]
+        self.frame_bytes: dict[str, int] = {}
+        for name, spec in self.features.items():
+            self.frame_bytes[name] = _check_feature(name, spec, info_path)
+        for key in ("total_episodes", "chunks_size"):
+            value = self.info.get(key)
+            if value is not None:
+                _check_index(value, key, info_path)
         self._sidecar: dict[str, Any] | None = None
         self._episodes: list[_Episode] | None = None
         self._tasks: list[str] | None = None
@@ -1771,18 +1862,83 @@ class LeRobotSource:
     def v3(self) -> bool:
         return self.version.startswith("v3")
 
+    # ------------------------------------------------------------------ paths
+    def _parts(self, rel: Any, what: str) -> tuple[str, ...]:
+        from pathlib import PurePosixPath
+
+        if not isinstance(rel, str) or not rel or "\0" in rel or "\\" in rel:
+            raise CheckpointError(f"{self.root}: {what} {str(rel)[:80]!r} is not a path inside the dataset")
+        pure = PurePosixPath(rel)
+        if pure.is_absolute() or ".." in pure.parts or not pure.parts:
+            raise CheckpointError(f"{self.root}: {what} {rel[:200]!r} is outside the dataset; refused")
+        return pure.parts
+
+    def _walk(self, rel: Any, what: str) -> tuple[Path, os.stat_result | None]:
+        """root / rel, each component checked: no symlink, directories on the way (None: missing)."""
+        parts = self._parts(rel, what)
+        path = self.root
+        info: os.stat_result | None = None
+        for i, part in enumerate(parts):
+            path = path / part
+            try:
+                info = os.lstat(path)
+            except FileNotFoundError:
+                return path, None
+            except OSError as exc:
+                raise CheckpointError(f"{path}: cannot read ({exc.strerror}; {what})") from None
+            if stat.S_ISLNK(info.st_mode):
+                raise CheckpointError(
+                    f"{path}: a symlink ({what}); rbtool reads no symlink inside a LeRobot dataset"
+                )
+            if i < len(parts) - 1 and not stat.S_ISDIR(info.st_mode):
+                return path / os.path.join(*parts[i + 1 :]), None
+        return path, info
+
+    def _exists(self, rel: str) -> bool:
+        return self._walk(rel, rel)[1] is not None
+
+    def _file(self, rel: Any, what: str) -> Path:
+        """The regular file root / rel inside the dataset (reached through no symlink)."""
+        path, info = self._walk(rel, what)
+        if info is None:
+            raise CheckpointError(f"{path}: missing ({what})")
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{path}: not a regular file ({what})")
+        return path
+
+    def _template(self, key: str, default: str, values: dict[str, Any]) -> str:
+        template = self.info.get(key) or default
+        return _fill_template(template, values, key, self.root / INFO_FILE)
+
+    # ------------------------------------------------------------------ sidecar, tasks
     def sidecar(self) -> dict[str, Any] | None:
-        """The rbtool sidecar, when rbtool wrote this dataset."""
-        path = self.root / SIDECAR_FILE
-        if self._sidecar is None and path.is_file():
+        """The rbtool sidecar, when rbtool wrote this dataset (validated: see _check_sidecar)."""
+        if self._sidecar is None and self._exists(SIDECAR_FILE):
+            path = self._file(SIDECAR_FILE, "the rbtool sidecar")
             try:
                 self._sidecar = orjson.loads(path.read_bytes())
             except orjson.JSONDecodeError as exc:
                 raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
             version = self._sidecar.get("rbtool_sidecar") if isinstance(self._sidecar, dict) else None
-            if not isinstance(version, int) or version > SIDECAR_VERSION:
-                raise CheckpointError(f"{path}: sidecar version {version!r} is not one rbtool reads")
+            if (
+                not isinstance(version, int)
+                or isinstance(version, bool)
+                or not 1 <= version <= SIDECAR_VERSION
+            ):
+                raise CheckpointError(
+                    f"{path}: sidecar version {str(version)[:40]!r} is not one rbtool reads"
+                )
+            _check_sidecar(self._sidecar, self)
         return self._sidecar
+
+    def tensors_file(self, sidecar: dict[str, Any]) -> Path | None:
+        """The sidecar's tensors file (None when it is not there)."""
+        rel = sidecar.get("tensors") or SIDECAR_TENSORS
+        if not self._exists(rel) and self._parts(rel, "the sidecar's tensors"):
+            return None
+        path = self._file(rel, "the sidecar's tensors")
+        self._parquet_budget(path, None, "the sidecar's tensors", per_row_group=True)
+        return path
 
     def tasks(self) -> list[str]:
         if self._tasks is None:
@@ -1793,37 +1949,113 @@ class LeRobotSource:
         if self.v3:
             import pyarrow.parquet as pq
 
-            path = self.root / TASKS_FILE
-            if not path.is_file():
+            if not self._exists(TASKS_FILE):
                 return []
+            path = self._file(TASKS_FILE, "the task list")
+            self._parquet_budget(path, None, "the task list")
             table = pq.read_table(str(path))
             names = [n for n in table.column_names if n != "task_index"]
             text = "task" if "task" in names else (names[0] if names else None)
             if text is None or "task_index" not in table.column_names:
                 raise CheckpointError(f"{path}: no task and task_index columns")
-            pairs = sorted(
-                zip(table.column("task_index").to_pylist(), table.column(text).to_pylist(), strict=True)
+            rows: Iterator[tuple[Any, Any]] = zip(
+                table.column("task_index").to_pylist(), table.column(text).to_pylist(), strict=True
             )
-            return [str(task) for _, task in pairs]
-        path = self.root / "meta" / "tasks.jsonl"
-        pairs = sorted((int(r["task_index"]), str(r["task"])) for r in _jsonl(path))
-        return [task for _, task in pairs]
+        else:
+            path = self.root / "meta" / "tasks.jsonl"
+            rows = ((r["task_index"], r["task"]) for r in self._jsonl("meta/tasks.jsonl"))
+        pairs = []
+        try:
+            for index, task in rows:
+                pairs.append((_check_index(index, "task_index", path), str(task)))
+        except (KeyError, TypeError):
+            raise CheckpointError(f"{path}: a line lacks task_index or task") from None
+        return [task for _, task in sorted(pairs)]
 
+    def _jsonl(self, rel: str) -> list[dict[str, Any]]:
+        path = self._file(rel, rel)
+        self._within_file(path, rel)
+        return _jsonl(path)
+
+    def _within_file(self, path: Path, what: str) -> None:
+        _within_budget(path.stat().st_size * 8, f"{path}")
+
+    def _parquet_budget(
+        self, path: Path, columns: Sequence[str] | None, what: str, *, per_row_group: bool = False
+    ) -> int:
+        """The rows of a Parquet file, once the columns read (None: all) fit the memory budget as
+        its metadata declares them (their uncompressed size, the whole file or each row group)."""
+        import pyarrow.parquet as pq
+
+        pa = _require_arrow()
+        try:
+            meta = pq.ParquetFile(str(path)).metadata
+        except (OSError, pa.ArrowInvalid) as exc:
+            raise CheckpointError(f"{path}: not a readable Parquet file ({exc})") from None
+        names = None if columns is None else set(columns)
+
+        def wanted(column_path: str) -> bool:
+            if names is None:
+                return True
+            head = column_path
+            while True:
+                if head in names:
+                    return True
+                if "." not in head:
+                    return False
+                head = head.rsplit(".", 1)[0]
+
+        total = 0
+        for g in range(meta.num_row_groups):
+            group = meta.row_group(g)
+            size = sum(
+                max(group.column(c).total_uncompressed_size, 0)
+                for c in range(group.num_columns)
+                if wanted(group.column(c).path_in_schema)
+            )
+            if per_row_group:
+                _within_budget(size, f"{path}: row group {g} ({what})")
+            total += size
+        if not per_row_group:
+            _within_budget(total, f"{path} ({what}, {meta.num_row_groups} row group(s))")
+        return int(meta.num_rows)
+
+    # ------------------------------------------------------------------ episodes
     def episodes(self) -> list[_Episode]:
         if self._episodes is None:
             self._episodes = self._read_episodes()
+            seen: set[int] = set()
+            for episode in self._episodes:
+                if episode.index in seen:
+                    raise CheckpointError(f"{self.root}: episode {episode.index} is listed twice")
+                seen.add(episode.index)
         return self._episodes
+
+    def _episode_files(self) -> list[Path]:
+        """meta/episodes/chunk-*/file-*.parquet (no symlink followed)."""
+        top, info = self._walk("meta/episodes", "the episode metadata")
+        if info is None or not stat.S_ISDIR(info.st_mode):
+            return []
+        files = []
+        for chunk in sorted(os.listdir(top)):
+            rel = f"meta/episodes/{chunk}"
+            path, cinfo = self._walk(rel, "the episode metadata")
+            if cinfo is None or not stat.S_ISDIR(cinfo.st_mode):
+                continue
+            for name in sorted(os.listdir(path)):
+                if name.endswith(".parquet"):
+                    files.append(self._file(f"{rel}/{name}", "the episode metadata"))
+        return files
 
     def _read_episodes(self) -> list[_Episode]:
         if self.v3:
             import pyarrow.parquet as pq
 
-            files = sorted((self.root / "meta" / "episodes").glob("*/*.parquet"))
+            files = self._episode_files()
             if not files and not self.info.get("total_episodes"):
                 return []  # an empty dataset, as LeRobot leaves one before its first episode
             if not files:
                 raise CheckpointError(f"{self.root}: no meta/episodes/chunk-*/file-*.parquet")
-            template = str(self.info.get("data_path") or DATA_PATH)
             out = []
             wanted = [
                 "episode_index",
@@ -1836,46 +2068,92 @@ class LeRobotSource:
             video_names = [n for n, s in self.features.items() if s.get("dtype") == "video"]
             for name in video_names:
                 wanted += [f"videos/{name}/{key}" for key in ("chunk_index", "file_index", "from_timestamp")]
+            data_files: dict[tuple[int, int], Path] = {}
             for path in files:
-                table = pq.read_table(
-                    str(path), columns=[c for c in wanted if c in pq.read_schema(str(path)).names]
-                )
+                columns = [c for c in wanted if c in pq.read_schema(str(path)).names]
+                self._parquet_budget(path, columns, "episode metadata")
+                table = pq.read_table(str(path), columns=columns)
                 for row in table.to_pylist():
                     try:
-                        file = self.root / template.format(
-                            chunk_index=row["data/chunk_index"], file_index=row["data/file_index"]
+                        where = (
+                            _check_index(row["data/chunk_index"], "data/chunk_index", path),
+                            _check_index(row["data/file_index"], "data/file_index", path),
                         )
-                        videos = {
-                            name: (
-                                int(row[f"videos/{name}/chunk_index"]),
-                                int(row[f"videos/{name}/file_index"]),
-                                float(row[f"videos/{name}/from_timestamp"]),
+                        if where not in data_files:
+                            rel = self._template(
+                                "data_path", DATA_PATH, {"chunk_index": where[0], "file_index": where[1]}
                             )
-                            for name in video_names
-                        }
+                            data_files[where] = self._walk(rel, "a data file")[0]
+                        videos = {}
+                        for name in video_names:
+                            start = row[f"videos/{name}/from_timestamp"]
+                            if not isinstance(start, (int, float)) or not math.isfinite(start) or start < 0:
+                                raise CheckpointError(
+                                    f"{path}: videos/{name}/from_timestamp {start!r} is not a time"
+                                )
+                            videos[name] = (
+                                _check_index(row[f"videos/{name}/chunk_index"], "a video chunk_index", path),
+                                _check_index(row[f"videos/{name}/file_index"], "a video file_index", path),
+                                float(start),
+                            )
+                        begin = row.get("dataset_from_index")
                         out.append(
                             _Episode(
-                                int(row["episode_index"]),
-                                int(row["length"]),
-                                list(row.get("tasks") or []),
-                                file,
-                                row.get("dataset_from_index"),
+                                _check_index(row["episode_index"], "episode_index", path),
+                                _check_index(row["length"], "an episode length", path),
+                                _task_list(row.get("tasks"), path),
+                                data_files[where],
+                                None if begin is None else _check_index(begin, "dataset_from_index", path),
                                 videos,
                             )
                         )
                     except (KeyError, TypeError, ValueError) as exc:
+                        if isinstance(exc, RbtoolError):
+                            raise
                         raise CheckpointError(f"{path}: an episode row lacks {exc}") from None
             return sorted(out, key=lambda e: e.index)
         chunks = int(self.info.get("chunks_size") or DEFAULT_CHUNK_SIZE)
-        template = str(
-            self.info.get("data_path") or "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet"
-        )
+        default = "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet"
         out = []
-        for row in _jsonl(self.root / "meta" / "episodes.jsonl"):
-            ep = int(row["episode_index"])
-            file = self.root / template.format(episode_chunk=ep // chunks, episode_index=ep)
-            out.append(_Episode(ep, int(row["length"]), list(row.get("tasks") or []), file))
+        path = self.root / "meta" / "episodes.jsonl"
+        for row in self._jsonl("meta/episodes.jsonl"):
+            try:
+                ep = _check_index(row["episode_index"], "episode_index", path)
+                length = _check_index(row["length"], "an episode length", path)
+                tasks = _task_list(row.get("tasks"), path)
+            except (KeyError, TypeError, AttributeError) as exc:
+                raise CheckpointError(f"{path}: an episode line lacks {exc}") from None
+            rel = self._template("data_path", default, {"episode_chunk": ep // chunks, "episode_index": ep})
+            out.append(_Episode(ep, length, tasks, self._walk(rel, "a data file")[0]))
         return sorted(out, key=lambda e: e.index)
+
+    def check(self, episodes: Sequence[_Episode], columns: Sequence[str]) -> None:
+        """Everything `frames` would refuse before decoding, refused now (before a buffer is touched):
+        each data file a regular file inside the dataset whose read fits the budget, each
+        episode's decoded frames within it, each video file inside the dataset."""
+        per_frame = sum(self.frame_bytes.get(c, 0) for c in dict.fromkeys(columns))
+        files: set[Path] = set()
+        for episode in episodes:
+            _within_budget(
+                episode.length * per_frame, f"{self.root}: episode {episode.index} ({episode.length} frames)"
+            )
+            if episode.file not in files:
+                files.add(episode.file)
+                self._data_file(episode)
+            for name in columns:
+                if self.features.get(name, {}).get("dtype") == "video" and name in episode.videos:
+                    self._file(self._video_rel(name, episode), f"video of feature {name!r}")
+
+    def _data_file(self, episode: _Episode) -> Path:
+        rel = episode.file.relative_to(self.root).as_posix()
+        path = self._file(rel, f"episode {episode.index}")
+        return path
+
+    def _video_rel(self, name: str, episode: _Episode) -> str:
+        chunk, file, _ = episode.videos[name]
+        return self._template(
+            "video_path", VIDEO_PATH, {"video_key": name, "chunk_index": chunk, "file_index": file}
+        )
 
     def frames(self, episodes: Sequence[_Episode], columns: Sequence[str]) -> Iterator[tuple[_Episode, Any]]:
         """(episode, its frames as an Arrow table in frame order) for each episode, reading each file once."""
@@ -1884,52 +2162,60 @@ class LeRobotSource:
 
         pa = _require_arrow()
         video = [c for c in columns if self.features.get(c, {}).get("dtype") == "video"]
+        per_frame = sum(self.frame_bytes.get(c, 0) for c in dict.fromkeys(columns))
         columns = [c for c in columns if c not in video]
         if video:
             columns = [*columns, "timestamp"]
         cached: tuple[Path, Any, Any] | None = None
-        decoded: dict[str, tuple[Path, np.ndarray, np.ndarray]] = {}
-        for episode in episodes:
-            if cached is None or cached[0] != episode.file:
-                if not episode.file.is_file():
-                    raise CheckpointError(f"{episode.file}: missing (episode {episode.index})")
-                try:
-                    names = pq.read_schema(str(episode.file)).names
-                    wanted = [
-                        c for c in dict.fromkeys([*columns, "episode_index", "frame_index"]) if c in names
-                    ]
-                    table = pq.read_table(str(episode.file), columns=wanted)
-                except (OSError, pa.ArrowInvalid) as exc:
-                    raise CheckpointError(f"{episode.file}: not a readable Parquet file ({exc})") from None
-                ep_col = (
-                    table.column("episode_index").to_numpy()
-                    if "episode_index" in table.column_names
-                    else np.full(table.num_rows, episode.index)
+        readers: dict[str, _VideoReader] = {}
+        try:
+            for episode in episodes:
+                _within_budget(
+                    episode.length * per_frame,
+                    f"{self.root}: episode {episode.index} ({episode.length} frames)",
                 )
-                cached = (episode.file, table, ep_col)
-            _, table, ep_col = cached
-            rows = np.nonzero(ep_col == episode.index)[0]
-            if len(rows) and rows[-1] - rows[0] + 1 == len(rows):
-                part = table.slice(int(rows[0]), len(rows))  # the usual case: no copy
-            else:
-                part = table.take(pa.array(rows))
-            if "frame_index" in part.column_names and part.num_rows > 1:
-                steps = part.column("frame_index").to_numpy()
-                if (np.diff(steps) < 0).any():
-                    part = part.take(pa.array(np.argsort(steps, kind="stable")))
-            if part.num_rows != episode.length:
-                raise CheckpointError(
-                    f"{episode.file}: episode {episode.index} has {part.num_rows} frames; "
-                    f"its metadata says {episode.length}"
-                )
-            for name in video:
-                part = part.append_column(name, self._video_frames(name, episode, part, decoded))
-            yield episode, part
+                if cached is None or cached[0] != episode.file:
+                    cached = None
+                    path = self._data_file(episode)
+                    try:
+                        names = pq.read_schema(str(path)).names
+                        wanted = [
+                            c for c in dict.fromkeys([*columns, "episode_index", "frame_index"]) if c in names
+                        ]
+                        self._parquet_budget(path, wanted, f"episode {episode.index}'s data")
+                        table = pq.read_table(str(path), columns=wanted)
+                    except (OSError, pa.ArrowInvalid) as exc:
+                        raise CheckpointError(f"{path}: not a readable Parquet file ({exc})") from None
+                    ep_col = (
+                        table.column("episode_index").to_numpy()
+                        if "episode_index" in table.column_names
+                        else np.full(table.num_rows, episode.index)
+                    )
+                    cached = (episode.file, table, ep_col)
+                _, table, ep_col = cached
+                rows = np.nonzero(ep_col == episode.index)[0]
+                if len(rows) and rows[-1] - rows[0] + 1 == len(rows):
+                    part = table.slice(int(rows[0]), len(rows))  # the usual case: no copy
+                else:
+                    part = table.take(pa.array(rows))
+                if "frame_index" in part.column_names and part.num_rows > 1:
+                    steps = part.column("frame_index").to_numpy()
+                    if (np.diff(steps) < 0).any():
+                        part = part.take(pa.array(np.argsort(steps, kind="stable")))
+                if part.num_rows != episode.length:
+                    raise CheckpointError(
+                        f"{episode.file}: episode {episode.index} has {part.num_rows} frames; "
+                        f"its metadata says {episode.length}"
+                    )
+                for name in video:
+                    part = part.append_column(name, self._video_frames(name, episode, part, readers))
+                yield episode, part
+        finally:
+            for reader in readers.values():
+                reader.close()
 
-    def _video_frames(
-        self, name: str, episode: _Episode, part: Any, decoded: dict[str, tuple[Path, np.ndarray, np.ndarray]]
-    ) -> Any:
-        """The episode's frames of a video feature, decoded, as a column of flat uint8 lists."""
+    def _video_frames(self, name: str, episode: _Episode, part: Any, readers: dict[str, _VideoReader]) -> Any:
+        """The episode's frames of a video feature, decoded one at a time, as a column of flat uint8 lists."""
         import numpy as np
 
         pa = _require_arrow()
@@ -1937,35 +2223,343 @@ class LeRobotSource:
         if not self.v3 or name not in episode.videos:
             where = "v2.x video" if not self.v3 else "episode metadata with no video columns"
             raise CheckpointError(f"{self.root}: feature {name!r}: rbtool does not read {where}")
-        chunk, file, start = episode.videos[name]
-        template = str(self.info.get("video_path") or VIDEO_PATH)
-        path = self.root / template.format(video_key=name, chunk_index=chunk, file_index=file)
-        if name not in decoded or decoded[name][0] != path:
-            decoded[name] = (path, *_decode_video(path, name, _hwc(spec)[2]))
-        _, times, frames = decoded[name]
-        fps = float(spec.get("info", {}).get("video.fps") or self.info.get("fps") or 1)
+        start = episode.videos[name][2]
+        path = self._file(self._video_rel(name, episode), f"video of feature {name!r}")
+        fps = (spec.get("info") or {}).get("video.fps") or self.info.get("fps") or 1
+        if not isinstance(fps, (int, float)) or isinstance(fps, bool) or not math.isfinite(fps) or fps <= 0:
+            raise CheckpointError(
+                f"{self.root / INFO_FILE}: feature {name!r}: fps {str(fps)[:40]!r} is not a rate"
+            )
+        fps = float(fps)
         if "timestamp" in part.column_names:
             wanted = start + part.column("timestamp").to_numpy().astype(np.float64)
         else:
             wanted = start + part.column("frame_index").to_numpy() / fps
-        if len(wanted) and not len(times):
-            raise CheckpointError(f"{path}: holds no frames (episode {episode.index})")
-        at = np.clip(np.searchsorted(times, wanted), 1, max(len(times) - 1, 1)) if len(times) > 1 else None
-        if at is None:
-            nearest = np.zeros(len(wanted), dtype=np.int64)
-        else:
-            nearest = np.where(np.abs(times[at - 1] - wanted) <= np.abs(times[at] - wanted), at - 1, at)
-        if len(wanted) and (off := float(np.abs(times[nearest] - wanted).max())) > 0.5 / fps:
+        if not np.isfinite(wanted).all():
+            raise CheckpointError(
+                f"{episode.file}: episode {episode.index} has a timestamp that is not finite"
+            )
+        reader = readers.get(name)
+        if reader is None or reader.path != path:
+            if reader is not None:
+                reader.close()
+            reader = readers[name] = _VideoReader(path, name, _hwc(spec))
+        times, rows = reader.nearest(wanted)
+        if len(wanted) and (off := float(np.abs(times - wanted).max())) > 0.5 / fps:
             raise CheckpointError(
                 f"{path}: episode {episode.index} wants a frame {off:.3f} s from any the video holds"
             )
-        rows = frames[nearest]
-        if rows.shape[1:] != _hwc(spec):
-            raise CheckpointError(
-                f"{path}: frames of shape {list(rows.shape[1:])}; meta/info.json says {spec.get('shape')}"
-            )
         flat = pa.array(np.ascontiguousarray(rows).reshape(-1))
         return pa.FixedSizeListArray.from_arrays(flat, math.prod(rows.shape[1:]))
+
+
+def _task_list(value: Any, where: Path) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise CheckpointError(f"{where}: an episode's tasks {str(value)[:40]!r} are not a list")
+    return [str(v) for v in value]
+
+
+def _check_feature(name: Any, spec: Any, where: Path) -> int:
+    """The bytes one frame of a feature takes, once its spec is one rbtool reads."""
+    if not isinstance(spec, dict):
+        raise CheckpointError(f"{where}: feature {str(name)[:80]!r} is not an object")
+    dtype, shape = spec.get("dtype"), spec.get("shape")
+    if not isinstance(dtype, str):
+        raise CheckpointError(f"{where}: feature {name!r} has no dtype")
+    if (
+        not isinstance(shape, list)
+        or not 1 <= len(shape) <= _MAX_FEATURE_DIMS
+        or not all(_is_int(d) and 0 <= d < (1 << 31) for d in shape)
+    ):
+        raise CheckpointError(
+            f"{where}: feature {name!r} has shape {str(shape)[:80]}; a shape is 1 to {_MAX_FEATURE_DIMS} "
+            "dims, each in [0, 2**31)"
+        )
+    if dtype in ("image", "video"):
+        itemsize = 1
+    elif dtype in _NATIVE:
+        itemsize = _np_dtype(dtype).itemsize
+    else:
+        itemsize = 8
+    need = math.prod(shape) * itemsize
+    _within_budget(need, f"{where}: one frame of feature {name!r} (shape {shape})")
+    return need
+
+
+class _VideoReader:
+    """One video file decoded frame by frame, forward: only the frames an episode wants are kept."""
+
+    def __init__(self, path: Path, feature: str, hwc: tuple[int, int, int]) -> None:
+        self.path, self.feature, self.hwc = path, feature, hwc
+        self._container: Any = None
+        self._frames: Iterator[Any] | None = None
+        self._held: tuple[float, Any] | None = None  # the last frame decoded, not yet passed
+        self._decoded = 0
+        self._declared = 0
+
+    def _open(self) -> None:
+        av = _require_av()
+        self.close()
+        try:
+            self._container = av.open(str(self.path))
+            stream = self._container.streams.video[0]
+            height, width = int(stream.codec_context.height), int(stream.codec_context.width)
+            self._declared = int(stream.frames or 0)
+            self._frames = self._container.decode(stream)
+        except (av.error.FFmpegError, IndexError) as exc:
+            self.close()
+            raise CheckpointError(f"{self.path}: not a readable video ({exc})") from None
+        if (height, width) != self.hwc[:2]:
+            self.close()
+            raise CheckpointError(
+                f"{self.path}: frames of {height}x{width}; meta/info.json says {self.hwc[0]}x{self.hwc[1]} "
+                f"(feature {self.feature!r})"
+            )
+        self._held = None
+        self._decoded = 0
+
+    def close(self) -> None:
+        if self._container is not None:
+            with contextlib.suppress(Exception):
+                self._container.close()
+        self._container = self._frames = None
+
+    def _next(self) -> tuple[float, Any] | None:
+        av = _require_av()
+        assert self._frames is not None
+        try:
+            frame = next(self._frames, None)
+        except (av.error.FFmpegError, ValueError) as exc:
+            raise CheckpointError(f"{self.path}: not a readable video ({exc})") from None
+        if frame is None:
+            return None
+        self._decoded += 1
+        if self._declared and self._decoded > self._declared:
+            raise CheckpointError(f"{self.path}: decodes more frames than the {self._declared} it declares")
+        if (frame.height, frame.width) != self.hwc[:2]:
+            raise CheckpointError(
+                f"{self.path}: a frame of {frame.height}x{frame.width}; meta/info.json says "
+                f"{self.hwc[0]}x{self.hwc[1]} (feature {self.feature!r})"
+            )
+        time = float(frame.pts * frame.time_base) if frame.pts is not None else float(self._decoded - 1)
+        channels = self.hwc[2]
+        if channels == 1:
+            array = frame.to_ndarray(format="gray")[..., None]
+        else:
+            array = frame.to_ndarray(format="rgba" if channels == 4 else "rgb24")
+        return time, array
+
+    def nearest(self, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(time, frame) of the frame nearest each wanted time (ties: the earlier frame)."""
+        import numpy as np
+
+        n = len(wanted)
+        times = np.zeros(n)
+        rows = np.zeros((n, *self.hwc), dtype=np.uint8)
+        if not n:
+            return times, rows
+        order = np.argsort(wanted, kind="stable")
+        if self._container is None or self._held is None or float(wanted[order[0]]) < self._held[0]:
+            self._open()
+            self._held = self._next()
+            if self._held is None:
+                raise CheckpointError(f"{self.path}: holds no frames")
+        i = 0
+        while i < n:
+            following = self._next()
+            held_time, held = self._held
+            if following is not None and following[0] < held_time:
+                raise CheckpointError(f"{self.path}: frame times go backwards ({following[0]:.3f} s)")
+            middle = math.inf if following is None else (held_time + following[0]) / 2
+            while i < n and float(wanted[order[i]]) <= middle:
+                times[order[i]] = held_time
+                rows[order[i]] = held
+                i += 1
+            if following is None:
+                break
+            self._held = following
+        return times, rows
+
+
+_NODE_KINDS = ("dict", "value", "tensor", "column", "derived")
+_ITEMSIZE = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "complex64": 8, "complex128": 16}
+_MAX_PATH_DEPTH = 32
+
+
+def _itemsize(dtype: str) -> int:
+    return _ITEMSIZE[dtype] if dtype in _ITEMSIZE else _np_dtype(dtype).itemsize
+
+
+def _json_ints_problem(value: Any) -> str | None:
+    """An integer beyond 64 bits anywhere in a decoded value (walked without recursion)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif _is_int(item) and not -(1 << 63) <= item < (1 << 64):
+            return f"holds the integer {str(item)[:30]}, beyond the 64-bit range"
+    return None
+
+
+def _check_sidecar(sidecar: dict[str, Any], dataset: LeRobotSource) -> None:
+    """Refuse a sidecar that is not one rbtool export writes, as strictly as checkpoint JSON:
+    ids and counters in [0, 2**63), the seed an integer torch takes, the format `pt` or `pkl`,
+    entries valid index entries agreeing with the trajectory's [T, B], node paths and shapes
+    well formed, every trajectory within the memory budget, episodes and features that exist."""
+    from rbtool.format import SEED_RANGE, entry_problems
+
+    where = dataset.root / SIDECAR_FILE
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{where}: {what}")
+
+    def index_value(value: Any, what: str, limit: int = _ID_LIMIT) -> int:
+        if not _is_int(value) or not 0 <= value < limit:
+            raise bad(f"{what} {str(value)[:40]} is not an integer in [0, {limit})")
+        return int(value)
+
+    def str_path(value: Any, what: str) -> tuple[str, ...]:
+        if (
+            not isinstance(value, list)
+            or not 1 <= len(value) <= _MAX_PATH_DEPTH
+            or not all(isinstance(k, str) and k for k in value)
+        ):
+            raise bad(f"{what} {str(value)[:80]} is not a field path (a list of names)")
+        return tuple(value)
+
+    def shape_of(value: Any, what: str) -> list[int]:
+        if not isinstance(value, list) or len(value) > _MAX_PATH_DEPTH:
+            raise bad(f"{what} {str(value)[:80]} is not a shape")
+        return [index_value(d, f"{what} dim", 1 << 31) for d in value]
+
+    def dtype_of(value: Any, what: str) -> str:
+        if not isinstance(value, str) or not (value in _NATIVE or value in _ITEMSIZE):
+            raise bad(f"{what} {str(value)[:40]!r} is not a tensor dtype rbtool writes")
+        return value
+
+    why = _json_ints_problem(sidecar)
+    if why is not None:
+        raise bad(why)
+    ckpt, columns, schemas, records = (
+        sidecar.get(k) for k in ("checkpoint", "columns", "schemas", "trajectories")
+    )
+    if not isinstance(ckpt, dict) or not isinstance(columns, dict):
+        raise bad("incomplete sidecar (no checkpoint or columns object)")
+    if not isinstance(schemas, list) or not isinstance(records, list):
+        raise bad("incomplete sidecar (no schemas or trajectories list)")
+    tensors = sidecar.get("tensors")
+    if tensors is not None:
+        dataset._parts(tensors, "the sidecar's tensors")
+    # ---- the checkpoint
+    ids = ckpt.get("trajectory_id_list")
+    if not isinstance(ids, list):
+        raise bad("checkpoint.trajectory_id_list is not a list")
+    ids = [index_value(i, "checkpoint.trajectory_id_list holds the id") for i in ids]
+    if len(set(ids)) != len(ids):
+        raise bad("checkpoint.trajectory_id_list lists an id twice")
+    counter = index_value(ckpt.get("trajectory_counter", 0), "checkpoint.trajectory_counter")
+    if ids and counter <= max(ids):
+        raise bad(f"checkpoint.trajectory_counter {counter} is not past the largest id {max(ids)}")
+    seed = ckpt.get("seed")
+    if seed is not None and (not _is_int(seed) or not SEED_RANGE[0] <= seed < SEED_RANGE[1]):
+        raise bad(f"checkpoint.seed {str(seed)[:40]} is not an integer in [-2**63, 2**64)")
+    fmt = ckpt.get("trajectory_format")
+    if fmt is not None and fmt not in ("pt", "pkl"):
+        raise bad(f"checkpoint.trajectory_format {str(fmt)[:40]!r} is not 'pt' or 'pkl'")
+    extra = ckpt.get("extra_metadata")
+    if extra is not None and not isinstance(extra, dict):
+        raise bad("checkpoint.extra_metadata is not an object")
+    # ---- columns and schemas
+    features = dataset.features
+    for name, column in columns.items():
+        if not isinstance(column, dict):
+            raise bad(f"column {name!r} is not an object")
+        str_path(column.get("path"), f"column {name!r} path")
+        views = index_value(column.get("views") or 0, f"column {name!r} views", 1 << 16)
+        if not isinstance(column.get("video", False), bool):
+            raise bad(f"column {name!r} video is not true or false")
+        if not column.get("video"):
+            for stored in [f"{name}-{v}" for v in range(views)] if views else [name]:
+                if stored not in features:
+                    raise bad(f"column {name!r} is stored as feature {stored!r}, which meta/info.json lacks")
+    sizes: list[tuple[int, int]] = []  # per schema: (bytes per sample of its per-frame nodes, values)
+    for s, nodes in enumerate(schemas):
+        if not isinstance(nodes, list):
+            raise bad(f"schema {s} is not a list")
+        seen: set[tuple[str, ...]] = set()
+        dicts: set[tuple[str, ...]] = {()}
+        per_sample = values = 0
+        for i, node in enumerate(nodes):
+            what = f"schema {s} node {i}"
+            if not isinstance(node, dict) or node.get("kind") not in _NODE_KINDS:
+                raise bad(f"{what} is not an object of a known kind")
+            path = str_path(node.get("path"), f"{what} path")
+            if path in seen or path[:-1] not in dicts:
+                raise bad(f"{what} path {'.'.join(path)} is repeated or not inside a dict node before it")
+            seen.add(path)
+            kind = node["kind"]
+            if kind == "dict":
+                dicts.add(path)
+            elif kind == "value":
+                values += 1
+            elif kind in ("column", "derived"):
+                dtype = dtype_of(node.get("dtype"), f"{what} dtype")
+                shape = shape_of(node.get("shape"), f"{what} shape")
+                per_sample += math.prod(shape) * _itemsize(dtype)
+                if kind == "column":
+                    feature = node.get("feature")
+                    if not isinstance(feature, str) or (feature not in columns and feature not in features):
+                        raise bad(f"{what} names feature {str(feature)[:80]!r}, which the dataset lacks")
+                    index_value(node.get("extra_rows") or 0, f"{what} extra_rows", 1 << 31)
+                else:
+                    source = str_path(node.get("source"), f"{what} source")
+                    if source not in seen or source == path:
+                        raise bad(f"{what} is derived from {'.'.join(source)}, not a field before it")
+        sizes.append((per_sample, values))
+    # ---- trajectories
+    episodes = len(dataset.episodes())
+    mine: set[int] = set()
+    for r, record in enumerate(records):
+        what = f"trajectory {r}"
+        if not isinstance(record, dict):
+            raise bad(f"{what} is not an object")
+        tid = index_value(record.get("trajectory_id"), f"{what} trajectory_id")
+        what = f"trajectory {tid}"
+        if tid in mine:
+            raise bad(f"trajectory id {tid} is listed twice")
+        mine.add(tid)
+        t = index_value(record.get("T"), f"{what} T", 1 << 31)
+        b = index_value(record.get("B"), f"{what} B", 1 << 31)
+        schema = index_value(record.get("schema"), f"{what} schema", len(schemas))
+        per_sample, values = sizes[schema]
+        _within_budget(t * b * per_sample, f"{where}: {what} ({t} x {b} samples)")
+        if not isinstance(record.get("values", []), list) or len(record.get("values", [])) != values:
+            raise bad(f"{what} has not the {values} values its schema names")
+        if not isinstance(record.get("digest"), str) or not _HEX64.fullmatch(record["digest"]):
+            raise bad(f"{what} digest is not a sha256")
+        span = record.get("episodes", [0, 0])
+        if not isinstance(span, list) or len(span) != 2:
+            raise bad(f"{what} episodes is not [first, count]")
+        first = index_value(span[0], f"{what} first episode")
+        count = index_value(span[1], f"{what} episode count")
+        if first + count > episodes:
+            raise bad(f"{what} names episodes {first}-{first + count - 1}; the dataset has {episodes}")
+        entry = record.get("entry")
+        found = entry_problems(str(tid), entry)
+        if found:
+            raise bad(f"{what}: {found[0][1]}")
+        assert isinstance(entry, dict)
+        if entry["shape"][:2] != [t, b]:
+            raise bad(f"{what}: entry shape {entry['shape']} does not start with its [T, B] = [{t}, {b}]")
+        if tid >= counter:
+            raise bad(f"{what}: id not below checkpoint.trajectory_counter {counter}")
+    if [int(r["trajectory_id"]) for r in records] != ids:
+        raise bad("the trajectories are not those of checkpoint.trajectory_id_list, in its order")
 
 
 def _hwc(spec: dict[str, Any]) -> tuple[int, int, int]:
@@ -1983,12 +2577,14 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise CheckpointError(f"{path}: missing")
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(path.read_bytes().splitlines(), 1):
         if line.strip():
             try:
                 rows.append(orjson.loads(line))
             except orjson.JSONDecodeError:
                 raise CheckpointError(f"{path}: line {number} is not valid JSON") from None
+            if not isinstance(rows[-1], dict):
+                raise CheckpointError(f"{path}: line {number} is not a JSON object")
     return rows
 
 
@@ -2054,7 +2650,8 @@ def _target(
 ) -> Iterator[tuple[BufferWriter, Index, bool]]:
     """The buffer directory, created if needed and locked: (writer, its index, whether it is new).
 
-    A directory this call created is removed again if the call fails before publishing.
+    A directory this call created is removed again if the call fails (interrupted, only if
+    nothing was published).
     """
     if trajectory_format is not None and trajectory_format not in ("pt", "pkl"):
         raise UsageError(f"format must be 'pt' or 'pkl', got {trajectory_format!r}")
@@ -2065,12 +2662,16 @@ def _target(
         if path.exists():
             break
         created = path
-    make_parents(directory)
-    init_buffer_dir(directory, Index(trajectory_format=trajectory_format or "pt"))
     try:
+        make_parents(directory)
+        init_buffer_dir(directory, Index(trajectory_format=trajectory_format or "pt"))
         with BufferWriter(directory, wait=True, on_wait=on_wait) as writer:
             _, index = open_checkpoint(directory, strict=True)
             yield writer, index, created is not None
+    except Exception:
+        if created is not None:  # a failed import leaves nothing of what it created
+            shutil.rmtree(created, ignore_errors=True)
+        raise
     except BaseException:
         if created is not None:
             with contextlib.suppress(RbtoolError, OSError):
@@ -2136,99 +2737,183 @@ def import_lerobot(
     sidecar = dataset.sidecar() if use_sidecar and episodes is None and not field_map and not drop else None
     if model_weights_id is not None:
         check_weights_id(model_weights_id, "model_weights_id")
+    result = ImportResult(directory, dataset.root, dataset.version, "rbtool" if sidecar else "episodes")
+    # Everything the dataset can be refused for before decoding is refused here, before the
+    # buffer directory is created, locked or written.
+    if sidecar is not None:
+        items = _rebuild(dataset, sidecar)
+        for name, c in sidecar["columns"].items():
+            dotted = ".".join(c["path"])
+            views = int(c.get("views") or 0)
+            if views:
+                result.fields.update({f"{name}-{v}": f"{dotted}[{v}]" for v in range(views)})
+            else:
+                result.fields[name] = dotted
+    else:
+        items = _episodes_as_trajectories(dataset, episodes, field_map or {}, drop, model_weights_id, result)
+    before = None if dry_run else _BufferState.capture(directory)
     target = (
         _dry_target(directory, trajectory_format)
         if dry_run
         else _target(directory, trajectory_format, on_wait)
     )
     with target as (writer, index, is_new):
-        if trajectory_format is not None and not is_new and trajectory_format != index.trajectory_format:
-            raise UsageError(
-                f"{directory}: holds {index.trajectory_format} files; cannot import as {trajectory_format}"
-            )
-        result = ImportResult(
-            directory, dataset.root, dataset.version, "rbtool" if sidecar else "episodes", index=index
-        )
-        counter = 0
-        resumed: set[int] = set()
-        if sidecar is not None:
-            items = _rebuild(dataset, sidecar)
-            # Into a buffer that never assigned an id, the export comes back as it was; into
-            # one an interrupted import of it left (its first ids, same entries), it goes on.
-            ckpt = sidecar["checkpoint"]
-            resumed = _resumed_ids(directory, index, sidecar)
-            if (not index.id_list and index.trajectory_counter == 0) or resumed:
-                index.seed = ckpt.get("seed")
-                index.extra_metadata = dict(ckpt.get("extra_metadata") or {})
-                if is_new and trajectory_format is None:
-                    index.trajectory_format = ckpt.get("trajectory_format") or "pt"
-                result.kept_ids = True
-                counter = int(ckpt.get("trajectory_counter") or 0)
-            for name, c in sidecar.get("columns", {}).items():
-                dotted = ".".join(c["path"])
-                views = int(c.get("views") or 0)
-                if views:
-                    result.fields.update({f"{name}-{v}": f"{dotted}[{v}]" for v in range(views)})
-                else:
-                    result.fields[name] = dotted
-        else:
-            items = _episodes_as_trajectories(
-                dataset, episodes, field_map or {}, drop, model_weights_id, result
-            )
+        result.index = index
         batch: list[int] = []
-
-        def publish() -> None:
-            writer.publish(index)
-            result.added_ids.extend(batch)
-            if on_published is not None and batch and not dry_run:
-                on_published(list(batch))
-            batch.clear()
-
         try:
-            for traj, entry, frames in items:
-                if result.kept_ids and entry is not None and int(entry["trajectory_id"]) in resumed:
-                    result.skipped += 1
-                    if progress is not None:
-                        progress(1)
-                    continue
-                if entry is not None:
-                    # An exported trajectory: its entry comes back (sizes, hashes and a link's
-                    # identity describe a file, and are the new file's).
-                    tid = int(entry["trajectory_id"]) if result.kept_ids else index.trajectory_counter
-                    new = {k: v for k, v in entry.items() if k not in ("file_bytes", "sha256", "link")}
-                    new["trajectory_id"] = tid
-                    if not result.kept_ids or not new.get("uuid"):
-                        new["uuid"] = uuid.uuid4().hex
-                else:
-                    tid = index.trajectory_counter
-                    traj, info = trajfile.normalize(traj, f"{dataset.root}: episode as trajectory {tid}")
-                    new = new_entry(tid, info, uuid.uuid4().hex)
-                if tid in index.entries:
-                    raise CheckpointError(f"{directory}: already lists trajectory id {tid}")
-                index.entries[tid] = new
-                writer.place(traj, index.file_name(tid), new, result.report)
-                index.id_list.append(tid)
-                index.trajectory_counter = max(index.trajectory_counter, tid + 1)
-                batch.append(tid)
-                result.frames += frames
-                if progress is not None:
-                    progress(1)
-                if len(batch) >= batch_size:
-                    publish()
-            index.trajectory_counter = max(index.trajectory_counter, counter)
-            if batch or result.kept_ids:
-                publish()
+            _import_items(
+                items,
+                sidecar,
+                directory,
+                writer,
+                index,
+                is_new,
+                trajectory_format,
+                batch,
+                result,
+                progress=progress,
+                on_published=on_published,
+                dry_run=dry_run,
+                batch_size=batch_size,
+            )
+        except Exception:
+            # A bad dataset found while decoding: the buffer goes back to what it was.
+            if before is not None:
+                before.restore(directory, [*result.added_ids, *batch], index)
+            result.added_ids.clear()
+            raise
         except BaseException:
-            # Files of the unpublished batch are not in the on-disk index: remove them.
+            # Interrupted (Ctrl-C): the published batches stay, and a rerun goes on from them;
+            # files of the unpublished batch are not in the on-disk index: remove them.
             for tid in batch:
                 (directory / index.file_name(tid)).unlink(missing_ok=True)
             raise
-    result.episodes = (
-        sum(int(r.get("episodes", [0, 0])[1]) for r in sidecar["trajectories"])
-        if sidecar
-        else result.episodes
-    )
+    if sidecar:
+        result.episodes = sum(int(r.get("episodes", [0, 0])[1]) for r in sidecar["trajectories"])
     return result
+
+
+class _BufferState:
+    """What a buffer directory held before an import: its index, metadata and lock file, so a
+    failed import puts them back (and removes what it created) as they were."""
+
+    NAMES = ("trajectory_index.json", "trajector_index.json", "metadata.json", ".rbtool.lock")
+
+    def __init__(self, existed: bool, files: dict[str, bytes | None]) -> None:
+        self.existed = existed
+        self.files = files
+
+    @classmethod
+    def capture(cls, directory: Path) -> _BufferState:
+        files: dict[str, bytes | None] = {}
+        existed = directory.is_dir() and not directory.is_symlink()
+        for name in cls.NAMES:
+            path = directory / name
+            try:
+                files[name] = (
+                    path.read_bytes() if existed and path.is_file() and not path.is_symlink() else None
+                )
+            except OSError:
+                files[name] = None
+        return cls(existed, files)
+
+    def restore(self, directory: Path, added: Sequence[int], index: Index) -> None:
+        """Remove the files of `added`, then put the index and metadata back (or remove them)."""
+        if not self.existed:
+            return  # _target removes the directory it created
+        with contextlib.suppress(OSError):
+            for tid in added:
+                (directory / index.file_name(tid)).unlink(missing_ok=True)
+            for name, data in self.files.items():
+                path = directory / name
+                if name == ".rbtool.lock":
+                    if data is None:
+                        path.unlink(missing_ok=True)  # it is held: no one else can be writing
+                    continue
+                if data is None:
+                    path.unlink(missing_ok=True)
+                elif not path.is_file() or path.read_bytes() != data:
+                    write_bytes_atomic(path, data)
+
+
+def _import_items(
+    items: Iterator[tuple[dict[str, Any], dict[str, Any] | None, int]],
+    sidecar: dict[str, Any] | None,
+    directory: Path,
+    writer: Any,
+    index: Index,
+    is_new: bool,
+    trajectory_format: str | None,
+    batch: list[int],
+    result: ImportResult,
+    *,
+    progress: Callable[[int], None] | None,
+    on_published: Callable[[list[int]], None] | None,
+    dry_run: bool,
+    batch_size: int,
+) -> None:
+    """Write the trajectories of `items` into the buffer, publishing every `batch_size`."""
+    if trajectory_format is not None and not is_new and trajectory_format != index.trajectory_format:
+        raise UsageError(
+            f"{directory}: holds {index.trajectory_format} files; cannot import as {trajectory_format}"
+        )
+    counter = 0
+    resumed: set[int] = set()
+    if sidecar is not None:
+        # Into a buffer that never assigned an id, the export comes back as it was; into
+        # one an interrupted import of it left (its first ids, same entries), it goes on.
+        ckpt = sidecar["checkpoint"]
+        resumed = _resumed_ids(directory, index, sidecar)
+        if (not index.id_list and index.trajectory_counter == 0) or resumed:
+            index.seed = ckpt.get("seed")
+            index.extra_metadata = dict(ckpt.get("extra_metadata") or {})
+            if is_new and trajectory_format is None:
+                index.trajectory_format = ckpt.get("trajectory_format") or "pt"
+            result.kept_ids = True
+            counter = int(ckpt.get("trajectory_counter") or 0)
+
+    def publish() -> None:
+        writer.publish(index)
+        result.added_ids.extend(batch)
+        if on_published is not None and batch and not dry_run:
+            on_published(list(batch))
+        batch.clear()
+
+    for traj, entry, frames in items:
+        if result.kept_ids and entry is not None and int(entry["trajectory_id"]) in resumed:
+            result.skipped += 1
+            if progress is not None:
+                progress(1)
+            continue
+        if entry is not None:
+            # An exported trajectory: its entry comes back (sizes, hashes and a link's
+            # identity describe a file, and are the new file's).
+            tid = int(entry["trajectory_id"]) if result.kept_ids else index.trajectory_counter
+            new = {k: v for k, v in entry.items() if k not in ("file_bytes", "sha256", "link")}
+            new["trajectory_id"] = tid
+            if not result.kept_ids or not new.get("uuid"):
+                new["uuid"] = uuid.uuid4().hex
+        else:
+            tid = index.trajectory_counter
+            traj, info = trajfile.normalize(traj, f"{result.dataset}: episode as trajectory {tid}")
+            new = new_entry(tid, info, uuid.uuid4().hex)
+        if tid >= _ID_LIMIT - 1:
+            raise CheckpointError(f"{directory}: trajectory id {tid} would pass 2**63 - 1")
+        if tid in index.entries:
+            raise CheckpointError(f"{directory}: already lists trajectory id {tid}")
+        index.entries[tid] = new
+        writer.place(traj, index.file_name(tid), new, result.report)
+        index.id_list.append(tid)
+        index.trajectory_counter = max(index.trajectory_counter, tid + 1)
+        batch.append(tid)
+        result.frames += frames
+        if progress is not None:
+            progress(1)
+        if len(batch) >= batch_size:
+            publish()
+    index.trajectory_counter = max(index.trajectory_counter, counter)
+    if batch or result.kept_ids:
+        publish()
 
 
 def _resumed_ids(directory: Path, index: Index, sidecar: dict[str, Any]) -> set[int]:
@@ -2272,12 +2957,17 @@ def _rebuild(
         columns = sidecar["columns"]
     except (KeyError, TypeError):
         raise CheckpointError(f"{dataset.root / SIDECAR_FILE}: incomplete sidecar") from None
-    blob_path = dataset.root / str(sidecar.get("tensors") or SIDECAR_TENSORS)
+    tensors = dataset.tensors_file(sidecar)
+    blob_path = tensors or dataset.root / SIDECAR_TENSORS
 
     def blob_rows() -> Iterator[dict[str, Any]]:
-        if blob_path.is_file():
-            for batch in pq.ParquetFile(str(blob_path)).iter_batches(batch_size=64):
-                yield from batch.to_pylist()
+        if tensors is not None:
+            pa = _require_arrow()
+            try:
+                for batch in pq.ParquetFile(str(tensors)).iter_batches(batch_size=64):
+                    yield from batch.to_pylist()
+            except (OSError, pa.ArrowInvalid) as exc:
+                raise CheckpointError(f"{tensors}: not a readable Parquet file ({exc})") from None
 
     # The sidecar's tensors are in trajectory order: read them along, one trajectory at a time.
     stream = blob_rows()
@@ -2297,7 +2987,10 @@ def _rebuild(
         RB_ENV,
         RB_T,
     ]
-    for record in records:
+    pending_box = [pending]
+
+    def build(record: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        pending = pending_box[0]
         tid, t, b = int(record["trajectory_id"]), int(record["T"]), int(record["B"])
         nodes = schemas[int(record["schema"])]
         first, count = record.get("episodes", [0, 0])
@@ -2392,7 +3085,52 @@ def _rebuild(
                 f"{dataset.root}: trajectory {tid} does not rebuild to what was exported (its frames or "
                 "the sidecar were changed)"
             )
-        yield traj, record["entry"], frames
+        pending_box[0] = pending
+        check_entry(record, traj)
+        return traj, frames
+
+    def check_entry(record: dict[str, Any], traj: dict[str, Any]) -> None:
+        """The sidecar's entry agrees with the trajectory rebuilt (its digest is the sidecar's own)."""
+        from rbtool.layout import describe
+
+        entry, tid = record["entry"], record["trajectory_id"]
+        try:
+            info = describe(traj, f"{dataset.root}: trajectory {tid}")
+        except RbtoolError as exc:
+            raise CheckpointError(str(exc)) from None
+        if list(entry["shape"]) != list(info.shape) or entry["num_samples"] != info.num_samples:
+            raise CheckpointError(
+                f"{dataset.root / SIDECAR_FILE}: trajectory {tid}: entry shape {entry['shape']} and "
+                f"num_samples {entry['num_samples']}; the trajectory rebuilt has {list(info.shape)}"
+            )
+
+    def iterate() -> Iterator[tuple[dict[str, Any], dict[str, Any] | None, int]]:
+        for record in records:
+            yield rebuilt(record)
+
+    def rebuilt(record: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
+        try:
+            traj, frames = build(record)
+        except RbtoolError:
+            raise
+        except (
+            KeyError,
+            TypeError,
+            ValueError,
+            IndexError,
+            RuntimeError,
+            AttributeError,
+            OverflowError,
+            StopIteration,
+        ) as exc:
+            raise CheckpointError(
+                f"{dataset.root / SIDECAR_FILE}: trajectory {record.get('trajectory_id')} cannot be rebuilt "
+                f"({type(exc).__name__}: {str(exc)[:200]})"
+            ) from None
+        return traj, record["entry"], frames
+
+    dataset.check(all_episodes, names)
+    return iterate()
 
 
 def _column(table: Any, name: str, episode: _Episode) -> Any:
@@ -2476,53 +3214,60 @@ def _episodes_as_trajectories(
     mwid = model_weights_id if model_weights_id is not None else f"lerobot-{_safe_id(dataset.root.name)}"
     tasks = dataset.tasks()
     read = [*mapping, *(name for group in views.values() for _, name in group), "task_index"]
-    for episode, table in dataset.frames(episodes, read):
-        t = table.num_rows
-        fields: dict[tuple[str, ...], torch.Tensor] = {}
-        for name, target in mapping.items():
-            arr = _column_numpy(_column(table, name, episode), features[name], name)
-            tensor = torch.from_numpy(np.array(arr)).reshape(t, 1, *arr.shape[1:])
-            if target[0] in DONE_LIKE and len(target) == 1:
-                flags = tensor if tensor.dtype == torch.bool else tensor != 0
-                tensor = torch.cat([torch.zeros((1, *flags.shape[1:]), dtype=torch.bool), flags])
-            fields[target] = tensor
-        for target, group in views.items():
-            frames = [_column_numpy(_column(table, name, episode), features[name], name) for _, name in group]
-            fields[target] = torch.from_numpy(np.stack(frames, axis=1)).reshape(
-                t, 1, len(group), *frames[0].shape[1:]
+    dataset.check(episodes, read)
+
+    def iterate() -> Iterator[tuple[dict[str, Any], dict[str, Any] | None, int]]:
+        for episode, table in dataset.frames(episodes, read):
+            t = table.num_rows
+            fields: dict[tuple[str, ...], torch.Tensor] = {}
+            for name, target in mapping.items():
+                arr = _column_numpy(_column(table, name, episode), features[name], name)
+                tensor = torch.from_numpy(np.array(arr)).reshape(t, 1, *arr.shape[1:])
+                if target[0] in DONE_LIKE and len(target) == 1:
+                    flags = tensor if tensor.dtype == torch.bool else tensor != 0
+                    tensor = torch.cat([torch.zeros((1, *flags.shape[1:]), dtype=torch.bool), flags])
+                fields[target] = tensor
+            for target, group in views.items():
+                frames = [
+                    _column_numpy(_column(table, name, episode), features[name], name) for _, name in group
+                ]
+                fields[target] = torch.from_numpy(np.stack(frames, axis=1)).reshape(
+                    t, 1, len(group), *frames[0].shape[1:]
+                )
+            if ("rewards",) not in fields:
+                fields[("rewards",)] = torch.zeros(t, 1, 1, dtype=torch.float32)
+            dones = fields.get(("dones",))
+            if dones is None:
+                dones = torch.zeros(t + 1, 1, 1, dtype=torch.bool)
+            if t:
+                dones = dones.clone()
+                dones[-1] = True
+            fields[("dones",)] = dones
+            for path in [p for p in fields if p[0] == "curr_obs"]:
+                cur = fields[path]
+                fields[("next_obs", *path[1:])] = torch.cat([cur[1:], cur[-1:]]) if t else cur.clone()
+            traj: dict[str, Any] = {"max_episode_length": t, "model_weights_id": mwid}
+            order = ["actions", "intervene_flags", "rewards", "terminations", "truncations", "dones"]
+            ranked = sorted(
+                fields,
+                key=lambda p: (
+                    order.index(p[0]) if p[0] in order else len(order),
+                    p[0] in ("curr_obs", "next_obs"),
+                ),
             )
-        if ("rewards",) not in fields:
-            fields[("rewards",)] = torch.zeros(t, 1, 1, dtype=torch.float32)
-        dones = fields.get(("dones",))
-        if dones is None:
-            dones = torch.zeros(t + 1, 1, 1, dtype=torch.bool)
-        if t:
-            dones = dones.clone()
-            dones[-1] = True
-        fields[("dones",)] = dones
-        for path in [p for p in fields if p[0] == "curr_obs"]:
-            cur = fields[path]
-            fields[("next_obs", *path[1:])] = torch.cat([cur[1:], cur[-1:]]) if t else cur.clone()
-        traj: dict[str, Any] = {"max_episode_length": t, "model_weights_id": mwid}
-        order = ["actions", "intervene_flags", "rewards", "terminations", "truncations", "dones"]
-        ranked = sorted(
-            fields,
-            key=lambda p: (
-                order.index(p[0]) if p[0] in order else len(order),
-                p[0] in ("curr_obs", "next_obs"),
-            ),
-        )
-        for path in ranked:
-            parent = traj
-            for key in path[:-1]:
-                parent = parent.setdefault(key, {})
-                if not isinstance(parent, dict):
-                    raise UsageError(f"buffer field {'.'.join(path)} would be inside a tensor field")
-            parent[path[-1]] = fields[path]
-        task_ids = table.column("task_index").to_pylist() if "task_index" in table.column_names else []
-        if task_ids and task_ids[0] is not None and 0 <= int(task_ids[0]) < len(tasks):
-            traj["task"] = tasks[int(task_ids[0])]
-        elif episode.tasks:
-            traj["task"] = episode.tasks[0]
-        result.episodes += 1
-        yield traj, None, t
+            for path in ranked:
+                parent = traj
+                for key in path[:-1]:
+                    parent = parent.setdefault(key, {})
+                    if not isinstance(parent, dict):
+                        raise UsageError(f"buffer field {'.'.join(path)} would be inside a tensor field")
+                parent[path[-1]] = fields[path]
+            task_ids = table.column("task_index").to_pylist() if "task_index" in table.column_names else []
+            if task_ids and task_ids[0] is not None and 0 <= int(task_ids[0]) < len(tasks):
+                traj["task"] = tasks[int(task_ids[0])]
+            elif episode.tasks:
+                traj["task"] = episode.tasks[0]
+            result.episodes += 1
+            yield traj, None, t
+
+    return iterate()
