@@ -144,7 +144,7 @@ def open_load_view(
     if world_size is not None and rank is not None:
         Index().rank_block(world_size, rank)  # validate before reading anything
     view = open_view(path, strict=strict)
-    warn_layout(view, world_size)
+    warn_layout(view, world_size, rank)
     return view
 
 

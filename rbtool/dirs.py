@@ -136,6 +136,13 @@ def _open_checkpoint(directory: Path, strict: bool) -> tuple[Path, Index, list[i
 
 
 # ------------------------------------------------------------------ views
+# What readers say of a view whose inputs' ids collided (SPEC §4's merge rule).
+RENUMBERED_NOTE = (
+    "ids renumbered: the rank directories' ids collide, so their merge numbers every trajectory "
+    "from 0 by (old id, rank order)"
+)
+
+
 @dataclass
 class CheckpointView:
     """A checkpoint as readers see it: one directory, or the merge of a folder of rank_* ones.
@@ -181,6 +188,12 @@ class CheckpointView:
             {"input": str(self.dirs[n]), "old_id": old, "new_id": new}
             for new, (n, old) in ((i, self.origin[i]) for i in self.index.id_list)
         ]
+
+    def renumbered_ids(self) -> int:
+        """How many merged ids differ from the id their trajectory has in its own directory."""
+        if not self.renumbered or self.origin is None:
+            return 0
+        return sum(1 for new, (_, old) in self.origin.items() if new != old)
 
     def dropped_ids(self) -> list[int]:
         """Ids left out for missing files (ids of the directory that listed them)."""
@@ -259,7 +272,7 @@ def open_view(
     return view
 
 
-def warn_layout(view: CheckpointView, world_size: int | None) -> None:
+def warn_layout(view: CheckpointView, world_size: int | None, rank: int | None = None) -> None:
     """Warn when a rank layout recorded by a shard does not match how it is being loaded.
 
     A rank tree whose ranks were written for another number of ranks (one is missing, or
@@ -287,7 +300,22 @@ def warn_layout(view: CheckpointView, world_size: int | None) -> None:
             )
         return
     layout = layouts[0]
-    if world_size is not None and layout is not None and layout[1] != world_size:
+    if world_size is not None and layout is not None and layout[1] == world_size:
+        part = "rank blocks" if rank is None else f"rank {rank}'s block"
+        got = (
+            ""
+            if rank is None
+            else f" ({view.index.rank_block(world_size, rank).size} of its {view.index.size})"
+        )
+        warnings.warn(
+            RankLayoutWarning(
+                f"{view.path}: is already rank {layout[0]} of world size {layout[1]}; splitting it again "
+                f"by world size {world_size} yields {part} of this one rank's trajectories{got}, not rank "
+                f"{layout[0] if rank is None else rank} of the checkpoint it was sharded from"
+            ),
+            stacklevel=3,
+        )
+    elif world_size is not None and layout is not None and layout[1] != world_size:
         warnings.warn(
             RankLayoutWarning(
                 f"{view.path}: was written as rank {layout[0]} of world size {layout[1]}, "

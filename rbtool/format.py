@@ -175,6 +175,15 @@ PROBLEM_CODES: dict[str, tuple[str, str]] = {
         "interrupted between its two files); rbtool recounts, the next write or `rbtool repair` fixes it",
     ),
     "file_missing": (ERROR, "a listed trajectory has no file"),
+    "rank_missing": (
+        ERROR,
+        "rank tree: a rank directory that the rank directories' own metadata (world size) records is not "
+        "there",
+    ),
+    "rank_misplaced": (
+        ERROR,
+        "rank tree: a rank directory's metadata records another rank number than its name (rank_<r>)",
+    ),
     "file_outside": (
         ERROR,
         "a listed trajectory's file is a symlink to a file outside the checkpoint (refused, never read)",

@@ -393,7 +393,23 @@ def check_target(target: Path, *, overwrite: bool) -> None:
 
 @contextlib.contextmanager
 def staged_dir(target: Path, *, overwrite: bool = False) -> Iterator[Path]:
-    """Build a directory in a hidden staging directory; publish it only if the block succeeds."""
+    """Build a directory in a hidden staging directory; publish it only if the block succeeds.
+
+    A file-system error names `target` (and paths inside it), never the staging directory.
+    """
+    try:
+        with _staged_dir(target, overwrite=overwrite) as staging:
+            yield staging
+    except FileSystemError as exc:
+        raise FileSystemError(as_target(str(exc), target)) from None
+    except OSError as exc:
+        if isinstance(exc, RbtoolError):
+            raise
+        raise FileSystemError(as_target(str(os_error(exc, target)), target)) from None
+
+
+@contextlib.contextmanager
+def _staged_dir(target: Path, *, overwrite: bool = False) -> Iterator[Path]:
     staging: Path | None = None
     try:
         staging = new_staging_dir(target)
@@ -409,6 +425,12 @@ def staged_dir(target: Path, *, overwrite: bool = False) -> Iterator[Path]:
         else:
             shutil.rmtree(staging, ignore_errors=True)  # gone once published
         raise
+
+
+def as_target(message: str, target: Path) -> str:
+    """`message` with every path into `target`'s staging directories shown as `target`'s own path."""
+    staging = re.escape(str(target.parent / f".{target.name}{STAGING_MARK}")) + r"[^/\s:]*"
+    return re.sub(staging, lambda _: str(target), message)
 
 
 class DirLock:

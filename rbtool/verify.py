@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from rbtool.dirs import checkpoint_dirs
+from rbtool.dirs import checkpoint_dirs, rank_number
 from rbtool.errors import RbtoolError, UnsafePickleError
 from rbtool.format import (
     ERROR,
@@ -605,10 +605,75 @@ def verify(
         if phases is not None:
             phases(1)
     report = VerifyReport(root, deep, [r for r, _ in checked], jobs=workers)
+    if dirs != [root]:
+        report.checkpoints = _with_missing_ranks(root, [f for _, f in checked], report.checkpoints)
     if deep:
         report.bytes_read = _run_deep([f for _, f in checked], progress, jobs, opened)
     report.seconds = timer.elapsed()
     return report
+
+
+def _recorded_layout(files: _FileChecker) -> tuple[int, int] | None:
+    """(rank, world size) a rank directory's metadata records (its `shard` key), if any."""
+    info = files.checked.meta.extra.get("shard")
+    if not isinstance(info, dict):
+        return None
+    rank, world_size = info.get("rank"), info.get("world_size")
+    if type(rank) is not int or type(world_size) is not int or not 0 <= rank < world_size:
+        return None
+    return rank, world_size
+
+
+def _with_missing_ranks(
+    root: Path, files: list[_FileChecker], reports: list[CheckpointReport]
+) -> list[CheckpointReport]:
+    """The reports of a rank tree, with one failed report for each rank directory that the tree's
+    own rank metadata records but that is not there (and a problem on each directory holding
+    another rank than its name says)."""
+    layouts = [_recorded_layout(f) for f in files]
+    sizes = sorted({lay[1] for lay in layouts if lay is not None})
+    if not sizes:
+        return reports  # nothing recorded (the reference implementation's ranks): nothing to expect
+    held: set[int] = set()
+    for f, report, lay in zip(files, reports, layouts, strict=True):
+        number = rank_number(f.directory.name)
+        if lay is None:
+            if number is not None:
+                held.add(number)
+            continue
+        held.add(lay[0])
+        if number is not None and number != lay[0]:
+            report.add(
+                "rank_misplaced",
+                f"{f.directory.name}: its metadata records rank {lay[0]} of world size {lay[1]}, not rank "
+                f"{number}; rename it rank_{lay[0]} or reshard the tree",
+            )
+    expected = range(max(sizes))
+    missing = [r for r in expected if r not in held]
+    if not missing:
+        return reports
+    found = ", ".join(f.directory.name for f in files)
+    layout = " and ".join(map(str, sizes))
+    by_name = {rep.path.name: rep for rep in reports}
+    extra = []
+    for r in missing:
+        name = f"rank_{r}"
+        missing_report = by_name.get(name)  # a directory of that name holding another rank
+        if missing_report is None:
+            missing_report = CheckpointReport(root / name)
+            extra.append((r, missing_report))
+        missing_report.add(
+            "rank_missing",
+            f"{name}: missing; the tree's rank directories record world size {layout} (ranks 0-"
+            f"{max(sizes) - 1}) and {found} {'is' if len(files) == 1 else 'are'} there; the tree "
+            "lacks that rank's trajectories",
+            file=name,
+        )
+    numbered = [(rank_number(rep.path.name), rep) for rep in reports]
+    merged = sorted(
+        [(n if n is not None else -1, rep) for n, rep in numbered] + extra, key=lambda item: item[0]
+    )
+    return [rep for _, rep in merged]
 
 
 __all__ = [

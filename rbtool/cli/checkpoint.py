@@ -26,6 +26,7 @@ from rbtool.cli._common import (
     TrajectoryFormat,
     bound,
     bound_state,
+    count,
     files_line,
     format_ids,
     local_path_arg,
@@ -254,6 +255,23 @@ def trajectory_rows(index: Index, world_size: int | None, rank: int | None) -> I
             }
 
 
+def check_rank_options(world_size: int | None, rank: int | None, buffer: Path | None) -> None:
+    """Refuse a --rank without --world-size, a --rank out of its range, and a --buffer that would
+    restore several ranks at once, naming the options as typed."""
+    from rbtool.errors import UsageError
+
+    if rank is not None and world_size is None:
+        raise UsageError(f"--rank {rank} needs --world-size (the number of ranks the load is split over)")
+    if rank is not None and world_size is not None and rank >= world_size:
+        last = "0" if world_size == 1 else f"0 to {world_size - 1}"
+        raise UsageError(f"--rank {rank} is out of range for --world-size {world_size}; give {last}")
+    if buffer is not None and world_size is not None and rank is None:
+        raise UsageError(
+            f"--buffer restores one rank's block of --world-size {world_size}: give --rank too "
+            "(or leave out --world-size to restore the whole load)"
+        )
+
+
 @checkpoint_app.command(cls=Command)
 def load(
     ckpt_arg: Annotated[
@@ -338,14 +356,22 @@ def _load(
     elif dry_run:
         raise typer.BadParameter("applies only with --buffer (nothing else writes)", param_hint="--dry-run")
 
-    # The library checks --world-size and --rank (both or neither, rank in range) before it
-    # reads anything; without --rank every rank's block is shown.
+    # --world-size and --rank are checked before anything is read, in the options' words;
+    # without --rank every rank's block is shown.
+    check_rank_options(world_size, rank, buffer)
+    from rbtool.dirs import warn_layout
+
     # One step: the library reads the index and checks the files in one call.
     with progress_bar("reading the index and checking files", 1, show_progress(json or jsonl)) as advance:
         if rank is not None:
-            shown, dropped = checkpoint.load_state(ckpt, world_size=world_size, rank=rank, strict=strict)
+            view = checkpoint.open_load_view(ckpt, world_size=world_size, rank=rank, strict=strict)
+            assert world_size is not None
+            shown = view.index.rank_block(world_size, rank)
         else:
-            shown, dropped = checkpoint.load_state(ckpt, strict=strict)
+            view = checkpoint.open_load_view(ckpt, strict=strict)
+            warn_layout(view, world_size)  # a rank directory split again by its own world size
+            shown = view.index
+        dropped = view.dropped_ids()
         advance(1)
     doc: dict[str, Any] = {
         "checkpoint": display,
@@ -353,6 +379,8 @@ def _load(
         "dropped_missing_ids": dropped,
         "world_size": world_size,
         "rank": rank,
+        "renumbered": view.renumbered,
+        "renumbered_ids": view.renumbered_ids(),
     }
     if world_size is not None and rank is None:
         doc["ranks"] = _rank_states(shown, world_size)
@@ -394,6 +422,11 @@ def _load(
     else:
         rows = [("full" if rank is None else f"rank {rank}", doc)]
     out.print(state_table(f"{display} ({how})", rows, limit))
+    if view.renumbered:
+        from rbtool.dirs import RENUMBERED_NOTE
+
+        changed = count(doc["renumbered_ids"], "id")
+        out.print(f"{RENUMBERED_NOTE}; {changed} changed", markup=False, highlight=False)
     if dropped:
         out.print(f"dropped for missing files (non-strict): ids {format_ids(dropped, limit)}")
     if buffer is not None and dry_run:

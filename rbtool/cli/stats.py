@@ -308,6 +308,10 @@ def render(doc: dict[str, Any], con: Console, every: bool = False, wide: bool = 
         f"ids {ids}  ·  counter {idx['trajectory_counter']}  ·  "
         f"{count(idx['model_weights_ids'], 'model_weights_id')}"
     )
+    if doc.get("renumbered"):
+        from rbtool.dirs import RENUMBERED_NOTE
+
+        con.print(RENUMBERED_NOTE, style="yellow", markup=False, highlight=False)
     if files["checked"]:
         line = f"files: {files['present']} present, {size(files['bytes'])}"
         if files["missing"]:

@@ -49,6 +49,8 @@ def _summary(report: CheckpointReport) -> Text:
     counts = report.counts()
     parts = [count(n, sev) for sev, n in counts.items() if n]
     size = "index unreadable" if report.size is None else count(report.size, "trajectory", "trajectories")
+    if report.size is None and any(p.code == "rank_missing" for p in report.problems):
+        size = "missing"
     line = Text("OK" if report.ok else "FAILED", style="green" if report.ok else "bold red")
     line.append(f" {report.path} ({size}; {', '.join(parts) or 'no problems'})")
     return line
