@@ -737,7 +737,9 @@ StorageOpt = Annotated[
         "--storage-option",
         metavar="KEY=VALUE",
         help="For URLs (s3://, gs://, ...): an fsspec storage option, e.g. endpoint_url=http://host:9000 "
-        "(repeatable; a value that parses as JSON is that value, else a string).",
+        "(repeatable; a value that parses as JSON is that value, else a string). URLs are read through "
+        "a local cache of the user's own: RBTOOL_CACHE_DIR (default ~/.cache/rbtool/remote), "
+        "RBTOOL_CACHE_BYTES (default 20 GiB), RBTOOL_CACHE_SHARED=1 for a shared (sticky) one.",
         show_default=False,
     ),
 ]
