@@ -38,6 +38,8 @@ STAGING_MARK = ".rbtool-staging-"
 def os_error(exc: OSError, path: str | os.PathLike[str]) -> FileSystemError:
     """An OSError as one line naming the path and the reason (what every writer raises)."""
     where = exc.filename if exc.filename is not None else path
+    if exc.filename is not None and _work_name_of(str(exc.filename), path):
+        where = path  # the output the user gave, not the hidden name it is built under
     reason = exc.strerror or str(exc) or type(exc).__name__
     extra = ""
     if exc.errno == errno.ENOSPC:
@@ -45,6 +47,14 @@ def os_error(exc: OSError, path: str | os.PathLike[str]) -> FileSystemError:
     elif exc.errno == errno.EROFS:
         extra = "; choose a writable location"
     return FileSystemError(f"{where}: {reason}{extra}")
+
+
+def _work_name_of(name: str, target: str | os.PathLike[str]) -> bool:
+    """True if `name` is a hidden staging directory or temporary file beside `target`."""
+    work, own = Path(name), Path(target)
+    hidden = work.name.startswith(f".{own.name}.")
+    beside = os.path.abspath(work.parent) == os.path.abspath(own.parent)
+    return beside and hidden and (STAGING_MARK in work.name or work.name.endswith(".tmp"))
 
 
 @contextlib.contextmanager

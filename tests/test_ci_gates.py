@@ -440,6 +440,9 @@ WRITERS = {
     "checkpoint save": lambda src, out: ["checkpoint", "save", src, out],
     "checkpoint load --buffer": lambda src, out: ["checkpoint", "load", src, "--buffer", out],
     "repair": lambda src, out: ["repair", src, "--out", out],
+    "ingest": lambda src, out: ["ingest", *sorted(str(f) for f in Path(src).glob("*.pt")), "--buffer", out],
+    "export": lambda src, out: ["export", src, out, "--to", "lerobot", "--fps", "10"],
+    "sample --out": lambda src, out: ["sample", src, "--num-chunks", "2", "--out", out],
 }
 
 
