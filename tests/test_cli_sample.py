@@ -60,6 +60,7 @@ def test_json_document_keys_and_field_list() -> None:
         "all_fields",
         "strategy",
         "k",
+        "k_used",
         "temperature",
         "requested_chunks",
         "num_chunks",
@@ -194,7 +195,7 @@ def test_usage_errors(extra: list[str]) -> None:
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--strategy", "topk"], "needs k"),
+        (["--strategy", "topk"], "--strategy topk needs --k"),
         (["--strategy", "topk", "--k", "2", "--temperature", "0"], "temperature must be"),
     ],
 )

@@ -20,16 +20,18 @@ import orjson
 import typer
 from rich.console import Console
 from typer.core import TyperCommand, TyperGroup
+from typer.exceptions import TyperException
 
 from rbtool.cli._output import Column as Column
 from rbtool.cli._output import Fitted as Fitted
-from rbtool.cli._output import ResultConsole, id_runs, size
+from rbtool.cli._output import ResultConsole, SafeConsole, id_runs, size
 from rbtool.cli._output import count as count
 from rbtool.cli._output import head as head
 from rbtool.cli._output import id_ranges as id_ranges
 from rbtool.cli._output import key_values as key_values
 from rbtool.cli._output import left_out as left_out
 from rbtool.cli._output import number as number
+from rbtool.cli._output import printable as printable
 from rbtool.cli._output import side_by_side as side_by_side
 from rbtool.cli._output import unique_prefixes as unique_prefixes
 from rbtool.errors import (
@@ -46,8 +48,10 @@ if TYPE_CHECKING:
     from rbtool.remote import IndexMirror
 
 # Results go to stdout (see _output.ResultConsole); progress, warnings and errors to stderr.
+# Both escape control characters and read no markup (_output.SafeConsole): names are shown,
+# never acted on by the terminal.
 out = ResultConsole(highlight=False)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+err = SafeConsole(stderr=True, highlight=False, soft_wrap=True)
 
 
 # ------------------------------------------------------------ errors
@@ -82,8 +86,16 @@ def one_line(message: object) -> str:
 
 
 def print_error(message: str) -> None:
-    """`Error: <first line of message>` on stderr."""
-    err.print(f"Error: {one_line(message) or 'unknown error'}", markup=False, highlight=False)
+    """`Error: <first line of message>` on stderr, control characters escaped (a message names
+    files, keys and ids that others wrote)."""
+    err.print(f"Error: {printable(one_line(message)) or 'unknown error'}", markup=False, highlight=False)
+
+
+def escape_usage_error(exc: Exception) -> None:
+    """Escape, in place, the control characters of the parser's message (it may quote a value)."""
+    message = getattr(exc, "message", None)
+    if isinstance(message, str):
+        exc.message = printable(message)  # type: ignore[attr-defined]
 
 
 def print_warning(warning: Warning | str, command: Any) -> None:
@@ -139,7 +151,11 @@ class Group(TyperGroup):
     def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
         if parent is None:
             reset_settings()
-        return super().make_context(info_name, args, parent=parent, **extra)
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except TyperException as exc:
+            escape_usage_error(exc)
+            raise
 
     def format_commands(self, ctx: Any, formatter: Any) -> None:
         """Each command with the whole first paragraph of its description, wrapped, never cut."""
@@ -180,6 +196,10 @@ class Group(TyperGroup):
                 from rbtool.cli._errors import plain_option_error
 
                 plain_option_error(exc)
+                escape_usage_error(exc)
+                raise
+            except TyperException as exc:  # another usage error: a value it quotes is escaped
+                escape_usage_error(exc)
                 raise
             except RbtoolError as exc:
                 from rbtool.cli._errors import fix_hint
@@ -392,9 +412,12 @@ SeedOpt = Annotated[
 
 
 def refuse_k_without_topk(strategy: Strategy, k: int | None) -> None:
-    """--k means nothing to uniform draws (the library ignores it): a usage error, exit 2."""
+    """--k means nothing to uniform draws (the library ignores it), and topk needs it: usage errors,
+    exit 2, in the options' words."""
     if strategy is Strategy.uniform and k is not None:
         raise typer.BadParameter("applies only to --strategy topk", param_hint="--k")
+    if strategy is Strategy.topk and k is None:
+        raise UsageError("--strategy topk needs --k K (how many highest-reward samples are candidates)")
 
 
 # ------------------------------------------------------------ output
@@ -591,13 +614,13 @@ class Advance:
     def phase(self, done: int, description: str) -> None:
         """Name the phase under way, `done` steps of the bar's total behind it."""
         if self._progress is not None:
-            self._progress.update(self._task, completed=done, description=description)
+            self._progress.update(self._task, completed=done, description=printable(description))
 
     def start(self, total: int | None, description: str | None = None) -> None:
         if self._progress is not None:
             changes: dict[str, Any] = {"total": total, "completed": 0}
             if description is not None:
-                changes["description"] = description
+                changes["description"] = printable(description)
             self._progress.reset(self._task, **changes)
 
 
@@ -670,7 +693,8 @@ def progress_bar(description: str, total: int | None, enabled: bool) -> Iterator
     )
 
     with Progress(
-        TextColumn("[progress.description]{task.description}"),
+        # a description names inputs: plain text (no markup read from a name), escaped by `err`
+        TextColumn("{task.description}", style="progress.description", markup=False),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
@@ -679,7 +703,7 @@ def progress_bar(description: str, total: int | None, enabled: bool) -> Iterator
         console=err,
         transient=True,
     ) as progress:
-        yield Advance(progress, progress.add_task(description, total=total))
+        yield Advance(progress, progress.add_task(printable(description), total=total))
 
 
 # ------------------------------------------------------------ shared by commands
@@ -985,7 +1009,7 @@ _consoles: list[Console] = [out, err]
 
 def make_console(**kwargs: Any) -> Console:
     """A Rich console made while a command runs, following --color and NO_COLOR like `out` and `err`."""
-    console = Console(**kwargs)
+    console = SafeConsole(**kwargs)
     _set_color(console)
     return console
 

@@ -6,6 +6,11 @@ least needed columns (a note names them; `--wide` keeps them). Written to a file
 nothing wraps, every column is kept, ids are whole and no line ends in spaces, so the output
 greps cleanly. `TTY_COMPATIBLE=1` (Rich's variable) treats stdout as a terminal, `COLUMNS`
 sets its width; both are read when a result is printed.
+
+Names come from files, keys and datasets that anyone may have written, so nothing printed is
+ever run by the terminal: every console here escapes control characters (`\\x1b`, `\\x07`,
+C1, DEL and the bidi overrides that reorder a line) and reads no console markup or emoji codes
+in what it prints (`[bold]` in a file name prints as it is). Style comes from `Text` spans only.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import io
 import itertools
 import os
+import re
 import shutil
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -21,16 +27,99 @@ from typing import Any
 from rich import box
 from rich.console import Console, ConsoleDimensions, ConsoleOptions, RenderableType, RenderResult
 from rich.measure import Measurement
+from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
 PIPED_WIDTH = 100_000  # a line written to a file or pipe is never wrapped below this
-FOLD_AT = 24  # a wrapping column at a terminal folds words (file names) longer than this
 ID_PREFIX = 8  # model_weights_ids are shortened to unique prefixes of at least this many characters
 
 
+# ------------------------------------------------------------ escaping
+# What a terminal would act on rather than show: C0 controls (ESC, BEL, CR, BS, ...), DEL, C1
+# controls (0x9b is a CSI of its own) and the bidi marks, embeddings, overrides and isolates
+# that reorder the rest of a line. Newlines and tabs are layout where a console prints a
+# message, and are escaped too inside one value (a table cell, a title).
+_CONTROLS = "\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
+_UNSAFE = re.compile(f"[{_CONTROLS}]")
+_UNSAFE_IN_VALUE = re.compile(f"[{_CONTROLS}\t\n]")
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
+
+
+def printable(text: str, *, lines: bool = False) -> str:
+    """`text` with every control character escaped (`\\x1b`, `\\x9b`, `\\u202e`), so that a name
+    shows as what it is and never moves the cursor, retitles a window or reorders a line.
+    With `lines`, newlines and tabs are kept (a message's own layout)."""
+    return (_UNSAFE if lines else _UNSAFE_IN_VALUE).sub(_escape, text)
+
+
+def printable_text(text: Text, *, lines: bool = False) -> Text:
+    """A Text with its control characters escaped as `printable` does, its styles kept on the
+    characters they covered."""
+    pattern = _UNSAFE if lines else _UNSAFE_IN_VALUE
+    source = text.plain
+    if not pattern.search(source):
+        return text
+    pieces: list[str] = []
+    moved = [0] * (len(source) + 1)  # where each offset of `source` lands in the escaped text
+    at = 0
+    for i, char in enumerate(source):
+        moved[i] = at
+        piece = pattern.sub(_escape, char)
+        pieces.append(piece)
+        at += len(piece)
+    moved[len(source)] = at
+    escaped = Text(
+        "".join(pieces),
+        style=text.style,
+        justify=text.justify,
+        overflow=text.overflow,
+        no_wrap=text.no_wrap,
+        end=text.end,
+        tab_size=text.tab_size,
+    )
+    for span in text.spans:
+        escaped.stylize(span.style, moved[min(span.start, len(source))], moved[min(span.end, len(source))])
+    return escaped
+
+
+class SafeConsole(Console):
+    """A Rich console that shows what it is given and never lets the terminal act on it.
+
+    Strings are plain text by default (no markup, no emoji codes: pass `markup=True` for a
+    literal of rbtool's own), and control characters are escaped in every string and Text it
+    prints and, as a last net, in every segment it writes (Rich's own cursor and style codes
+    are control segments and pass as they are).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("markup", False)
+        kwargs.setdefault("emoji", False)
+        super().__init__(*args, **kwargs)
+
+    def render_str(self, text: str, **kwargs: Any) -> Text:
+        return super().render_str(printable(text, lines=True), **kwargs)
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        shown = tuple(printable_text(o, lines=True) if isinstance(o, Text) else o for o in objects)
+        super().print(*shown, **kwargs)
+
+    def _render_buffer(self, buffer: Iterable[Segment]) -> str:
+        safe = (
+            Segment(printable(text, lines=True), style, None)
+            if control is None and _UNSAFE.search(text)
+            else Segment(text, style, control)
+            for text, style, control in buffer
+        )
+        return super()._render_buffer(safe)
+
+
 # ------------------------------------------------------------ the console
-class ResultConsole(Console):
+class ResultConsole(SafeConsole):
     """stdout for results: word-wrapped and fitted at a terminal; unwrapped and without trailing
     spaces when piped."""
 
@@ -81,13 +170,15 @@ class ResultConsole(Console):
             return
         buffer = io.StringIO()
         color = self.color_system
-        plain = Console(
+        plain = SafeConsole(
             file=buffer,
             width=PIPED_WIDTH,
             force_terminal=color is not None,
             color_system=color,  # type: ignore[arg-type]
             no_color=self.no_color,
             highlight=False,
+            markup=self._markup,
+            emoji=self._emoji,
             legacy_windows=False,
         )
         kwargs["soft_wrap"] = True
@@ -178,8 +269,8 @@ def unique_prefixes(ids: Iterable[str], shortest: int = ID_PREFIX) -> dict[str, 
 @dataclass(frozen=True)
 class Column:
     """A table column. `drop` > 0: may be left out at a narrow terminal, highest first.
-    `wrap`: long text (messages) that may wrap at spaces (at a terminal, words longer than
-    FOLD_AT fold onto the next line); other columns never wrap or cut."""
+    `wrap`: long text (messages) that may wrap at spaces, never inside a word (a file name is
+    never broken across lines: columns are left out instead); other columns never wrap or cut."""
 
     header: str
     right: bool = False
@@ -208,9 +299,9 @@ class Fitted:
         hint: str = "--wide shows them",
     ) -> None:
         self.columns = list(columns)
-        self.rows = [list(r) for r in rows]
-        self.title = title
-        self.caption = caption
+        self.rows = [[as_text(cell) for cell in r] for r in rows]  # names escaped, never markup
+        self.title = None if title is None else plain(title)
+        self.caption = None if caption is None else plain(caption)
         self.header = header
         self.wide = wide
         self.hint = hint
@@ -239,7 +330,7 @@ class Fitted:
 
     def need(self, console: Console, keep: Sequence[int]) -> int:
         """The narrowest the table over `keep` can be drawn without cutting: every cell of a
-        non-wrapping column whole, wrapping columns down to their longest word."""
+        non-wrapping column whole, wrapping columns down to their longest word (whole)."""
         table = self.table(keep)
         options = console.options.update(width=PIPED_WIDTH)
         total = Measurement.get(console, options, table).maximum
@@ -248,7 +339,7 @@ class Fitted:
                 cells = [Text(self.columns[i].header), *(as_text(row[i]) for row in self.rows)]
                 widest = max(cell.cell_len for cell in cells)
                 word = max((len(w) for cell in cells for w in cell.plain.split()), default=0)
-                total -= widest - min(widest, word, FOLD_AT)
+                total -= widest - min(widest, word)
         return total
 
     def fitted(self, console: Console, width: int | None) -> tuple[Table, int]:
@@ -291,13 +382,15 @@ class Fitted:
 
 
 def as_text(cell: str | Text) -> Text:
-    """A cell as Rich draws it (a str cell is console markup)."""
-    return cell if isinstance(cell, Text) else Text.from_markup(cell)
+    """A cell as Rich draws it: a str is plain text (names may hold `[`), never markup; control
+    characters, newlines and tabs escaped (a cell is one value on one line)."""
+    return printable_text(cell) if isinstance(cell, Text) else Text(printable(cell))
 
 
 def plain(text: str | Text) -> Text:
-    """A title or caption: a str is plain text (paths may hold `[`), never markup."""
-    return text if isinstance(text, Text) else Text(text)
+    """A title or caption: a str is plain text (paths may hold `[`), never markup; control
+    characters escaped."""
+    return as_text(text)
 
 
 def key_values(title: str | Text, rows: Sequence[tuple[str, str | Text]]) -> Fitted:

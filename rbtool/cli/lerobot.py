@@ -225,12 +225,18 @@ def export(
         out.print(
             key_values(f"{verb} {src.show(result.source)} to LeRobot {CODEBASE_VERSION} {result.out}", rows)
         )
-        columns = [Column("feature"), Column("dtype"), Column("shape"), Column("buffer field", wrap=True)]
+        # names are never broken across lines: at a narrow terminal shape, then dtype, are left out
+        columns = [
+            Column("feature"),
+            Column("dtype", drop=1),
+            Column("shape", drop=2),
+            Column("buffer field", wrap=True),
+        ]
         features = [
             [Text(item["name"]), item["dtype"], str(item["shape"]), Text(item["field"] or "")]
             for item in doc["features"]
         ]
-        out.print(Fitted(columns, features, title="features"))
+        out.print(Fitted(columns, features, title="features", hint="piped output and --json keep them"))
         if result.sidecar_fields:
             out.print(f"kept whole in the sidecar: {', '.join(result.sidecar_fields)}", markup=False)
         if dry_run:

@@ -28,8 +28,10 @@ from rbtool.cli._common import (
     count,
     is_url,
     local_path_arg,
+    note,
     out,
     print_json,
+    printable,
     progress_bar,
     reading,
     refuse_k_without_topk,
@@ -205,16 +207,25 @@ def sample(
     tids = draw.trajectory_ids
     rows = draw.local_indices.tolist()
     widths = [index.entries[t]["shape"][1] for t in tids]
+    window_samples = sum(index.entries[t]["num_samples"] for t in window_ids)
+    # top-k among more samples than the window holds is top-k among all of them: say so
+    k_used = None if k is None else min(k, window_samples)
+    if k is not None and k_used is not None and k_used < k:
+        note(
+            f"--k {k} is more than the window's {count(window_samples, 'sample')}: "
+            f"top-k draws among all {window_samples} (k {k_used})"
+        )
     doc = {
         "path": place.show(),
         "seed": used_seed,
         "window": window,
         "window_trajectories": len(window_ids),
-        "window_samples": sum(index.entries[t]["num_samples"] for t in window_ids),
+        "window_samples": window_samples,
         "missing_ids": missing,
         "all_fields": all_fields,
         "strategy": strategy.value,
         "k": k,
+        "k_used": k_used,
         "temperature": temperature if strategy is Strategy.topk else None,
         "requested_chunks": num_chunks,
         "num_chunks": len(rows),
@@ -247,19 +258,19 @@ def render(doc: dict[str, Any]) -> None:
     out.print(
         Text.assemble(
             (count(doc["num_chunks"], "chunk"), "bold"),
-            f" ({how}) from {doc['path']}  ·  window {window}: "
+            f" ({how}) from {printable(doc['path'])}  ·  window {window}: "
             f"{count(doc['window_trajectories'], 'trajectory', 'trajectories')}, "
             f"{count(doc['window_samples'], 'sample')}  ·  seed {doc['seed']}",
         )
     )
     if doc["num_chunks"] < doc["requested_chunks"]:
-        out.print(f"[yellow]clamped from {doc['requested_chunks']} to the window's samples[/yellow]")
+        out.print(Text(f"clamped from {doc['requested_chunks']} to the window's samples", style="yellow"))
     out.print(window_line(doc["window"], doc["window_ids"], doc["listed_ids"]), markup=False)
     if doc["missing_ids"]:
         missing = count(len(doc["missing_ids"]), "trajectory", "trajectories")
-        out.print(f"[yellow]left out {missing} whose files are missing[/yellow]")
+        out.print(Text(f"left out {missing} whose files are missing", style="yellow"))
 
-    field_rows = [[Text(r["field"]), r["dtype"], str(r["shape"])] for r in doc["fields"]]
+    field_rows = [[r["field"], r["dtype"], str(r["shape"])] for r in doc["fields"]]  # plain text
     fields = Fitted([Column("field"), Column("dtype"), Column("shape")], field_rows)
     d = doc["draws"]
     draw_rows = [
@@ -287,4 +298,4 @@ def render(doc: dict[str, Any]) -> None:
     if doc["out"] is not None and doc["dry_run"]:
         dry_run_note(doc["out"], size(doc["out_bytes"]))
     elif doc["out"] is not None:
-        out.print(Text(f"wrote {doc['out']} ({size(doc['out_bytes'])})"))
+        out.print(f"wrote {doc['out']} ({size(doc['out_bytes'])})")

@@ -40,6 +40,7 @@ from rbtool.cli._common import (
     print_error,
     print_json,
     print_jsonl,
+    printable,
     progress_bar,
     reading,
     refuse_k_without_topk,
@@ -303,28 +304,33 @@ def render(doc: dict[str, Any], con: Console, every: bool = False, wide: bool = 
     ids = id_runs(doc["trajectories"]["id"], HEADER_RUNS)
     seed = "no seed" if idx["seed"] is None else f"seed {idx['seed']}"
     con.print(
-        f"[bold]{doc['path']}[/bold]  {idx['trajectory_format']}  {seed}  ·  "
-        f"{count(idx['size'], 'trajectory', 'trajectories')}, {count(idx['total_samples'], 'sample')}  ·  "
-        f"ids {ids}  ·  counter {idx['trajectory_counter']}  ·  "
-        f"{count(idx['model_weights_ids'], 'model_weights_id')}"
+        Text.assemble(
+            (printable(doc["path"]), "bold"),
+            f"  {idx['trajectory_format']}  {seed}  ·  "
+            f"{count(idx['size'], 'trajectory', 'trajectories')}, "
+            f"{count(idx['total_samples'], 'sample')}  ·  "
+            f"ids {ids}  ·  counter {idx['trajectory_counter']}  ·  "
+            f"{count(idx['model_weights_ids'], 'model_weights_id')}",
+        )
     )
     if doc.get("renumbered"):
         from rbtool.dirs import RENUMBERED_NOTE
 
         con.print(RENUMBERED_NOTE, style="yellow", markup=False, highlight=False)
     if files["checked"]:
-        line = f"files: {files['present']} present, {size(files['bytes'])}"
+        line = Text(f"files: {files['present']} present, {size(files['bytes'])}")
         if files["missing"]:
             limit = None if every else MISSING_SHOWN
-            line += (
-                f"  [yellow]{files['missing']} missing (ids {id_runs(files['missing_ids'], limit)}): "
-                "left out of the window[/yellow]"
+            line.append(
+                f"  {files['missing']} missing (ids {id_runs(files['missing_ids'], limit)}): "
+                "left out of the window",
+                "yellow",
             )
         odd = files.get("not_files") or []
         if odd:
             what = ", ".join(f"id {o['trajectory_id']} is {o['is']}" for o in head(odd, MISSING_SHOWN))
             more = f" ... {left_out(odd, MISSING_SHOWN)} more" if left_out(odd, MISSING_SHOWN) else ""
-            line += f"  [yellow]{len(odd)} not a regular file ({what}{more}): left out of the window[/yellow]"
+            line.append(f"  {len(odd)} not a regular file ({what}{more}): left out of the window", "yellow")
         con.print(line)
     else:
         con.print(f"files: not opened (--index-only); recorded sizes {size(files['bytes'])}")
@@ -336,14 +342,14 @@ def render(doc: dict[str, Any], con: Console, every: bool = False, wide: bool = 
     kept = every_id[np.asarray(rows["in_window"], dtype=bool)]
     con.print(window_line(win["requested"], kept, listed), markup=False)
     lo, hi = win["probability_min"], win["probability_max"]
-    line = (
+    held = (
         f"window: {count(win['trajectories'], 'trajectory', 'trajectories')}, "
         f"{count(win['samples'], 'sample')}"
     )
     if lo is not None:
         spread = f"{num(lo)} each" if lo == hi else f"{num(lo)} to {num(hi)} per trajectory"
-        line += f", p(draw) {spread}"
-    con.print(line)
+        held += f", p(draw) {spread}"
+    con.print(held)
     if idx["size"] == 0:
         return
 
@@ -391,7 +397,7 @@ def trajectory_table(
         state = (
             size(rows["file_bytes"][pos])
             if exists is None or exists[pos]
-            else f"[red]{odd.get(int(rows['id'][pos]), 'missing')}[/red]"
+            else Text(odd.get(int(rows["id"][pos]), "missing"), style="red")
         )
         weights_id = rows["model_weights_id"][pos]
         cells.append(
@@ -427,7 +433,7 @@ def schema_table(schema: list[dict[str, Any]], wide: bool = False) -> Fitted:
         shape = "(1-dim, not sampled)" if row["per_sample_shape"] is None else str(row["per_sample_shape"])
         rows_text = ",".join(map(str, row["extra_rows"])) if any(row["extra_rows"]) else ""
         extra = [rows_text] if extra_rows else []
-        name = row["field"] if row["sampled"] else f"[dim]{row['field']}[/dim]"
+        name = Text(printable(row["field"]), style="" if row["sampled"] else "dim")
         cells.append([name, row["dtype"], shape, *extra, f"{row['trajectories']}", size(row["bytes"])])
     caption = None
     if not all(row["sampled"] for row in schema):
@@ -532,9 +538,11 @@ def draws_view(d: dict[str, Any], con: Console, every: bool = False, wide: bool 
     how = d["strategy"] if d["strategy"] == "uniform" else f"topk k={d['k']} T={num(d['temperature'])}"
     c = d["concentration"]
     con.print(
-        f"[bold]{count(d['n'], 'draw')} ({how}, seed {d['seed']})[/bold] over "
-        f"{count(d['window_samples'], 'sample')}, {count(d['candidates'], 'candidate')}, "
-        f"{d['distinct_samples_drawn']} distinct drawn  ·  total variation {num(d['total_variation'])}"
+        Text.assemble(
+            (f"{count(d['n'], 'draw')} ({how}, seed {d['seed']})", "bold"),
+            f" over {count(d['window_samples'], 'sample')}, {count(d['candidates'], 'candidate')}, "
+            f"{d['distinct_samples_drawn']} distinct drawn  ·  total variation {num(d['total_variation'])}",
+        )
     )
     rows = d["trajectories"]
     columns = [
@@ -557,9 +565,12 @@ def draws_view(d: dict[str, Any], con: Console, every: bool = False, wide: bool 
     if len(rows["id"]) > 2 * HEAD_ROWS + 2:
         caption = f"draws per trajectory: {sparkline(bucketed([float(x) for x in rows['draws']]))}"
     con.print(Fitted(columns, cells, caption=caption, wide=wide))
-    flag = "[red]CONCENTRATED[/red]" if c["concentrated"] else "spread"
+    flag = Text("CONCENTRATED", style="red") if c["concentrated"] else Text("spread")
     con.print(
-        f"{flag}: half the draws on {count(c['samples_holding_half_of_draws'], 'sample')} (expected "
-        f"{c['samples_holding_half_of_probability']}); flagged below {num(c['threshold_samples'])} "
-        f"(5% of the window's samples)"
+        Text.assemble(
+            flag,
+            f": half the draws on {count(c['samples_holding_half_of_draws'], 'sample')} (expected "
+            f"{c['samples_holding_half_of_probability']}); flagged below {num(c['threshold_samples'])} "
+            f"(5% of the window's samples)",
+        )
     )

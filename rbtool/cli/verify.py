@@ -57,17 +57,24 @@ def _summary(report: CheckpointReport) -> Text:
 
 
 def _problem_table(report: CheckpointReport, limit: int | None) -> Fitted:
-    columns = [Column("severity"), Column("code"), Column("id", right=True), Column("message", wrap=True)]
+    # a message names files: at a narrow terminal the id, then the code, are left out before
+    # a file name would have to be broken across lines
+    columns = [
+        Column("severity"),
+        Column("code", drop=1),
+        Column("id", right=True, drop=2),
+        Column("message", wrap=True),
+    ]
     rows = [
         [
             Text(problem.severity, style=_STYLE[problem.severity]),
             Text(problem.code),
             Text("" if problem.trajectory_id is None else str(problem.trajectory_id)),
-            Text(problem.message),
+            problem.message,  # plain text, control characters escaped
         ]
         for problem in head(report.problems, limit)
     ]
-    return Fitted(columns, rows)
+    return Fitted(columns, rows, hint="piped output and --json keep them")
 
 
 def _print_human(reports: list[CheckpointReport], every: bool) -> None:
