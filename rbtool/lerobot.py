@@ -122,6 +122,11 @@ _NATIVE = (
 _IMAGE_NAMES = {path for path, name in RLINF_NAMES.items() if "image" in name}
 _MULTI_VIEW = {("curr_obs", "wrist_images"), ("curr_obs", "extra_view_images")}
 _AS_BITS = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+# The dtypes a trajectory file may hold (trajfile.supported_dtypes): nothing else is imported.
+_TRAJECTORY_DTYPES = (
+    "bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64",
+    "complex64", "complex128",
+)  # fmt: skip
 _MAX_ARRAY_DIMS = 5  # LeRobot's features go up to Array5D
 
 
@@ -188,15 +193,20 @@ def _raw_bytes(tensor: torch.Tensor) -> bytes:
     return bytes(flat.view(torch.uint8).numpy().tobytes())
 
 
-def _from_raw(data: bytes, dtype: str, shape: Sequence[int]) -> torch.Tensor:
+def _from_raw(data: bytes, dtype: str, shape: Sequence[int], where: str = "") -> torch.Tensor:
     import torch
 
+    where = f"{where}: " if where else ""
+    if dtype not in _TRAJECTORY_DTYPES:
+        raise CheckpointError(
+            f"a stored tensor of dtype {str(dtype)[:40]!r}, which trajectory files do not hold"
+        )
     tdtype = _torch_dtype(dtype)
     if not isinstance(shape, (list, tuple)) or not all(_is_int(d) and 0 <= d < (1 << 31) for d in shape):
-        raise CheckpointError(f"a stored tensor of shape {str(shape)[:80]}, not a shape")
+        raise CheckpointError(f"{where}a stored tensor of shape {str(shape)[:80]}, not a shape")
     if not isinstance(data, bytes) or len(data) != math.prod(shape) * tdtype.itemsize:
         size = len(data) if isinstance(data, bytes) else "no"
-        raise CheckpointError(f"a stored {dtype} tensor of shape {list(shape)} has {size} bytes")
+        raise CheckpointError(f"{where}a stored {dtype} tensor of shape {list(shape)} has {size} bytes")
     if math.prod(shape) == 0:
         return torch.empty(tuple(shape), dtype=tdtype)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(tdtype).reshape(tuple(shape)).clone()
@@ -409,14 +419,28 @@ def _decode_images(
     channels_first = bool(names) and str(names[0]).startswith("channel")
     channels = int(shape[0] if channels_first else shape[-1]) if len(shape) == 3 else 3
     mode = {1: "L", 3: "RGB", 4: "RGBA"}.get(channels, "RGB")
+    if len(shape) == 3:
+        height, width = (int(shape[1]), int(shape[2])) if channels_first else (int(shape[0]), int(shape[1]))
     out = []
     for value in column.to_pylist():
         if value is None or value.get("bytes") is None:
             raise CheckpointError(f"feature {feature!r}: a frame has no image bytes")
-        with image.open(io.BytesIO(value["bytes"])) as picture:
-            if picture.mode != mode:
-                picture = picture.convert(mode)
-            array = np.asarray(picture, dtype=np.uint8)
+        try:
+            with image.open(io.BytesIO(value["bytes"])) as picture:
+                # the size a picture claims is checked before its pixels are decoded
+                if len(shape) == 3 and picture.size != (width, height):
+                    raise CheckpointError(
+                        f"feature {feature!r}: an image of {picture.size[1]}x{picture.size[0]}; "
+                        f"meta/info.json says {height}x{width}"
+                    )
+                if picture.mode != mode:
+                    picture = picture.convert(mode)
+                array = np.asarray(picture, dtype=np.uint8)
+        except RbtoolError:
+            raise
+        except (OSError, ValueError, SyntaxError, image.DecompressionBombError) as exc:
+            why = type(exc).__name__ if "BytesIO" in str(exc) else str(exc)[:200]
+            raise CheckpointError(f"feature {feature!r}: a frame is not a readable image ({why})") from None
         out.append(array[..., None] if array.ndim == 2 else array)
     if not out:
         dims = [int(d) for d in shape]
@@ -1799,10 +1823,14 @@ def _fill_template(template: Any, values: dict[str, Any], key: str, where: Path)
     return "".join(out)
 
 
+def _bound(limit: int) -> str:
+    return f"2**{limit.bit_length() - 1}" if limit > 1024 and limit & (limit - 1) == 0 else str(limit)
+
+
 def _check_index(value: Any, what: str, where: Path, limit: int = _ID_LIMIT) -> int:
     """A non-negative int64 (an episode, chunk, file or frame index; a length)."""
     if not _is_int(value) or not 0 <= value < limit:
-        raise CheckpointError(f"{where}: {what} {str(value)[:40]!r} is not an integer in [0, {limit})")
+        raise CheckpointError(f"{where}: {what} {repr(value)[:40]} is not an integer in [0, {_bound(limit)})")
     return int(value)
 
 
@@ -1854,6 +1882,8 @@ class LeRobotSource:
             value = self.info.get(key)
             if value is not None:
                 _check_index(value, key, info_path)
+        if self.info.get("chunks_size") == 0:
+            raise CheckpointError(f"{info_path}: chunks_size 0; a chunk holds at least one file")
         self._sidecar: dict[str, Any] | None = None
         self._episodes: list[_Episode] | None = None
         self._tasks: list[str] | None = None
@@ -1947,13 +1977,10 @@ class LeRobotSource:
 
     def _read_tasks(self) -> list[str]:
         if self.v3:
-            import pyarrow.parquet as pq
-
             if not self._exists(TASKS_FILE):
                 return []
             path = self._file(TASKS_FILE, "the task list")
-            self._parquet_budget(path, None, "the task list")
-            table = pq.read_table(str(path))
+            table = self._read_parquet(path, None, "the task list")
             names = [n for n in table.column_names if n != "task_index"]
             text = "task" if "task" in names else (names[0] if names else None)
             if text is None or "task_index" not in table.column_names:
@@ -2020,6 +2047,33 @@ class LeRobotSource:
             _within_budget(total, f"{path} ({what}, {meta.num_row_groups} row group(s))")
         return int(meta.num_rows)
 
+    def _read_parquet(self, path: Path, columns: list[str] | None, what: str) -> Any:
+        """A Parquet file's columns (None: all), within the budget as declared and as decoded:
+        read a batch at a time, the decoded bytes counted (dictionary pages can expand far
+        beyond the sizes a file declares)."""
+        import pyarrow.parquet as pq
+
+        pa = _require_arrow()
+        self._parquet_budget(path, columns, what)
+        limit = max_bytes()
+        try:
+            handle = pq.ParquetFile(str(path))
+            batches = []
+            total = 0
+            for batch in handle.iter_batches(batch_size=256, columns=columns):
+                total += batch.nbytes
+                if total > limit:
+                    raise CheckpointError(
+                        f"{path} ({what}) decodes to more than the {_human(limit)} {MAX_BYTES_ENV} allows"
+                    )
+                batches.append(batch)
+            if not batches:
+                empty = handle.schema_arrow.empty_table()
+                return empty if columns is None else empty.select(columns)
+            return pa.Table.from_batches(batches)
+        except (OSError, pa.ArrowInvalid) as exc:
+            raise CheckpointError(f"{path}: not a readable Parquet file ({exc})") from None
+
     # ------------------------------------------------------------------ episodes
     def episodes(self) -> list[_Episode]:
         if self._episodes is None:
@@ -2070,9 +2124,11 @@ class LeRobotSource:
                 wanted += [f"videos/{name}/{key}" for key in ("chunk_index", "file_index", "from_timestamp")]
             data_files: dict[tuple[int, int], Path] = {}
             for path in files:
-                columns = [c for c in wanted if c in pq.read_schema(str(path)).names]
-                self._parquet_budget(path, columns, "episode metadata")
-                table = pq.read_table(str(path), columns=columns)
+                try:
+                    columns = [c for c in wanted if c in pq.read_schema(str(path)).names]
+                except (OSError, ValueError) as exc:
+                    raise CheckpointError(f"{path}: not a readable Parquet file ({exc})") from None
+                table = self._read_parquet(path, columns, "episode metadata")
                 for row in table.to_pylist():
                     try:
                         where = (
@@ -2182,8 +2238,7 @@ class LeRobotSource:
                         wanted = [
                             c for c in dict.fromkeys([*columns, "episode_index", "frame_index"]) if c in names
                         ]
-                        self._parquet_budget(path, wanted, f"episode {episode.index}'s data")
-                        table = pq.read_table(str(path), columns=wanted)
+                        table = self._read_parquet(path, wanted, f"episode {episode.index}'s data")
                     except (OSError, pa.ArrowInvalid) as exc:
                         raise CheckpointError(f"{path}: not a readable Parquet file ({exc})") from None
                     ep_col = (
@@ -2420,7 +2475,7 @@ def _check_sidecar(sidecar: dict[str, Any], dataset: LeRobotSource) -> None:
 
     def index_value(value: Any, what: str, limit: int = _ID_LIMIT) -> int:
         if not _is_int(value) or not 0 <= value < limit:
-            raise bad(f"{what} {str(value)[:40]} is not an integer in [0, {limit})")
+            raise bad(f"{what} {repr(value)[:40]} is not an integer in [0, {_bound(limit)})")
         return int(value)
 
     def str_path(value: Any, what: str) -> tuple[str, ...]:
@@ -2438,8 +2493,8 @@ def _check_sidecar(sidecar: dict[str, Any], dataset: LeRobotSource) -> None:
         return [index_value(d, f"{what} dim", 1 << 31) for d in value]
 
     def dtype_of(value: Any, what: str) -> str:
-        if not isinstance(value, str) or not (value in _NATIVE or value in _ITEMSIZE):
-            raise bad(f"{what} {str(value)[:40]!r} is not a tensor dtype rbtool writes")
+        if not isinstance(value, str) or value not in _TRAJECTORY_DTYPES:
+            raise bad(f"{what} {str(value)[:40]!r} is not a dtype trajectory files hold")
         return value
 
     why = _json_ints_problem(sidecar)
@@ -2467,7 +2522,7 @@ def _check_sidecar(sidecar: dict[str, Any], dataset: LeRobotSource) -> None:
         raise bad(f"checkpoint.trajectory_counter {counter} is not past the largest id {max(ids)}")
     seed = ckpt.get("seed")
     if seed is not None and (not _is_int(seed) or not SEED_RANGE[0] <= seed < SEED_RANGE[1]):
-        raise bad(f"checkpoint.seed {str(seed)[:40]} is not an integer in [-2**63, 2**64)")
+        raise bad(f"checkpoint.seed {repr(seed)[:40]} is not an integer in [-2**63, 2**64)")
     fmt = ckpt.get("trajectory_format")
     if fmt is not None and fmt not in ("pt", "pkl"):
         raise bad(f"checkpoint.trajectory_format {str(fmt)[:40]!r} is not 'pt' or 'pkl'")
@@ -2965,6 +3020,7 @@ def _rebuild(
             pa = _require_arrow()
             try:
                 for batch in pq.ParquetFile(str(tensors)).iter_batches(batch_size=64):
+                    _within_budget(batch.nbytes, f"{tensors}: 64 rows")
                     yield from batch.to_pylist()
             except (OSError, pa.ArrowInvalid) as exc:
                 raise CheckpointError(f"{tensors}: not a readable Parquet file ({exc})") from None
@@ -3039,10 +3095,14 @@ def _rebuild(
                 continue
             if kind == "tensor":
                 blob = need(own, i)
-                tensor = _from_raw(blob["data"], blob["dtype"], blob["shape"])
+                tensor = _from_raw(
+                    blob["data"], blob["dtype"], blob["shape"], f"{blob_path}: trajectory {tid}"
+                )
             elif kind == "column" and node["feature"] in in_video:
                 blob = need(exact, i)
-                tensor = _from_raw(blob["data"], blob["dtype"], blob["shape"])
+                tensor = _from_raw(
+                    blob["data"], blob["dtype"], blob["shape"], f"{blob_path}: trajectory {tid}"
+                )
             elif kind == "column":
                 feature = node["feature"]
                 stored = stored_as(feature) if feature in columns else [feature]
@@ -3061,7 +3121,9 @@ def _rebuild(
                 extra = int(node.get("extra_rows") or 0)
                 if extra:
                     boot = need(own, i)
-                    boot_rows = _from_raw(boot["data"], boot["dtype"], boot["shape"])
+                    boot_rows = _from_raw(
+                        boot["data"], boot["dtype"], boot["shape"], f"{blob_path}: trajectory {tid}"
+                    )
                     per = t // extra
                     pieces = []
                     for e in range(extra):
@@ -3075,7 +3137,9 @@ def _rebuild(
                 if t > 1:
                     tensor[:-1] = src[1:]
                 blob = need(nxt, i)
-                fixes = _from_raw(blob["data"], blob["dtype"], blob["shape"])
+                fixes = _from_raw(
+                    blob["data"], blob["dtype"], blob["shape"], f"{blob_path}: trajectory {tid}"
+                )
                 if blob["t"]:
                     tensor[list(blob["t"]), list(blob["b"])] = fixes
             built[path] = tensor
@@ -3182,6 +3246,10 @@ def _episodes_as_trajectories(
             raise LeRobotFeatureError(
                 f"feature {name!r} has dtype {dtype!r}, which is not a tensor dtype", name
             )
+        if dtype not in (*_TRAJECTORY_DTYPES, "image", "video"):
+            raise LeRobotFeatureError(
+                f"feature {name!r} has dtype {dtype!r}, which trajectory files do not hold", name
+            )
         for other, taken in mapping.items():
             shorter = min(len(taken), len(target))
             if taken[:shorter] == target[:shorter]:
@@ -3218,56 +3286,62 @@ def _episodes_as_trajectories(
 
     def iterate() -> Iterator[tuple[dict[str, Any], dict[str, Any] | None, int]]:
         for episode, table in dataset.frames(episodes, read):
-            t = table.num_rows
-            fields: dict[tuple[str, ...], torch.Tensor] = {}
-            for name, target in mapping.items():
-                arr = _column_numpy(_column(table, name, episode), features[name], name)
-                tensor = torch.from_numpy(np.array(arr)).reshape(t, 1, *arr.shape[1:])
-                if target[0] in DONE_LIKE and len(target) == 1:
-                    flags = tensor if tensor.dtype == torch.bool else tensor != 0
-                    tensor = torch.cat([torch.zeros((1, *flags.shape[1:]), dtype=torch.bool), flags])
-                fields[target] = tensor
-            for target, group in views.items():
-                frames = [
-                    _column_numpy(_column(table, name, episode), features[name], name) for _, name in group
-                ]
-                fields[target] = torch.from_numpy(np.stack(frames, axis=1)).reshape(
-                    t, 1, len(group), *frames[0].shape[1:]
-                )
-            if ("rewards",) not in fields:
-                fields[("rewards",)] = torch.zeros(t, 1, 1, dtype=torch.float32)
-            dones = fields.get(("dones",))
-            if dones is None:
-                dones = torch.zeros(t + 1, 1, 1, dtype=torch.bool)
-            if t:
-                dones = dones.clone()
-                dones[-1] = True
-            fields[("dones",)] = dones
-            for path in [p for p in fields if p[0] == "curr_obs"]:
-                cur = fields[path]
-                fields[("next_obs", *path[1:])] = torch.cat([cur[1:], cur[-1:]]) if t else cur.clone()
-            traj: dict[str, Any] = {"max_episode_length": t, "model_weights_id": mwid}
-            order = ["actions", "intervene_flags", "rewards", "terminations", "truncations", "dones"]
-            ranked = sorted(
-                fields,
-                key=lambda p: (
-                    order.index(p[0]) if p[0] in order else len(order),
-                    p[0] in ("curr_obs", "next_obs"),
-                ),
+            try:
+                yield one(episode, table)
+            except CheckpointError as exc:
+                if str(exc).startswith(str(dataset.root)):
+                    raise
+                raise CheckpointError(f"{episode.file}: episode {episode.index}: {exc}") from None
+
+    def one(episode: _Episode, table: Any) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
+        t = table.num_rows
+        fields: dict[tuple[str, ...], torch.Tensor] = {}
+        for name, target in mapping.items():
+            arr = _column_numpy(_column(table, name, episode), features[name], name)
+            tensor = torch.from_numpy(np.array(arr)).reshape(t, 1, *arr.shape[1:])
+            if target[0] in DONE_LIKE and len(target) == 1:
+                flags = tensor if tensor.dtype == torch.bool else tensor != 0
+                tensor = torch.cat([torch.zeros((1, *flags.shape[1:]), dtype=torch.bool), flags])
+            fields[target] = tensor
+        for target, group in views.items():
+            frames = [_column_numpy(_column(table, name, episode), features[name], name) for _, name in group]
+            fields[target] = torch.from_numpy(np.stack(frames, axis=1)).reshape(
+                t, 1, len(group), *frames[0].shape[1:]
             )
-            for path in ranked:
-                parent = traj
-                for key in path[:-1]:
-                    parent = parent.setdefault(key, {})
-                    if not isinstance(parent, dict):
-                        raise UsageError(f"buffer field {'.'.join(path)} would be inside a tensor field")
-                parent[path[-1]] = fields[path]
-            task_ids = table.column("task_index").to_pylist() if "task_index" in table.column_names else []
-            if task_ids and task_ids[0] is not None and 0 <= int(task_ids[0]) < len(tasks):
-                traj["task"] = tasks[int(task_ids[0])]
-            elif episode.tasks:
-                traj["task"] = episode.tasks[0]
-            result.episodes += 1
-            yield traj, None, t
+        if ("rewards",) not in fields:
+            fields[("rewards",)] = torch.zeros(t, 1, 1, dtype=torch.float32)
+        dones = fields.get(("dones",))
+        if dones is None:
+            dones = torch.zeros(t + 1, 1, 1, dtype=torch.bool)
+        if t:
+            dones = dones.clone()
+            dones[-1] = True
+        fields[("dones",)] = dones
+        for path in [p for p in fields if p[0] == "curr_obs"]:
+            cur = fields[path]
+            fields[("next_obs", *path[1:])] = torch.cat([cur[1:], cur[-1:]]) if t else cur.clone()
+        traj: dict[str, Any] = {"max_episode_length": t, "model_weights_id": mwid}
+        order = ["actions", "intervene_flags", "rewards", "terminations", "truncations", "dones"]
+        ranked = sorted(
+            fields,
+            key=lambda p: (
+                order.index(p[0]) if p[0] in order else len(order),
+                p[0] in ("curr_obs", "next_obs"),
+            ),
+        )
+        for path in ranked:
+            parent = traj
+            for key in path[:-1]:
+                parent = parent.setdefault(key, {})
+                if not isinstance(parent, dict):
+                    raise UsageError(f"buffer field {'.'.join(path)} would be inside a tensor field")
+            parent[path[-1]] = fields[path]
+        task_ids = table.column("task_index").to_pylist() if "task_index" in table.column_names else []
+        if task_ids and task_ids[0] is not None and 0 <= int(task_ids[0]) < len(tasks):
+            traj["task"] = tasks[int(task_ids[0])]
+        elif episode.tasks:
+            traj["task"] = episode.tasks[0]
+        result.episodes += 1
+        return traj, None, t
 
     return iterate()
