@@ -517,3 +517,18 @@ def test_a_tree_without_collisions_says_nothing_of_renumbering(tmp_path: Path, c
     assert result.exit_code == 0 and "renumbered" not in result.stdout
     doc = json.loads(run(*command, tree, "--json").stdout)
     assert doc["renumbered"] is False
+
+
+TOPK_WITHOUT_K = {
+    "sample": ["sample", "SRC", "--num-chunks", "4", "--strategy", "topk"],
+    "stats": ["stats", "SRC", "--sample-draws", "10", "--strategy", "topk"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(TOPK_WITHOUT_K))
+def test_topk_without_k_names_the_options(tmp_path: Path, command: str) -> None:
+    source = make_source("hashed", tmp_path)
+    result = run(*[str(source) if a == "SRC" else a for a in TOPK_WITHOUT_K[command]])
+    assert_one_error(result, 2)
+    assert result.stderr.startswith("Error: --strategy topk needs --k K"), result.stderr
+    assert "strategy 'topk' needs k" not in result.stderr

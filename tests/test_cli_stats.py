@@ -247,7 +247,7 @@ def test_usage_errors(extra: list[str]) -> None:
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--sample-draws", "10", "--strategy", "topk"], "needs k"),
+        (["--sample-draws", "10", "--strategy", "topk"], "--strategy topk needs --k"),
         (["--sample-draws", "10", "--strategy", "topk", "--k", "3", "--index-only"], "--index-only"),
         (["--sample-draws", "10", "--strategy", "topk", "--k", "3", "--temperature", "-1"], "temperature"),
     ],
