@@ -25,9 +25,9 @@ CKPT = FIXTURES / "autosave_pt" / "autosave"
 
 
 def test_library_usage_error_exits_2_with_one_line() -> None:
-    result = run("sample", CKPT, "--num-chunks", "4", "--strategy", "topk")  # no --k
+    result = run("sample", CKPT, "--num-chunks", "4", "--strategy", "topk", "--k", "2", "--temperature", "0")
     assert_one_error(result, status=2)
-    assert "needs k" in result.stderr
+    assert "temperature must be" in result.stderr
 
 
 def test_rank_out_of_range_is_a_usage_error_before_anything_is_read(tmp_path: Path) -> None:
