@@ -21,7 +21,7 @@ import gc
 import os
 import re
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain, compress
 from operator import attrgetter, itemgetter
@@ -66,10 +66,10 @@ TRAJECTORY_FILE_RE = re.compile(r"^trajectory_(\d+)_([A-Za-z0-9._-]*)\.(pt|pkl)$
 def weights_id_problem(value: object) -> str | None:
     """Why `value` cannot be a model_weights_id (it goes into a file name), or None."""
     if not isinstance(value, str):
-        return f"model_weights_id must be a string, got {value!r}"
+        return f"model_weights_id must be a string, got {shown(value)}"
     if not _SAFE_WEIGHTS_ID.fullmatch(value) or ".." in value:
         return (
-            f"model_weights_id {value!r} is not file-name safe "
+            f"model_weights_id {shown(value)} is not file-name safe "
             "(allowed: letters, digits, '.', '_', '-', and no '..')"
         )
     return None
@@ -94,9 +94,21 @@ def trajectory_file_name(trajectory_id: int, model_weights_id: str, fmt: str) ->
 def parse_trajectory_file_name(name: str) -> tuple[int, str, str] | None:
     """(id, model_weights_id, format) parsed from a trajectory file name, or None."""
     match = TRAJECTORY_FILE_RE.match(name)
-    if match is None:
-        return None
+    if match is None or not _is_id_text(match.group(1), leading_zeros=True):
+        return None  # an id beyond int64 names no trajectory: the file is a stray
     return int(match.group(1)), match.group(2), match.group(3)
+
+
+def _is_id_text(text: str, *, leading_zeros: bool = False) -> bool:
+    """True if `text` spells an id in [0, 2**63) in ASCII digits (canonically, unless
+    `leading_zeros`); never converts a long digit string (Python refuses past 4300 digits)."""
+    if not (text.isascii() and text.isdigit()):
+        return False
+    if leading_zeros:
+        text = text.lstrip("0") or "0"
+    elif len(text) > 1 and text[0] == "0":
+        return False
+    return len(text) <= 19 and int(text) < INT64_LIMIT
 
 
 def escapes(directory: Path, name: str) -> str | None:
@@ -264,6 +276,34 @@ def one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
+_SHOWN_REPR: Any = None
+
+
+def shown(value: Any) -> str:
+    """A value for a message: its repr, cut short when long (a file may hold a huge string,
+    list or number, and a message is one line)."""
+    global _SHOWN_REPR
+    if type(value) is int:
+        return _int_text(value)
+    if _SHOWN_REPR is None:
+        import reprlib
+
+        _SHOWN_REPR = reprlib.Repr()
+        _SHOWN_REPR.maxstring = _SHOWN_REPR.maxother = 80
+        _SHOWN_REPR.maxlist = _SHOWN_REPR.maxdict = 8
+        _SHOWN_REPR.maxlevel = 3
+        _SHOWN_REPR.maxlong = 40
+    return str(_SHOWN_REPR.repr(value))
+
+
+def _int_text(value: int) -> str:
+    """An integer for a message: its digits, shortened when there are many."""
+    if value.bit_length() > 256:
+        return f"(an integer of about {int(value.bit_length() * 0.30103)} digits)"
+    text = str(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} digits)"
+
+
 @dataclass(slots=True)
 class Problem:
     """One thing wrong (or worth knowing) about a checkpoint.
@@ -334,6 +374,7 @@ def _typed_decoder() -> Any:
     # (they would double the decode time), so strings are checked column-wise afterwards.
     count = Annotated[int, msgspec.Meta(ge=0, le=INT64_LIMIT - 1)]
     dim = Annotated[int, msgspec.Meta(ge=0, le=DIM_LIMIT - 1)]
+    word = Annotated[int, msgspec.Meta(ge=-INT64_LIMIT, le=INT64_LIMIT - 1)]
     entry = msgspec.defstruct(
         "Entry",
         [
@@ -346,7 +387,7 @@ def _typed_decoder() -> Any:
             ("file_bytes", count | None, None),
             ("sha256", str | None, None),
             ("source_sha256", str | None, None),
-            ("link", dict[str, int] | None, None),
+            ("link", dict[str, word] | None, None),  # type: ignore[valid-type]
             ("schema", str | None, None),
         ],
         namespace={"__getitem__": getitem, "get": get},
@@ -473,9 +514,9 @@ def entry_problems(key: str, entry: Any) -> list[tuple[str, str]]:
 
     The column checks below are a fast path: they accept only entries this accepts.
     """
-    where = f"entry {key!r}"
-    if not (key.isascii() and key.isdigit() and (key == "0" or key[0] != "0") and int(key) < INT64_LIMIT):
-        return [("entry_invalid", f"entry key {key!r} is not a canonical non-negative integer id")]
+    where = f"entry {shown(key)}"
+    if not _is_id_text(key):
+        return [("entry_invalid", f"entry key {shown(key)} is not a canonical non-negative integer id")]
     tid = int(key)
     where = f"entry {tid}"
     if not isinstance(entry, dict):
@@ -485,17 +526,17 @@ def entry_problems(key: str, entry: Any) -> list[tuple[str, str]]:
         return found
     if entry["trajectory_id"] != tid or type(entry["trajectory_id"]) is not int:
         found.append(
-            ("entry_invalid", f"{where} has trajectory_id {entry['trajectory_id']!r}, expected {tid}")
+            ("entry_invalid", f"{where} has trajectory_id {shown(entry['trajectory_id'])}, expected {tid}")
         )
     shape = entry["shape"]
     shape_ok = (
         type(shape) is list and len(shape) >= 2 and all(type(d) is int and 0 <= d < DIM_LIMIT for d in shape)
     )
     if not shape_ok:
-        found.append(("entry_invalid", f"{where} has an invalid shape {shape!r} (a list of >= 2 dims)"))
+        found.append(("entry_invalid", f"{where} has an invalid shape {shown(shape)} (a list of >= 2 dims)"))
     num = entry["num_samples"]
     if not _is_count(num):
-        found.append(("entry_invalid", f"{where} has an invalid num_samples {num!r}"))
+        found.append(("entry_invalid", f"{where} has an invalid num_samples {shown(num)}"))
     elif shape_ok and num != shape[0] * shape[1]:
         found.append(
             (
@@ -505,27 +546,32 @@ def entry_problems(key: str, entry: Any) -> list[tuple[str, str]]:
         )
     mel = entry["max_episode_length"]
     if mel is not None and not _is_count(mel):
-        found.append(("entry_invalid", f"{where} has an invalid max_episode_length {mel!r}"))
+        found.append(("entry_invalid", f"{where} has an invalid max_episode_length {shown(mel)}"))
     why = weights_id_problem(entry["model_weights_id"])
     if why is not None:
         found.append(("entry_invalid", f"{where}: {why}"))
     if entry.get("uuid") is not None and type(entry["uuid"]) is not str:
-        found.append(("entry_invalid", f"{where} has a uuid that is not a string: {entry['uuid']!r}"))
+        found.append(("entry_invalid", f"{where} has a uuid that is not a string: {shown(entry['uuid'])}"))
     if entry.get("file_bytes") is not None and not _is_count(entry["file_bytes"]):
-        found.append(("entry_invalid", f"{where} has an invalid file_bytes {entry['file_bytes']!r}"))
+        found.append(("entry_invalid", f"{where} has an invalid file_bytes {shown(entry['file_bytes'])}"))
     for key in ("sha256", "source_sha256"):
         if entry.get(key) is not None and type(entry[key]) is not str:
-            found.append(("entry_invalid", f"{where} has a {key} that is not a string: {entry[key]!r}"))
+            found.append(("entry_invalid", f"{where} has a {key} that is not a string: {shown(entry[key])}"))
     if entry.get("link") is not None and not _is_link(entry["link"]):
-        found.append(("entry_invalid", f"{where} has an invalid link {entry['link']!r:.80}"))
+        found.append(("entry_invalid", f"{where} has an invalid link {shown(entry['link'])}"))
     if entry.get("schema") is not None and type(entry["schema"]) is not str:
-        found.append(("entry_invalid", f"{where} has a schema that is not a string: {entry['schema']!r:.80}"))
+        found.append(
+            ("entry_invalid", f"{where} has a schema that is not a string: {shown(entry['schema'])}")
+        )
     return found
 
 
 def _is_link(value: Any) -> bool:
     """A recorded link identity: an object of integers (inode, size, mtime_ns)."""
-    return type(value) is dict and all(type(k) is str and type(v) is int for k, v in value.items())
+    lo, hi = JSON_INT_RANGE
+    return type(value) is dict and all(
+        type(k) is str and type(v) is int and lo <= v < hi for k, v in value.items()
+    )
 
 
 def normalize_entry(entry: dict[str, Any]) -> dict[str, Any]:
@@ -637,11 +683,7 @@ def _key_column(keys: list[str]) -> tuple[np.ndarray, np.ndarray]:
             return _int_column(as_ints)
     except ValueError:
         pass
-    ok = np.fromiter(
-        (k.isascii() and k.isdigit() and (len(k) == 1 or k[0] != "0") and int(k) < INT64_LIMIT for k in keys),
-        dtype=bool,
-        count=len(keys),
-    )
+    ok = np.fromiter(map(_is_id_text, keys), dtype=bool, count=len(keys))
     ids = np.fromiter((int(k) if good else -1 for k, good in zip(keys, ok, strict=True)), np.int64, len(keys))
     return ids, ok
 
@@ -737,8 +779,6 @@ def _format_major(value: Any) -> int | None:
 
 def check_metadata(meta: Any) -> tuple[Metadata, list[Problem]]:
     """Check each metadata key on its own, so that every bad key is reported."""
-    import orjson
-
     result, found = Metadata(), []
 
     def bad(message: str, code: str = "metadata_invalid", key: str | None = None) -> None:
@@ -760,13 +800,13 @@ def check_metadata(meta: Any) -> tuple[Metadata, list[Problem]]:
         if fmt in FORMATS:
             result.trajectory_format = fmt
         else:
-            bad(f"trajectory_format must be 'pt' or 'pkl', got {fmt!r}", key="trajectory_format")
+            bad(f"trajectory_format must be 'pt' or 'pkl', got {shown(fmt)}", key="trajectory_format")
     for key in ("size", "total_samples", "trajectory_counter"):
         if key in meta:
             if _is_count(meta[key]):
                 setattr(result, key, meta[key])
             else:
-                bad(f"{key} must be an integer in [0, 2**63), got {meta[key]!r}", key=key)
+                bad(f"{key} must be an integer in [0, 2**63), got {shown(meta[key])}", key=key)
     if "seed" in meta:
         seed = meta["seed"]
         if seed is None:
@@ -781,12 +821,12 @@ def check_metadata(meta: Any) -> tuple[Metadata, list[Problem]]:
         elif type(seed) is int and SEED_RANGE[0] <= seed < SEED_RANGE[1]:
             result.seed, result.has_seed = seed, True
         else:
-            bad(f"seed must be an integer, got {seed!r}", key="seed")
+            bad(f"seed must be an integer, got {shown(seed)}", key="seed")
     if "format_version" in meta:
         major = _format_major(meta["format_version"])
         if major is None:
             bad(
-                f"format_version must be a positive integer, got {meta['format_version']!r}",
+                f"format_version must be a positive integer, got {shown(meta['format_version'])}",
                 key="format_version",
             )
         elif major > FORMAT_VERSION:
@@ -812,16 +852,293 @@ def check_metadata(meta: Any) -> tuple[Metadata, list[Problem]]:
     result.foreign = not any(key in meta for key in RBTOOL_METADATA_KEYS)
     result.extra = {k: v for k, v in meta.items() if k not in METADATA_KEYS and k not in RBTOOL_METADATA_KEYS}
     for key, value in result.extra.items():
-        try:
-            orjson.dumps(value)
-        except TypeError:
-            bad(f"key {key!r} holds a value rbtool cannot write back (an integer beyond 64 bits)")
+        why = json_value_problem(value)
+        if why is not None:
+            bad(f"key {key!r:.80} {why}: rbtool could not write it back")
     return result, found
 
 
+# ------------------------------------------------------------- bounded JSON
+# Every JSON document rbtool reads may come from someone else, so each is bounded before it
+# is decoded: its size (a document larger than its limit is refused before a byte is parsed,
+# and an index by the memory decoding it would take), its nesting (counted by a flat scan of
+# the bytes, never by recursion: the decoders recurse and would raise RecursionError or, past
+# the C stack, crash) and its integers (64-bit: what the writers can write back).
+MAX_JSON_DEPTH = 64  # rbtool's own documents nest 5 deep at most; LeRobot's a few more
+MAX_JSON_BYTES = 16 << 20  # metadata, markers, sidecars, info.json, one journal line
+JSON_BYTES_ENV = "RBTOOL_MAX_JSON_BYTES"
+INDEX_BYTES_ENV = "RBTOOL_MAX_INDEX_BYTES"
+# Memory the decoded index takes per byte of JSON, measured on rbtool-written indexes (about
+# 300 bytes an entry): the typed decode and the entry dicts loaders build from it, together.
+INDEX_MEMORY_PER_BYTE = 5
+JSON_INT_RANGE = (-(1 << 63), 1 << 64)  # int64 and uint64 (what orjson writes back)
+_SCAN_CHUNK = 1 << 22
+
+
+def _env_bytes(name: str, default: int) -> int:
+    """A byte count from the environment (plain digits, optionally with a K/M/G suffix)."""
+    from rbtool.errors import UsageError
+
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    match = re.fullmatch(r"([0-9]{1,15})([KMG]i?B?|B)?", text, flags=re.IGNORECASE)
+    if match is None:
+        raise UsageError(f"{name}={text!r} is not a byte count (for example 1048576, 64M or 2G)")
+    scale = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[(match.group(2) or "")[:1].upper()]
+    return int(match.group(1)) * scale
+
+
+def max_json_bytes() -> int:
+    """The size limit of a small JSON document (RBTOOL_MAX_JSON_BYTES, default 16 MiB)."""
+    return _env_bytes(JSON_BYTES_ENV, MAX_JSON_BYTES)
+
+
+def human_bytes(n: float) -> str:
+    """A byte count the way messages print it: 512 B, 3.2 MiB, 7.1 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def _proc_kib(path: str, key: bytes) -> int | None:
+    """A `Key:  N kB` line of a /proc file, in bytes, or None."""
+    with contextlib.suppress(OSError, ValueError, IndexError), open(path, "rb") as handle:
+        for line in handle:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still allocate: the least of free memory (MemAvailable), the
+    room left under its address-space limit (RLIMIT_AS) and under its cgroup's limit; None
+    when none of them can be read."""
+    import resource
+
+    bounds: list[int] = []
+    free = _proc_kib("/proc/meminfo", b"MemAvailable:")
+    if free is not None:
+        bounds.append(free)
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        bounds.append(max(soft - (_proc_kib("/proc/self/status", b"VmSize:") or 0), 0))
+    with contextlib.suppress(OSError, ValueError):
+        cg = Path("/sys/fs/cgroup")
+        top = cg / "memory.max"
+        if top.is_file():
+            text = top.read_text().strip()
+            if text != "max":
+                bounds.append(max(int(text) - int((cg / "memory.current").read_text()), 0))
+    return min(bounds) if bounds else None
+
+
+def index_size_problem(size: int) -> str | None:
+    """Why an index file of `size` bytes is not decoded (the memory it would take), or None.
+
+    RBTOOL_MAX_INDEX_BYTES, when set, is the largest index file read; otherwise the memory
+    decoding would take (INDEX_MEMORY_PER_BYTE per byte) must fit in what is available.
+    """
+    need = size * INDEX_MEMORY_PER_BYTE
+    if os.environ.get(INDEX_BYTES_ENV, "").strip():
+        limit = _env_bytes(INDEX_BYTES_ENV, 0)
+        if size <= limit:
+            return None
+        return (
+            f"{human_bytes(size)} of JSON would take about {human_bytes(need)} of memory to decode, "
+            f"more than {INDEX_BYTES_ENV}={limit} ({human_bytes(limit)} of JSON) allows"
+        )
+    room = available_memory()
+    if room is None or need <= room:
+        return None
+    return (
+        f"{human_bytes(size)} of JSON would take about {human_bytes(need)} of memory to decode, "
+        f"more than the {human_bytes(room)} available; free memory or set {INDEX_BYTES_ENV} to the "
+        "largest index to read"
+    )
+
+
+def json_size_problem(size: int, max_bytes: int) -> str | None:
+    """Why a document of `size` bytes is over its limit `max_bytes`, or None."""
+    if size <= max_bytes:
+        return None
+    return (
+        f"{human_bytes(size)}, more than the {human_bytes(max_bytes)} a document of its kind may hold "
+        f"(decoding it would take about {human_bytes(size * INDEX_MEMORY_PER_BYTE)} of memory; "
+        f"{JSON_BYTES_ENV} raises the limit)"
+    )
+
+
+def json_depth_problem(data: bytes | bytearray | memoryview, max_depth: int = MAX_JSON_DEPTH) -> str | None:
+    """Why `data` nests deeper than `max_depth`, or None: a flat scan of its bytes.
+
+    Escaped backslashes, then escaped quotes, are dropped (left to right, as a decoder pairs
+    them), then everything but quotes and brackets; what is left is counted with numpy: `[`
+    and `{` against `]` and `}` where no string is open. For valid JSON the count is the
+    nesting; for invalid JSON it is at least the nesting a decoder reaches before it stops at
+    the first error (everything before the first backslash outside a string is counted
+    exactly). About 0.2 s for a 64 MiB index, no recursion, memory a fraction of the input.
+    """
+    import numpy as np
+
+    text = bytes(data) if not isinstance(data, bytes) else data
+    if b"\\" in text:
+        text = text.replace(b"\\\\", b"")
+    if b"\\" in text:
+        text = text.replace(b'\\"', b"")
+    marks = np.frombuffer(text.translate(None, _NOT_MARKS), dtype=np.uint8)
+    del text
+    depth = 0  # nesting before the chunk
+    in_string = 0  # 1 while a string is open at the chunk's start
+    for start in range(0, marks.size, _SCAN_CHUNK):
+        chunk = marks[start : start + _SCAN_CHUNK]
+        quote = chunk == 34
+        parity = (np.cumsum(quote, dtype=np.int32) + in_string) & 1
+        step = ((chunk == 91) | (chunk == 123)).astype(np.int32) * 2 - 1
+        step[quote | parity.astype(bool)] = 0  # a quote, or a bracket inside a string
+        running = np.cumsum(step, dtype=np.int32)  # a chunk is below 2**31 marks
+        if int(running.max()) + depth > max_depth:
+            return f"nests deeper than {max_depth} levels"
+        depth, in_string = int(running[-1]) + depth, int(parity[-1])
+    return None
+
+
+_NOT_MARKS = bytes(sorted(set(range(256)) - set(b'"[]{}')))
+
+
+def json_value_problem(value: Any) -> str | None:
+    """Why a decoded document holds an integer beyond 64 bits, or None (walked without recursion)."""
+    lo, hi = JSON_INT_RANGE
+    stack = [value]
+    pop, push = stack.pop, stack.extend
+    while stack:
+        item = pop()
+        kind = type(item)
+        if kind is dict:
+            push(item.values())
+        elif kind is list:
+            push(item)
+        elif kind is int:
+            if not lo <= item < hi:
+                return f"holds the integer {_int_text(item)}, beyond the 64-bit range [-2**63, 2**64)"
+        elif kind is not str and kind is not float and kind is not bool and item is not None:
+            names = getattr(item, "__struct_fields__", ())  # a decoder's struct
+            push(getattr(item, n) for n in names)
+    return None
+
+
+def decode_bounded(
+    data: bytes | bytearray | memoryview,
+    *,
+    max_depth: int = MAX_JSON_DEPTH,
+    decoder: Any = None,
+    check_ints: bool = True,
+) -> tuple[Any, str | None]:
+    """(value, None) for a document within its depth and integer limits, else (ABSENT, why).
+
+    The size limit is the caller's (it is checked before the bytes are read). `decoder` is
+    a msgspec Decoder to use instead of plain JSON. `check_ints=False` leaves the integers to
+    a caller that checks every value it reads against a schema (and reads no other).
+    """
+    import msgspec
+
+    why = json_depth_problem(data, max_depth)
+    if why is not None:
+        return ABSENT, why
+    try:
+        with gc_paused():
+            value = msgspec.json.decode(data) if decoder is None else decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        return ABSENT, f"invalid JSON ({_json_error(exc)})"
+    except RecursionError:  # pragma: no cover - the depth scan comes first
+        return ABSENT, f"nests deeper than {max_depth} levels"
+    except MemoryError:
+        return ABSENT, f"{human_bytes(len(data))} of JSON ran out of memory while decoding"
+    if check_ints:
+        why = json_value_problem(value)
+        if why is not None:
+            return ABSENT, why
+    return value, None
+
+
+def read_json_bytes(
+    data: bytes | bytearray | memoryview,
+    what: str,
+    *,
+    max_bytes: int | None = None,
+    max_depth: int = MAX_JSON_DEPTH,
+    error: type[Exception] | None = None,
+) -> Any:
+    """The value of the JSON document `data`, or one error naming `what` (a file, a key, a line).
+
+    Refuses, before decoding, a document over `max_bytes` (default: RBTOOL_MAX_JSON_BYTES) or
+    nesting deeper than `max_depth`, then any integer beyond 64 bits and any invalid JSON.
+    Never RecursionError, MemoryError or a crash: every refusal is `error` (CheckpointError).
+    """
+    if error is None:
+        from rbtool.errors import CheckpointError
+
+        error = CheckpointError
+    limit = max_json_bytes() if max_bytes is None else max_bytes
+    why = json_size_problem(len(data), limit)
+    if why is None:
+        value, why = decode_bounded(data, max_depth=max_depth)
+        if why is None:
+            return value
+    raise error(one_line(f"{what}: {why}"))
+
+
+def read_json_file(
+    path: str | os.PathLike[str],
+    what: str | None = None,
+    *,
+    max_bytes: int | None = None,
+    max_depth: int = MAX_JSON_DEPTH,
+    error: type[Exception] | None = None,
+) -> Any:
+    """The value of the JSON file `path`, read through read_json_bytes: its size is checked
+    before a byte is read, and only a regular file is read (never a FIFO or a device)."""
+    if error is None:
+        from rbtool.errors import CheckpointError
+
+        error = CheckpointError
+    name = str(path) if what is None else what
+    limit = max_json_bytes() if max_bytes is None else max_bytes
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise error(one_line(f"{name}: cannot read ({exc.strerror})")) from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise error(f"{name}: {not_a_file(info.st_mode)}, not a regular file")
+        why = json_size_problem(info.st_size, limit)
+        if why is not None:
+            raise error(one_line(f"{name}: {why}"))
+        with os.fdopen(os.dup(fd), "rb") as handle:
+            data = handle.read(limit + 1)
+    except OSError as exc:
+        raise error(one_line(f"{name}: cannot read ({exc.strerror})")) from None
+    finally:
+        os.close(fd)
+    return read_json_bytes(data, name, max_bytes=limit, max_depth=max_depth, error=error)
+
+
 # ---------------------------------------------------------------------- reading
-def read_file(path: Path, missing: str, unreadable: str, found: list[Problem]) -> bytes | None:
-    """The bytes of `path`, or None after recording why they could not be read."""
+def read_file(
+    path: Path,
+    missing: str,
+    unreadable: str,
+    found: list[Problem],
+    too_big: Callable[[int], str | None] | None = None,
+) -> bytes | None:
+    """The bytes of `path`, or None after recording why they could not be read.
+
+    `too_big(size)` says why a file of that size is not read (default: over the limit of a
+    small JSON document); it is asked before a byte is read.
+    """
     name = path.name
     outside = escapes(path.parent, name)
     if outside is not None:
@@ -847,8 +1164,23 @@ def read_file(path: Path, missing: str, unreadable: str, found: list[Problem]) -
         if not stat.S_ISREG(info.st_mode):
             found.append(problem(unreadable, f"{name}: not a regular file", file=name))
             return None
+        limit = too_big or functools.partial(json_size_problem, max_bytes=max_json_bytes())
+        why = limit(info.st_size)
+        if why is not None:
+            found.append(problem(unreadable, one_line(f"{name}: {why}"), file=name))
+            return None
         with os.fdopen(os.dup(fd), "rb") as handle:
-            return handle.read(info.st_size + 1)  # bounded by what the file says it holds
+            data = handle.read(info.st_size + 1)  # bounded by what the file says it holds
+        why = limit(len(data))  # it grew since
+        if why is not None:
+            found.append(problem(unreadable, one_line(f"{name}: {why}"), file=name))
+            return None
+        return data
+    except MemoryError:
+        found.append(
+            problem(unreadable, f"{name}: {human_bytes(info.st_size)} do not fit in memory", file=name)
+        )
+        return None
     except OSError as exc:
         found.append(problem(unreadable, one_line(f"{name}: cannot read ({exc.strerror})"), file=name))
         return None
@@ -858,16 +1190,14 @@ def read_file(path: Path, missing: str, unreadable: str, found: list[Problem]) -
 
 def parse_json_file(path: Path, missing: str, unreadable: str, found: list[Problem]) -> Any:
     """The parsed JSON of `path`, or ABSENT after recording why it could not be had."""
-    import msgspec
-
     data = read_file(path, missing, unreadable, found)
     if data is None:
         return ABSENT
-    try:
-        return decode_json(data)
-    except msgspec.DecodeError as exc:
-        found.append(problem(unreadable, f"{path.name}: invalid JSON ({_json_error(exc)})", file=path.name))
-        return ABSENT
+    # the integers are the schema's to check (check_metadata names the key holding one)
+    value, why = decode_bounded(data, check_ints=False)
+    if why is not None:
+        found.append(problem(unreadable, one_line(f"{path.name}: {why}"), file=path.name))
+    return value
 
 
 @dataclass
@@ -952,6 +1282,16 @@ class _IndexChecker:
         )
 
     def run(self, data: bytes) -> None:
+        why = json_depth_problem(data)
+        if why is not None:
+            self.add("index_unreadable", why)
+            return
+        try:
+            self._decode(data)
+        except MemoryError:
+            self.add("index_unreadable", f"{human_bytes(len(data))} of JSON ran out of memory while decoding")
+
+    def _decode(self, data: bytes) -> None:
         typed = _decode_typed(data)
         if typed is not None:
             table, id_list = typed
@@ -1211,7 +1551,7 @@ def check_json(directory: str | os.PathLike[str]) -> IndexCheck:
     found += meta_problems
     idx = index_path(path)
     result = IndexCheck(path, idx.name, meta, found)
-    data = read_file(idx, "index_missing", "index_unreadable", found)
+    data = read_file(idx, "index_missing", "index_unreadable", found, index_size_problem)
     if data is not None:
         checker = _IndexChecker(result)
         checker.run(data)
