@@ -38,7 +38,7 @@ import orjson
 from rbtool import ranks, trajfile
 from rbtool.dirs import open_checkpoint, open_view
 from rbtool.errors import CheckpointError, RbtoolError, UsageError
-from rbtool.format import check_weights_id, is_checkpoint_dir
+from rbtool.format import check_weights_id, is_checkpoint_dir, read_json_bytes, read_json_file
 from rbtool.fsutil import fsync_dir, make_parents, new_staging_dir, refuse_file_parent, write_bytes_atomic
 from rbtool.index import Index, init_buffer_dir, read_index
 from rbtool.layout import DONE_LIKE, done_extra_rows, drop_bootstrap_rows, with_stored_defaults
@@ -1863,10 +1863,7 @@ class LeRobotSource:
         if not self._exists(INFO_FILE):
             raise CheckpointError(f"{self.root}: not a LeRobot dataset (no {INFO_FILE})")
         info_path = self._file(INFO_FILE, "the dataset's info")
-        try:
-            self.info = orjson.loads(info_path.read_bytes())
-        except orjson.JSONDecodeError as exc:
-            raise CheckpointError(f"{info_path}: not valid JSON ({exc})") from None
+        self.info = read_json_file(info_path)  # bounded: size, nesting, 64-bit integers
         if not isinstance(self.info, dict) or not isinstance(self.info.get("features"), dict):
             raise CheckpointError(f"{info_path}: has no 'features' object")
         self.version = str(self.info.get("codebase_version", ""))[:40]
@@ -1945,10 +1942,7 @@ class LeRobotSource:
         """The rbtool sidecar, when rbtool wrote this dataset (validated: see _check_sidecar)."""
         if self._sidecar is None and self._exists(SIDECAR_FILE):
             path = self._file(SIDECAR_FILE, "the rbtool sidecar")
-            try:
-                self._sidecar = orjson.loads(path.read_bytes())
-            except orjson.JSONDecodeError as exc:
-                raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+            self._sidecar = read_json_file(path)  # bounded like checkpoint JSON
             version = self._sidecar.get("rbtool_sidecar") if isinstance(self._sidecar, dict) else None
             if (
                 not isinstance(version, int)
@@ -2634,10 +2628,7 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
     rows = []
     for number, line in enumerate(path.read_bytes().splitlines(), 1):
         if line.strip():
-            try:
-                rows.append(orjson.loads(line))
-            except orjson.JSONDecodeError:
-                raise CheckpointError(f"{path}: line {number} is not valid JSON") from None
+            rows.append(read_json_bytes(line, f"{path}: line {number}"))  # bounded per line
             if not isinstance(rows[-1], dict):
                 raise CheckpointError(f"{path}: line {number} is not a JSON object")
     return rows

@@ -45,7 +45,8 @@ from typing import Any, Generic, TypeVar
 
 import orjson
 
-from rbtool.errors import RbtoolError, UsageError
+from rbtool.errors import CheckpointError, RbtoolError, UsageError
+from rbtool.format import read_json_bytes
 from rbtool.fsutil import fsync_dir
 from rbtool.passes import Progress, check_jobs, default_jobs, keep_freed_memory, run_pass
 
@@ -350,8 +351,8 @@ class Journal:
             if lines == [b""]:
                 continue  # made, never written to
             try:
-                head = orjson.loads(lines[0])
-            except orjson.JSONDecodeError:
+                head = read_json_bytes(lines[0], f"{path}: line 1")
+            except CheckpointError:
                 head = None
             if head != mine:
                 theirs = head if isinstance(head, dict) else "not an rbtool journal"
@@ -361,9 +362,9 @@ class Journal:
                 )
             for line in lines[1:]:
                 try:
-                    row = orjson.loads(line)
+                    row = read_json_bytes(line, str(path))  # bounded: nesting, size, 64-bit ints
                     done[row["key"]] = (row["identity"], row["result"])
-                except (orjson.JSONDecodeError, KeyError, TypeError):
+                except (CheckpointError, KeyError, TypeError):
                     continue  # a torn last line (a crash mid-write) or an empty one
         return done
 

@@ -202,7 +202,7 @@ def _marker_doc(digests: dict[str, Digest]) -> bytes:
 def _read_marker(remote: Remote, rel: str) -> dict[str, Digest]:
     where = f"{remote.url}/{rel}"
     try:
-        doc = json.loads(remote.fs.cat_file(remote.key(rel)))
+        doc = _bounded_json(remote.fs.cat_file(remote.key(rel)), where)
         if doc.get("format") != MARKER_FORMAT or doc.get("version") != MARKER_VERSION:
             raise ValueError(f"format {doc.get('format')!r} version {doc.get('version')!r}")
         return {
@@ -806,9 +806,20 @@ def _mirror_state(mirror: Path) -> dict[str, Any]:
     a reused copy is trusted through its hash and the marker, never through this file."""
     data = _read_private(mirror / _STATE, 64 << 20)
     try:
-        return dict(json.loads(data)) if data else {}
-    except (ValueError, TypeError):
+        return dict(_bounded_json(data, str(mirror / _STATE))) if data else {}
+    except (CheckpointError, ValueError, TypeError):
         return {}
+
+
+def _bounded_json(data: bytes, what: str) -> Any:
+    """A marker or state file through rbtool's bounded JSON reader (it grows with the objects
+    listed, so it is bounded like an index: by the memory decoding it would take)."""
+    from rbtool.format import index_size_problem, read_json_bytes
+
+    why = index_size_problem(len(data))
+    if why is not None:
+        raise CheckpointError(f"{what}: {why}")
+    return read_json_bytes(data, what, max_bytes=len(data))
 
 
 _RESERVED = ".rbtool-reserved"  # in a cache entry: the bytes it may grow to
