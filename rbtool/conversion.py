@@ -35,6 +35,7 @@ class ConvertResult:
     jobs: int
     report: WriteReport = field(default_factory=WriteReport)
     throughput: Throughput = field(default_factory=lambda: Throughput(1))  # the files read to rewrite
+    journal: dict[str, int] | None = None  # a resumable pass: files placed, and those from the journal
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,11 @@ def _place(task: _Task) -> tuple[WriteReport, dict[str, Any], int]:
     entry = dict(task.entry)
     place_trajectory(task.src, task.dst, entry, report, link=task.link)
     return report, entry, _size(task.src) if report.written else 0
+
+
+def _recorded_sha256(entry: dict[str, Any]) -> str | None:
+    recorded = entry.get("sha256")
+    return recorded if isinstance(recorded, str) else None
 
 
 def _place_again(task: _Task) -> tuple[WriteReport, dict[str, Any], int]:
@@ -137,17 +143,9 @@ def convert(
             "link": link,
         }
         ranks.on_leader(world, lambda: _make_dir(staging))
-        _convert_into(
-            staging,
-            opened,
-            tree,
-            result,
-            progress,
-            jobs,
-            link,
-            ranks.open_journal(journal_dir, identity),
-            world,
-        )
+        resumed = ranks.open_journal(journal_dir, identity)
+        _convert_into(staging, opened, tree, result, progress, jobs, link, resumed, world)
+        result.journal = None if resumed is None else resumed.counts()
 
         def publish() -> None:
             publish_dir(staging, target, overwrite=overwrite)
@@ -206,6 +204,7 @@ def _convert_into(
         journal=journal,
         files=lambda t: (t.src, t.dst),
         types=(WriteReport,),
+        hashes=lambda t: (_recorded_sha256(t.entry), None),
     )
     result.throughput = Throughput(result.jobs, sum(n for _, _, n in placed), timer.elapsed())
     for task, (report, entry, _) in zip(tasks, placed, strict=True):

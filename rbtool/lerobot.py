@@ -595,6 +595,7 @@ class ExportResult:
     video_files: int = 0
     episode_files: int = 0
     bytes: int = 0
+    journal: dict[str, int] | None = None  # a resumable export: trajectories, and those from the journal
 
 
 def _field_name(path: Sequence[str]) -> str:
@@ -1114,15 +1115,18 @@ def export_lerobot(
         "chunks_size": chunks_size,
     }
     ranks.on_leader(world, lambda: parts.mkdir(parents=True, exist_ok=True))
+    resumed = ranks.open_journal(journal_dir, identity)
     metas = ranks.ranked_pass(
         _RenderPart(render, parts),
         [_Part(i, job) for i, job in enumerate(tasks)],
         jobs=1,
         weights=[_file_size(job.path) for job in tasks],
         progress=progress,
-        journal=ranks.open_journal(journal_dir, identity),
+        journal=resumed,
         files=lambda part: (part.job.path, *_part_files(parts, part.job.tid)),
+        hashes=lambda part: (_recorded_sha256(index.entries[part.job.tid]), None, None),
     )
+    result.journal = None if resumed is None else resumed.counts()
 
     def assemble() -> None:
         for stale in staging.iterdir():  # what an interrupted assembly left
@@ -1174,6 +1178,11 @@ def _file_size(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return 0
+
+
+def _recorded_sha256(entry: dict[str, Any]) -> str | None:
+    recorded = entry.get("sha256")
+    return recorded if isinstance(recorded, str) else None
 
 
 def _resume_dirs(out: Path, journal: Path | None) -> tuple[Path, Path]:

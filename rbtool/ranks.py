@@ -18,13 +18,30 @@ Without torchrun, `ranked_pass` is `run_pass`, plus the journal when one is give
 
 A journal (`Journal`) is a directory of append-only JSON Lines files, one per process that
 ran tasks (`<rank>-<pid>.jsonl`): a header line naming the pass (command, input, options),
-then one line per finished file with its key, the file's identity (size, mtime, inode) and
-its result. Each line is written whole and fsynced before the task counts as done, so a
+then one line per finished file with its key, the identity of each of its files (size,
+mtime, inode, ctime, device, and the sha256 the pass computed when the input records one)
+and its result. Each line is written whole and fsynced before the task counts as done, so a
 crash loses at most the files in flight, and a torn last line is skipped on reading. A
-rerun with the same journal takes every recorded result whose file is unchanged and redoes
+rerun with the same journal takes every recorded result whose files are unchanged and redoes
 the rest, on any number of ranks. A journal whose header names another pass is refused.
 Results are stored as tagged JSON (dataclasses of the listed types, numpy arrays, tuples,
 paths), never as pickles.
+
+A journal never turns damage into OK:
+
+- a result is bound to its files' content: it is taken only while every file's size, mtime,
+  inode, device and ctime are the recorded ones. ctime cannot be set back (utime sets mtime
+  only), so a rewrite in place that restores size and mtime still changes it; so do a
+  chmod or a new hard link, which only costs a reread;
+- where the input records a file's sha256, the file is hashed when its result is journaled
+  (between two equal identities), and the result is taken only while the recorded hash is
+  that one; an entry without a checked hash for such a file is not taken;
+- the identity of the file a task reads is taken before and after the task: a file that
+  changed meanwhile is not journaled;
+- the journal directory and its files must be the current user's own and writable by no
+  one else (rbtool makes them 0700 and 0600), and a journal file must be a regular file, not
+  a symbolic link: otherwise the whole journal is refused (`JournalError`), since anyone who
+  can write it could claim any result.
 """
 
 from __future__ import annotations
@@ -32,14 +49,16 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import heapq
 import os
 import pickle
 import re
+import stat
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -54,7 +73,7 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-JOURNAL_VERSION = 1
+JOURNAL_VERSION = 2  # 2: identities with ctime and device, checked hashes
 _RANK_DIR = re.compile(r"rank_(\d+)$")
 # test-only: a rank whose number is RBTOOL_TEST_EXIT_RANK leaves (os._exit) once it has
 # journaled RBTOOL_TEST_EXIT_AFTER files, as a node lost in the middle of a pass would
@@ -313,47 +332,145 @@ def _decode(value: Any, types: dict[str, type]) -> Any:
 
 # ------------------------------------------------------------------ journals
 def file_identity(path: Path) -> list[int] | None:
-    """What tells a file apart from a changed one: size, mtime (ns) and inode; None if it is gone."""
+    """What tells a file apart from a changed one: size, mtime (ns), inode, ctime (ns) and
+    device; None if it is gone. ctime changes with every write, chmod or link and cannot be
+    set back, so a rewrite that restores size and mtime still shows."""
     try:
         st = path.stat()
     except OSError:
         return None
-    return [st.st_size, st.st_mtime_ns, st.st_ino]
+    return _identity_of(st)
 
 
-@dataclass(frozen=True)
+def _identity_of(st: os.stat_result) -> list[int]:
+    return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns, st.st_dev]
+
+
+def _stat(path: Path) -> os.stat_result | None:
+    try:
+        return path.stat()
+    except OSError:
+        return None
+
+
+def _unchanged(before: os.stat_result, after: os.stat_result | None) -> bool:
+    """`after` is the file `before` was, unwritten: a ctime that moved is only allowed with a
+    link count that moved too (the pass itself linked the file, as convert does)."""
+    if after is None:
+        return False
+    same = (before.st_size, before.st_mtime_ns, before.st_ino, before.st_dev) == (
+        after.st_size,
+        after.st_mtime_ns,
+        after.st_ino,
+        after.st_dev,
+    )
+    return same and (before.st_ctime_ns == after.st_ctime_ns or before.st_nlink != after.st_nlink)
+
+
+def _sha256_of(path: Path) -> str | None:
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    except OSError:
+        return None
+    return digest.hexdigest()
+
+
+def _refuse_foreign(st: os.stat_result, path: Path, what: str) -> None:
+    """A journal directory or file must be this user's own and writable by no one else."""
+    if st.st_uid != os.geteuid():
+        raise JournalError(
+            f"{path}: the journal {what} belongs to another user (uid {st.st_uid}), who could have "
+            "written any result into it; use a journal directory of your own"
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise JournalError(
+            f"{path}: the journal {what} can be written by group or others (mode "
+            f"{stat.S_IMODE(st.st_mode):04o}), who could have written any result into it; make it "
+            "private (chmod go-w) or use another journal directory"
+        )
+
+
+@dataclass
 class Journal:
-    """Where a pass records its finished files: `directory`, for the pass named by `identity`."""
+    """Where a pass records its finished files: `directory`, for the pass named by `identity`.
+
+    After a pass, `files` counts its tasks and `reused` those whose result came from the journal.
+    """
 
     directory: Path
     identity: dict[str, Any]
+    reused: int = field(default=0, compare=False)
+    files: int = field(default=0, compare=False)
 
     def header(self) -> bytes:
         return orjson.dumps({"rbtool_journal": JOURNAL_VERSION, **self.identity}) + b"\n"
 
-    def files(self) -> list[Path]:
+    def counts(self) -> dict[str, int]:
+        """What a report says of the journal: `{"reused": ..., "files": ...}`."""
+        return {"reused": self.reused, "files": self.files}
+
+    def _contents(self) -> list[tuple[Path, bytes]]:
+        """Each journal file's path and bytes, read through the directory checked as private."""
         try:
-            return sorted(p for p in self.directory.iterdir() if p.suffix == ".jsonl" and p.is_file())
+            fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
         except FileNotFoundError:
             return []
         except OSError as exc:
             raise JournalError(f"{self.directory}: cannot read the journal: {exc.strerror or exc}") from None
+        try:
+            _refuse_foreign(os.fstat(fd), self.directory, "directory")
+            found = []
+            for name in sorted(n for n in os.listdir(fd) if n.endswith(".jsonl")):
+                path = self.directory / name
+                try:
+                    f = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno == errno.ELOOP:
+                        raise JournalError(
+                            f"{self.directory}: the journal file {name} is a symbolic link; a journal "
+                            "file is read only as a regular file of the directory"
+                        ) from None
+                    raise JournalError(f"{path}: cannot read the journal: {exc.strerror or exc}") from None
+                with os.fdopen(f, "rb") as handle:
+                    st = os.fstat(handle.fileno())
+                    if not stat.S_ISREG(st.st_mode):
+                        raise JournalError(f"{self.directory}: the journal file {name} is not a regular file")
+                    _refuse_foreign(st, path, "file")
+                    try:
+                        found.append((path, handle.read()))
+                    except OSError as exc:
+                        raise JournalError(
+                            f"{path}: cannot read the journal: {exc.strerror or exc}"
+                        ) from None
+            return found
+        except OSError as exc:
+            raise JournalError(f"{self.directory}: cannot read the journal: {exc.strerror or exc}") from None
+        finally:
+            os.close(fd)
 
     def load(self) -> dict[str, tuple[Any, Any]]:
-        """Every recorded file, by key: (its identity then, its encoded result). Refuses foreign journals."""
+        """Every recorded file, by key: (its identity then, its encoded result). Refuses foreign
+        journals, and journals that others could have written; files of an older journal version
+        (whose identities lack ctime and hashes) are left out, so their files are read again."""
         done: dict[str, tuple[Any, Any]] = {}
         mine = orjson.loads(self.header())
-        for path in self.files():
-            try:
-                lines = path.read_bytes().split(b"\n")
-            except OSError as exc:
-                raise JournalError(f"{path}: cannot read the journal: {exc.strerror or exc}") from None
+        for path, data in self._contents():
+            lines = data.split(b"\n")
             if lines == [b""]:
                 continue  # made, never written to
             try:
                 head = read_json_bytes(lines[0], f"{path}: line 1")
             except CheckpointError:
                 head = None
+            if (
+                isinstance(head, dict)
+                and head.get("rbtool_journal") != JOURNAL_VERSION
+                and {k: v for k, v in head.items() if k != "rbtool_journal"} == self.identity
+            ):
+                continue  # this pass, by an older rbtool: nothing in it is taken
             if head != mine:
                 theirs = head if isinstance(head, dict) else "not an rbtool journal"
                 raise JournalError(
@@ -396,7 +513,8 @@ class _JournalWriter:
             name = f"{self.rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
             path = self.journal.directory / name
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW
+                fd = os.open(path, flags, 0o600)
                 _write_all(fd, self.journal.header())
                 os.fsync(fd)
                 fsync_dir(self.journal.directory)
@@ -425,8 +543,21 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
+def _make_private_dir(path: Path) -> None:
+    """`path` and the missing directories above it, each made 0700 (this user's alone)."""
+    missing = []
+    for part in (path, *path.parents):
+        if os.path.lexists(part):
+            break
+        missing.append(part)
+    for part in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # made meanwhile: checked like any existing one
+            os.mkdir(part, 0o700)
+
+
 def open_journal(directory: str | os.PathLike[str] | None, identity: dict[str, Any]) -> Journal | None:
-    """The journal in `directory` (made if needed) for the pass `identity`, or None without a directory."""
+    """The journal in `directory` (made 0700 if needed) for the pass `identity`, or None without a
+    directory. A directory another user owns, or that group or others can write, is refused."""
     if directory is None:
         return None
     path = Path(directory)
@@ -436,12 +567,19 @@ def open_journal(directory: str | os.PathLike[str] | None, identity: dict[str, A
             f"{path}: a journal is never written into its input {source}; choose another directory"
         )
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        _make_private_dir(path)
+        info = path.stat()
     except OSError as exc:
         raise JournalError(f"{path}: cannot make the journal directory: {exc.strerror or exc}") from None
-    if not path.is_dir():
+    if not stat.S_ISDIR(info.st_mode):
         raise JournalError(f"{path}: not a directory, so it cannot hold a journal")
+    _refuse_foreign(info, path, "directory")
     return Journal(path, identity)
+
+
+def journal_note(counts: dict[str, int], noun: str = "files") -> str:
+    """The report's line on a journal: `12 of 40 files from the journal`."""
+    return f"{counts['reused']} of {counts['files']} {noun} from the journal"
 
 
 def input_journal(directory: str | os.PathLike[str] | None, source: str | os.PathLike[str]) -> Path | None:
@@ -476,12 +614,14 @@ def _absolute(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class _Job(Generic[T]):
-    """One task as a rank's worker sees it: the task, its journal key, the files that identify it."""
+    """One task as a rank's worker sees it: the task, its journal key, the files that identify it
+    (the one it reads first) and the sha256 the input records for each (None: none recorded)."""
 
     task: T
     key: str
     files: tuple[Path, ...]
     position: int
+    hashes: tuple[str | None, ...] = ()
 
     def __str__(self) -> str:
         return str(self.task)
@@ -505,18 +645,47 @@ class _Journaled(Generic[T, R]):
         self.types = types
 
     def __call__(self, job: _Job[T]) -> R:
+        before = _stat(job.files[0]) if self.writer is not None and job.files else None
         try:
             result = self.func(job.task)
         except Exception as exc:
             raise _TaskFailed(job.position, exc) from None
         if self.writer is not None:
-            row = {
-                "key": job.key,
-                "identity": [file_identity(p) for p in job.files],
-                "result": _encode(result, self.types),
-            }
-            self.writer.record(orjson.dumps(row) + b"\n")
+            identity = _settled(job, before)
+            if identity is not None:  # else the file changed while it was read: not journaled
+                row = {"key": job.key, "identity": identity, "result": _encode(result, self.types)}
+                self.writer.record(orjson.dumps(row) + b"\n")
         return result
+
+
+def _settled(job: _Job[Any], before: os.stat_result | None) -> list[Any] | None:
+    """The identities to journal for `job`'s files once it is done, each `[*file_identity, sha256]`
+    (the sha256 computed here, between two equal identities, for a file whose input records
+    one; else None), None for a gone file; None when the file the task read changed during the
+    task or a file changed while it was hashed."""
+    if before is not None and not _unchanged(before, _stat(job.files[0])):
+        return None
+    identities: list[Any] = []
+    for i, path in enumerate(job.files):
+        first = _stat(path)
+        if first is None:
+            identities.append(None)
+            continue
+        digest = None
+        if i < len(job.hashes) and job.hashes[i] is not None:
+            digest = _sha256_of(path)
+            last = _stat(path)
+            if digest is None or last is None or _identity_of(last) != _identity_of(first):
+                return None
+        identities.append([*_identity_of(first), digest])
+    return identities
+
+
+def _expected(path: Path, recorded: str | None) -> list[Any] | None:
+    """What a journal entry must hold for `path` to be taken: its identity now and the hash the
+    input records (a result whose file was not hashed, or hashed to another value, is not)."""
+    identity = file_identity(path)
+    return None if identity is None else [*identity, recorded]
 
 
 def ranked_pass(
@@ -531,12 +700,17 @@ def ranked_pass(
     journal: Journal | None = None,
     files: Callable[[T], Sequence[Path]] | None = None,
     types: Sequence[type] = (),
+    hashes: Callable[[T], Sequence[str | None]] | None = None,
 ) -> list[R]:
     """`[func(t) for t in tasks]` over the torchrun ranks (or this process), resuming from `journal`.
 
     `files(task)` names the files whose identity must not have changed for a journaled result
-    to be taken (default: none; every recorded result is taken); `types` are the dataclasses
-    a result may hold (to journal it). Returns every result, in task order, on every rank.
+    to be taken, the one the task reads first (default: none; every recorded result is
+    taken); `hashes(task)` the sha256 the input records for each of them (None where it
+    records none): such a file is hashed when its result is journaled, and the result is
+    taken only while that hash is the recorded one. `types` are the dataclasses a result may
+    hold (to journal it). Returns every result, in task order, on every rank; `journal.files`
+    and `journal.reused` then count the tasks and those taken from the journal.
     """
     world = current()
     if world.size == 1 and journal is None:
@@ -554,7 +728,13 @@ def ranked_pass(
         raise UsageError(f"{len(weights)} weights for {len(tasks)} tasks")
     by_name = {t.__name__: t for t in types}
     named = [
-        _Job(t, _key(t, describe, files), tuple(files(t)) if files is not None else (), i)
+        _Job(
+            t,
+            _key(t, describe, files),
+            tuple(files(t)) if files is not None else (),
+            i,
+            tuple(hashes(t)) if hashes is not None else (),
+        )
         for i, t in enumerate(tasks)
     ]
     sizes = [int(w) for w in weights] if weights is not None else [0] * len(tasks)
@@ -572,6 +752,8 @@ def ranked_pass(
     assert decided is not None
     owner, recorded = decided
     if journal is not None:
+        journal.files += len(tasks)
+        journal.reused += len(recorded)
         barrier(world)  # every rank has the plan before any writes into the journal
 
     mine = [i for i, r in enumerate(owner) if r == world.rank]
@@ -627,15 +809,21 @@ def _decide(
 ) -> tuple[list[int], dict[int, Any]]:
     """Which rank runs each task (-1: done, from the journal) and the journaled results by position.
 
-    A recorded result that does not decode (a line damaged in some other way than torn) is
-    not taken: its file is done again.
+    A recorded result is taken only while each of its files has the recorded identity (and,
+    where the input records a sha256, was hashed to it when journaled); one that does not
+    decode (a line damaged in some other way than torn) is not taken: its file is done again.
     """
     recorded: dict[int, Any] = {}
     if journal is not None:
         done = journal.load()
         for i, job in enumerate(named):
             entry = done.get(job.key)
-            if entry is None or entry[0] != [file_identity(p) for p in job.files]:
+            if entry is None:
+                continue
+            wanted = [
+                _expected(p, job.hashes[k] if k < len(job.hashes) else None) for k, p in enumerate(job.files)
+            ]
+            if entry[0] != wanted:
                 continue
             try:
                 recorded[i] = _decode(entry[1], types)
@@ -682,6 +870,7 @@ __all__ = [
     "from_env",
     "home_rank",
     "input_journal",
+    "journal_note",
     "on_leader",
     "open_journal",
     "plan",

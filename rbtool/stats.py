@@ -681,6 +681,12 @@ def data_report(
     tasks = [
         (file_of(tid), int(table.t[pos]), int(table.b[pos])) for tid, pos in zip(ids, positions, strict=True)
     ]
+    recorded_hashes: dict[Path, str] = {}  # what a journaled result is bound to, besides the identity
+    if journal is not None:
+        for tid, (path, _, _) in zip(ids, tasks, strict=True):
+            digest = index.entries[tid].get("sha256")
+            if isinstance(digest, str):
+                recorded_hashes[path] = digest
     timer = Timer()
     results = ranked_pass(
         _read_task,
@@ -693,6 +699,7 @@ def data_report(
         journal=journal,
         files=lambda task: (task[0],),
         types=(TrajectoryData, FieldRow, EpisodeTally),
+        hashes=lambda task: (recorded_hashes.get(task[0]),),
     )
     seconds = timer.elapsed()
     for tid, (path, _, _), got in zip(ids, tasks, results, strict=True):
@@ -905,9 +912,10 @@ def collect_stats(
                 len(ids), lambda pos: str(file_of_id(ids[pos]).relative_to(directory))
             )
     doc.update(report)
-    doc["schema"] = doc["data"] = None
+    doc["schema"] = doc["data"] = doc["journal"] = None
     scores: dict[int, np.ndarray] | None = None
     if index is not None and sizes is not None and read_data:
+        opened = open_journal(journal, {"command": "stats", "input": str(directory.absolute())})
         exists = sizes >= 0
         start_phase(progress, int(exists.sum()), "reading trajectories")
         doc["schema"], doc["data"], scores = data_report(
@@ -920,8 +928,9 @@ def collect_stats(
             progress,
             jobs,
             sizes,
-            open_journal(journal, {"command": "stats", "input": str(directory.absolute())}),
+            opened,
         )
+        doc["journal"] = None if opened is None else opened.counts()
     doc["draws"] = None
     if draws is not None:
         seed = (

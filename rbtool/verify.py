@@ -100,6 +100,7 @@ class VerifyReport:
     bytes_read: int = 0  # trajectory bytes the deep pass read (each file once)
     seconds: float = 0.0  # how long the deep pass took
     jobs: int = 1
+    journal: dict[str, int] | None = None  # with a journal: files of the deep pass, and those reused
 
     @property
     def ok(self) -> bool:
@@ -126,6 +127,7 @@ class VerifyReport:
             if self.deep and self.seconds > 0
             else None,
             "jobs": self.jobs,
+            "journal": self.journal,
         }
 
 
@@ -563,12 +565,18 @@ def _run_deep(
         journal=journal,
         files=lambda t: (t.path,),
         types=(Problem,),
+        hashes=lambda t: (_recorded_sha256(t.entry),),
     )
     total, start = 0, 0
     for checker, own in zip(checkers, per_checker, strict=True):
         total += checker.finish_deep(own, results[start : start + len(own)])
         start += len(own)
     return total
+
+
+def _recorded_sha256(entry: dict[str, Any] | None) -> str | None:
+    recorded = entry.get("sha256") if entry is not None else None
+    return recorded if isinstance(recorded, str) else None
 
 
 def verify(
@@ -609,6 +617,7 @@ def verify(
         report.checkpoints = _with_missing_ranks(root, [f for _, f in checked], report.checkpoints)
     if deep:
         report.bytes_read = _run_deep([f for _, f in checked], progress, jobs, opened)
+        report.journal = None if opened is None else opened.counts()
     report.seconds = timer.elapsed()
     return report
 

@@ -28,7 +28,9 @@ def test_json_document(tmp_path: Path) -> None:
         "checkpoints",
         "dry_run",
         "files",
+        "journal",
     }
+    assert doc["journal"] is None  # no --journal
     assert doc["trajectory_format"] == "pkl" and doc["jobs"] == 3 and doc["files"]["written"] == 7
     sources = sum(p.stat().st_size for p in RANKS.glob("rank_*/trajectory_*_*.pt"))
     assert doc["bytes_read"] == sources and doc["bytes_per_second"] > 0

@@ -29,6 +29,7 @@ TOP_KEYS = [
     "model_weights_left_out",
     "schema",
     "data",
+    "journal",
     "draws",
 ]
 runner = CliRunner()

@@ -31,7 +31,7 @@ from rbtool.stats import EpisodeTally, FieldRow, TrajectoryData
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 needs_torchrun = pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed")
-TIMING_KEYS = ("seconds", "bytes_per_second", "jobs")
+TIMING_KEYS = ("seconds", "bytes_per_second", "jobs", "journal")  # "journal": how many were reused
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -525,6 +525,7 @@ def same_files(a: Path, b: Path) -> list[Path]:
 
 def exported(doc: dict[str, Any]) -> dict[str, Any]:
     doc.pop("out")
+    doc.pop("journal")  # how many trajectories came from a journal, if one was used
     return doc
 
 

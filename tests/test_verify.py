@@ -111,7 +111,7 @@ def test_folder_of_ranks_checks_each_rank() -> None:
 def test_json_document_shape() -> None:
     doc = verify(FIXTURES / NOSAVE[0]).as_json()
     assert set(doc) == {"path", "deep", "ok", "checkpoints", "counts", "bytes_read", "seconds",
-                        "bytes_per_second", "jobs"}  # fmt: skip
+                        "bytes_per_second", "jobs", "journal"}  # fmt: skip
     assert doc["ok"] is False and doc["counts"] == {"error": 3, "warning": 0, "notice": 1}
     (ckpt,) = doc["checkpoints"]
     assert set(ckpt) == {"path", "ok", "size", "problems"}

@@ -101,6 +101,7 @@ def convert(
             "checkpoints": checkpoints,
             "dry_run": dry_run,
             "files": None if dry_run else result.report.as_json(),
+            "journal": result.journal,
         }
         if json:
             print_json(
@@ -127,3 +128,7 @@ def convert(
             f"read {size(doc['bytes_read'])} to rewrite in {doc['seconds']:.2f} s ({rate:.1f} MB/s)",
             markup=False,
         )
+        if result.journal is not None:
+            from rbtool.ranks import journal_note
+
+            out.print(journal_note(result.journal), markup=False)

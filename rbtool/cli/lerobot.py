@@ -200,6 +200,7 @@ def export(
             "video_files": result.video_files,
             "episode_files": result.episode_files,
             "bytes": result.bytes,
+            "journal": result.journal,
             "dry_run": dry_run,
         }
         if dry_run:  # files are only known once written
@@ -221,6 +222,10 @@ def export(
                     f"{result.episode_files} episode metadata, {size(result.bytes)}",
                 )
             )
+        if result.journal is not None:
+            from rbtool.ranks import journal_note
+
+            rows.append(("journal", journal_note(result.journal, "trajectories")))
         verb = "would export" if dry_run else "export"
         out.print(
             key_values(f"{verb} {src.show(result.source)} to LeRobot {CODEBASE_VERSION} {result.out}", rows)

@@ -361,6 +361,10 @@ def render(doc: dict[str, Any], con: Console, every: bool = False, wide: bool = 
     data = doc["data"]
     if data is not None and data["trajectories_read"]:
         con.print(data_table(data, wide))
+        if doc.get("journal") is not None:
+            from rbtool.ranks import journal_note
+
+            con.print(journal_note(doc["journal"]), markup=False)
         con.print(episode_line(data))
         version_line(data, con)
     con.print(weights_table(doc, every, wide))

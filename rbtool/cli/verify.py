@@ -172,7 +172,7 @@ def verify(
             "the quick check reads no trajectory file: add --deep", param_hint="--journal"
         )
     from rbtool.errors import CheckpointError, RbtoolError, UsageError
-    from rbtool.ranks import input_journal
+    from rbtool.ranks import input_journal, journal_note
     from rbtool.verify import verify as run_verify
 
     enabled = show_progress(json or jsonl)
@@ -221,6 +221,8 @@ def verify(
                     f"({rate / 1e6:.1f} MB/s, {count(result.jobs, 'job')})",
                     markup=False,
                 )
+                if result.journal is not None:
+                    out.print(journal_note(result.journal), markup=False)
         if not result.ok:
             errors = sum(1 for c in result.checkpoints for p in c.problems if p.severity == "error")
             if single:
