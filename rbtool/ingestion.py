@@ -19,8 +19,15 @@ from pathlib import Path
 
 from rbtool import trajfile
 from rbtool.dirs import open_checkpoint
-from rbtool.errors import RbtoolError, UsageError
-from rbtool.format import FORMATS, INDEX_FILE, METADATA_FILE, is_checkpoint_dir, parse_trajectory_file_name
+from rbtool.errors import CheckpointError, RbtoolError, UsageError
+from rbtool.format import (
+    FORMATS,
+    INDEX_FILE,
+    INT64_LIMIT,
+    METADATA_FILE,
+    is_checkpoint_dir,
+    parse_trajectory_file_name,
+)
 from rbtool.fsutil import LOCK_FILE, make_parents, refuse_file_parent
 from rbtool.index import Index, init_buffer_dir, read_index
 from rbtool.sources import Checked, Item, Skipped, check_item, collect_sources
@@ -150,6 +157,11 @@ def _admit(
         result.duplicates += 1
         return None
     tid = index.trajectory_counter
+    if tid + 1 >= INT64_LIMIT:  # the counter after it would pass 2**63 - 1, which no reader takes
+        raise CheckpointError(
+            f"{result.buffer}: trajectory_counter {tid} leaves no id for {item.path}: ids and the counter "
+            "stay below 2**63 - 1; ingest into a new buffer"
+        )
     # a source's uuid is kept (so it is known next time), unless the buffer has it already
     kept = source_uuid if isinstance(source_uuid, str) and source_uuid not in uuids else None
     entry = new_entry(tid, ready.info, kept or uuid.uuid4().hex)
