@@ -364,7 +364,7 @@ def _v3_duplicate(ds: Path) -> None:
     rewrite_parquet(ds / EPISODES_FILE, lambda t: pa.concat_tables([t, t.slice(1, 1)]))
 
 
-def _v2_lines(change: Callable[[list[dict[str, Any]]], None]) -> Callable[[Path], None]:
+def _v2_lines(change: Callable[[list[Any]], None]) -> Callable[[Path], None]:
     def apply(ds: Path) -> None:
         path = ds / "meta/episodes.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines()]
@@ -375,7 +375,7 @@ def _v2_lines(change: Callable[[list[dict[str, Any]]], None]) -> Callable[[Path]
 
 
 def _v2_set(row: int, key: str, value: Any) -> Callable[[Path], None]:
-    def change(rows: list[dict[str, Any]]) -> None:
+    def change(rows: list[Any]) -> None:
         rows[row][key] = value
 
     return _v2_lines(change)
@@ -399,7 +399,7 @@ EPISODE_ATTACKS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "v2-negative-length": ("v21", _v2_set(0, "length", -1)),
     "v2-string-length": ("v21", _v2_set(0, "length", "3")),
     "v2-bool-index": ("v21", _v2_set(1, "episode_index", True)),
-    "v2-not-an-object": ("v21", _v2_lines(lambda rows: rows.__setitem__(0, [1, 2]))),  # type: ignore[arg-type]
+    "v2-not-an-object": ("v21", _v2_lines(lambda rows: rows.__setitem__(0, [1, 2]))),
     "v2-zero-chunks": ("v21", lambda ds: set_info(ds, "chunks_size", 0)),
     "v2-negative-chunks": ("v21", lambda ds: set_info(ds, "chunks_size", -4)),
 }
@@ -408,6 +408,43 @@ EPISODE_ATTACKS: dict[str, tuple[str, Callable[[Path], None]]] = {
 @pytest.mark.parametrize("name", list(EPISODE_ATTACKS))
 def test_bad_episode_metadata_is_refused(bases: dict[str, Path], tmp_path: Path, name: str) -> None:
     base, attack = EPISODE_ATTACKS[name]
+    ds = copy_of(bases[base], tmp_path)
+    attack(ds)
+    assert_refused(tmp_path, ds)
+
+
+def _tasks_line(line: str) -> Callable[[Path], None]:
+    def apply(ds: Path) -> None:
+        with open(ds / "meta/tasks.jsonl", "a") as handle:
+            handle.write(line + "\n")
+
+    return apply
+
+
+def _raw_info(text: bytes) -> Callable[[Path], None]:
+    def apply(ds: Path) -> None:
+        (ds / "meta/info.json").write_bytes(text)
+
+    return apply
+
+
+INFO_ATTACKS: dict[str, tuple[str, Callable[[Path], None]]] = {
+    "features-list": ("v30", lambda ds: set_info(ds, "features", [1, 2])),
+    "version-object": ("v30", lambda ds: set_info(ds, "codebase_version", {"v": 3})),
+    "total-episodes-string": ("v30", lambda ds: set_info(ds, "total_episodes", "many")),
+    "total-episodes-negative": ("v30", lambda ds: set_info(ds, "total_episodes", -1)),
+    "info-not-utf8": ("v30", _raw_info(b"\xff\xfe{")),
+    "info-deep": ("v30", _raw_info(b"[" * 100000 + b"]" * 100000)),
+    "tasks-line-no-index": ("v21", _tasks_line('{"task": "x"}')),
+    "tasks-line-negative": ("v21", _tasks_line('{"task_index": -1, "task": "x"}')),
+    "tasks-line-list": ("v21", _tasks_line("[1]")),
+    "tasks-line-not-json": ("v21", _tasks_line("{")),
+}
+
+
+@pytest.mark.parametrize("name", list(INFO_ATTACKS))
+def test_bad_info_and_task_metadata_are_refused(bases: dict[str, Path], tmp_path: Path, name: str) -> None:
+    base, attack = INFO_ATTACKS[name]
     ds = copy_of(bases[base], tmp_path)
     attack(ds)
     assert_refused(tmp_path, ds)
