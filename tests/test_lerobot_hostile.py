@@ -866,6 +866,23 @@ def test_any_failure_leaves_the_buffer_exactly_as_it_was(
     assert_refused(tmp_path, ds, buffer=buffer)
 
 
+def test_a_failure_after_published_batches_says_they_were_removed(tmp_path: Path) -> None:
+    """70 one-frame episodes, the last one's image unreadable: found after ids 0-63 were published."""
+    build_v30(tmp_path / "ds", [1] * 70)
+    path = tmp_path / "ds/data/chunk-000/file-001.parquet"
+    table = pq.read_table(path)
+    images = table.column("observation.images.top").to_pylist()
+    images[-1] = {"bytes": b"not a png", "path": None}
+    kind = table.schema.field("observation.images.top").type
+    pq.write_table(set_column(table, "observation.images.top", images, kind), path)
+    result = run("import", "lerobot", tmp_path / "ds", "--buffer", tmp_path / "out/buf")
+    assert result.exit_code == 1 and result.stdout == "" and "Traceback" not in result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[:-1] == ["added trajectory ids 0-63"]
+    assert lines[-1].startswith("Error: ") and "(0-63) were removed, the buffer is as it was" in lines[-1]
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_interrupted_import_still_keeps_its_published_batches(
     bases: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -67,6 +67,16 @@ def _unmappable(exc: Exception) -> Exception:
     return exc
 
 
+def _removed_again(exc: Exception, ids: list[int]) -> Exception:
+    """A failure after some batches were published: the import put the buffer back."""
+    from rbtool.errors import CheckpointError, UsageError
+
+    kind = UsageError if isinstance(exc, UsageError) else CheckpointError
+    return kind(
+        f"{exc}; the trajectories added before ({format_ids(ids)}) were removed, the buffer is as it was"
+    )
+
+
 def parse_episodes(text: str | None) -> list[int] | None:
     """`0,3,5-9` as [0, 3, 5, 6, 7, 8, 9] (in the order given)."""
     if text is None:
@@ -319,7 +329,10 @@ def import_lerobot(
     def on_wait(holder: str) -> None:
         note(f"waiting for {buffer} (locked by {holder})")
 
+    published: list[int] = []
+
     def on_published(ids: list[int]) -> None:
+        published.extend(ids)
         first, last = ids[0], ids[-1]
         progress_line(f"added trajectory ids {first if first == last else f'{first}-{last}'}", enabled)
 
@@ -347,6 +360,8 @@ def import_lerobot(
                 dry_run=dry_run,
             )
     except RbtoolError as exc:
+        if published and not dry_run:  # the lines said they were added: say they are gone again
+            raise _removed_again(exc, published) from None
         raise _unmappable(exc) from None
     index = result.index
     doc: dict[str, Any] = {
