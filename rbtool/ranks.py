@@ -434,17 +434,17 @@ class Journal:
                             "file is read only as a regular file of the directory"
                         ) from None
                     raise JournalError(f"{path}: cannot read the journal: {exc.strerror or exc}") from None
-                with os.fdopen(f, "rb") as handle:
-                    st = os.fstat(handle.fileno())
+                try:
+                    st = os.fstat(f)
                     if not stat.S_ISREG(st.st_mode):
                         raise JournalError(f"{self.directory}: the journal file {name} is not a regular file")
                     _refuse_foreign(st, path, "file")
-                    try:
+                    with os.fdopen(f, "rb", closefd=False) as handle:
                         found.append((path, handle.read()))
-                    except OSError as exc:
-                        raise JournalError(
-                            f"{path}: cannot read the journal: {exc.strerror or exc}"
-                        ) from None
+                except OSError as exc:
+                    raise JournalError(f"{path}: cannot read the journal: {exc.strerror or exc}") from None
+                finally:
+                    os.close(f)
             return found
         except OSError as exc:
             raise JournalError(f"{self.directory}: cannot read the journal: {exc.strerror or exc}") from None
