@@ -995,6 +995,8 @@ def _update_mirror(
             return list(ckpt.sizes), []
         if not stat.S_ISDIR(top.st_mode) or top.st_uid != os.geteuid():
             return list(ckpt.sizes), [mirror]  # a link, a file, another user's directory: never used
+        if stat.S_IMODE(top.st_mode) != 0o700:
+            _chmod_dir(mirror)
         wanted_dirs = {data, *(p for rel in ckpt.sizes for p in (data / rel).parents if data in p.parents)}
         stale: list[Path] = []
         candidates: list[tuple[str, Path, os.stat_result]] = []
@@ -1002,8 +1004,12 @@ def _update_mirror(
             if stat.S_ISDIR(info.st_mode):
                 if path not in wanted_dirs or info.st_uid != os.geteuid():
                     stale.append(path)
+                elif stat.S_IMODE(info.st_mode) != 0o700:
+                    _chmod_dir(path)
                 continue
             if path.parent == mirror and path.name in (_STATE, _RESERVED) and stat.S_ISREG(info.st_mode):
+                if stat.S_IMODE(info.st_mode) != 0o600:
+                    os.chmod(path, 0o600)
                 continue  # rewritten (never through a link) before they are read again
             rel = path.relative_to(data).as_posix() if data in path.parents else None
             want = ckpt.objects.get(rel) if rel is not None else None
@@ -1014,10 +1020,12 @@ def _update_mirror(
         with ThreadPoolExecutor(workers) as pool:
             hashes = list(pool.map(lambda c: _cached_sha256(c[1], c[2]), candidates))
         fresh = set()
-        for (rel, path, _), got in zip(candidates, hashes, strict=True):
+        for (rel, path, info), got in zip(candidates, hashes, strict=True):
             want = ckpt.objects[rel]
             if want is not None and got == want.sha256:
                 fresh.add(rel)
+                if stat.S_IMODE(info.st_mode) != 0o600:  # a copy an earlier version made 0644
+                    os.chmod(path, 0o600)
             else:
                 stale.append(path)
         return [rel for rel in ckpt.sizes if rel not in fresh], stale

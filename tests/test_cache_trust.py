@@ -614,3 +614,22 @@ def test_the_cache_is_made_private_whatever_the_umask(
         mode = stat.S_IMODE(path.lstat().st_mode)
         assert not path.is_symlink()
         assert mode == (0o700 if path.is_dir() else 0o600), (path, oct(mode))
+
+
+@pytest.mark.parametrize("cmd", DATA_COMMANDS)
+def test_a_cache_an_earlier_version_left_open_to_reading_is_made_private(
+    cmd: str, area: Path, uploaded: str, cache_env: pytest.MonkeyPatch
+) -> None:
+    """Directories 0755 and copies 0644 (what the umask gave before): reused, and made 0700 and 0600."""
+    cache = area / "cache"
+    cache.mkdir(mode=0o700)
+    cache_env.setenv("RBTOOL_CACHE_DIR", str(cache))
+    with remote.data_mirror(uploaded):
+        pass
+    for path in cache.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    run_json(*command(cmd, uploaded, area / "out"))
+    mirror = cache / mirror_name(uploaded)
+    for path in [mirror, *mirror.rglob("*"), cache / ".locks", cache / ".locks" / mirror.name]:
+        mode = stat.S_IMODE(path.lstat().st_mode)
+        assert mode == (0o700 if path.is_dir() else 0o600), (path, oct(mode))
