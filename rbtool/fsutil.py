@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import sys
 import tempfile
 import uuid
@@ -443,6 +444,23 @@ def as_target(message: str, target: Path) -> str:
     return re.sub(staging, lambda _: str(target), message)
 
 
+def _share_with_group(fd: int, directory: Path) -> None:
+    """Give a file just made in `directory` the mode a plain open() gives (0666 less the umask),
+    plus group write and the directory's group when the directory is group-writable and the
+    umask lets the group read (a umask of 077 keeps everything, this file too, private)."""
+    mode = 0o666 & ~_umask()
+    try:
+        info = os.stat(directory)
+    except OSError:
+        info = None
+    if info is not None and info.st_mode & stat.S_IWGRP and mode & stat.S_IRGRP:
+        mode |= stat.S_IRGRP | stat.S_IWGRP
+        with contextlib.suppress(OSError):  # a setgid directory gave it its group already
+            if os.fstat(fd).st_gid != info.st_gid:
+                os.fchown(fd, -1, info.st_gid)
+    os.fchmod(fd, mode)
+
+
 class DirLock:
     """An exclusive advisory lock on a buffer directory (fcntl.flock on `.rbtool.lock`).
 
@@ -467,9 +485,31 @@ class DirLock:
         with fs_errors(self.path):
             self._acquire()
 
+    def _open(self) -> tuple[int, bool]:
+        """The lock file's descriptor (made if `create` and missing), and whether it can be written.
+
+        A lock file made here gets the mode of the directory's other files (0666 less the
+        umask) and, in a group-writable directory (a shared buffer, mode 2775), is group
+        writable too, with the directory's group, so that another member of the group
+        can take it. One it cannot open for writing (made by an older rbtool, 0644) is still
+        locked through a read-only descriptor: flock needs no write access.
+        """
+        if self.create:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                pass
+            else:
+                _share_with_group(fd, self.path.parent)
+                return fd, True
+        try:
+            return os.open(self.path, os.O_RDWR), True
+        except PermissionError:
+            return os.open(self.path, os.O_RDONLY), False
+
     def _acquire(self) -> None:
         try:
-            fd = os.open(self.path, os.O_RDWR | (os.O_CREAT if self.create else 0), 0o644)
+            fd, writable = self._open()
         except FileNotFoundError:
             if self.create:
                 raise
@@ -488,8 +528,9 @@ class DirLock:
             if self.on_wait is not None:
                 self.on_wait(holder or "another process")
             fcntl.flock(fd, fcntl.LOCK_EX)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
+        if writable:  # who holds it, for whoever waits
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
         self._fd = fd
 
     def release(self) -> None:

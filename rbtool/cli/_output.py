@@ -165,7 +165,9 @@ class ResultConsole(SafeConsole):
         """Print at a terminal with word wrapping; piped, unwrapped and without trailing spaces."""
         kwargs.setdefault("crop", False)  # a table wider than the terminal (--wide) is not cut
         if not self.piped:
-            kwargs.setdefault("soft_wrap", False)
+            # lines wrap between words; a line holding a word (a path) longer than the terminal
+            # is left to the terminal rather than broken inside that word
+            kwargs.setdefault("soft_wrap", _longest_word(objects) > self.width)
             super().print(*objects, **kwargs)
             return
         buffer = io.StringIO()
@@ -186,6 +188,19 @@ class ResultConsole(SafeConsole):
         text = "\n".join(line.rstrip() for line in buffer.getvalue().split("\n"))
         self.file.write(text)
         self.file.flush()
+
+
+def _longest_word(objects: Sequence[Any]) -> int:
+    """The widest word of the strings and Texts among `objects` (0 if none)."""
+    from rich.cells import cell_len
+
+    words = (
+        word
+        for o in objects
+        if isinstance(o, (str, Text))
+        for word in (o.plain if isinstance(o, Text) else o).split()
+    )
+    return max((cell_len(printable(word)) for word in words), default=0)
 
 
 # ------------------------------------------------------------ words and numbers
@@ -373,10 +388,10 @@ class Fitted:
         width = None if isinstance(console, ResultConsole) and console.piped else options.max_width
         table, need = self.fitted(console, width)
         if self.title is not None:  # above the table, as wide as the terminal (not the table)
-            yield plain(self.title)
+            yield unbroken(self.title, options.max_width)
         yield from console.render(table, options.update(width=max(options.max_width, need)))
         if self.caption is not None:  # under the table, as wide as the terminal (not the table)
-            yield plain(self.caption)
+            yield unbroken(self.caption, options.max_width)
         if self.dropped:
             yield Text(f"(left out to fit {width} columns: {', '.join(self.dropped)}; {self.hint})")
 
@@ -391,6 +406,16 @@ def plain(text: str | Text) -> Text:
     """A title or caption: a str is plain text (paths may hold `[`), never markup; control
     characters escaped."""
     return as_text(text)
+
+
+def unbroken(text: Text, width: int) -> Text:
+    """`text` to draw `width` wide: wrapped between words, or not at all when a word (a path)
+    is wider than that (the terminal then wraps the line; the word is never broken)."""
+    if _longest_word([text]) <= width:
+        return text
+    whole = text.copy()
+    whole.no_wrap, whole.overflow = True, "ignore"
+    return whole
 
 
 def key_values(title: str | Text, rows: Sequence[tuple[str, str | Text]]) -> Fitted:
