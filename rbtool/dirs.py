@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rbtool.errors import CheckpointError, MissingTrajectoryFilesError, RankLayoutWarning
+from rbtool.errors import CheckpointError, LooseFilesError, MissingTrajectoryFilesError, RankLayoutWarning
 from rbtool.format import escapes, is_checkpoint_dir, parse_trajectory_file_name
 from rbtool.index import Index, read_index
 
@@ -50,6 +50,9 @@ def checkpoint_dirs(path: str | os.PathLike[str]) -> list[Path]:
         return [root]
     ranks = rank_dirs(root)
     if not ranks:
+        loose = folder_of_loose_files(root)
+        if loose is not None:
+            raise LooseFilesError(loose, str(root))
         raise CheckpointError(
             parent_of_checkpoints(root)
             or f"{root}: neither a checkpoint (no metadata.json, trajectory_index.json or trajectory "
@@ -75,6 +78,23 @@ def parent_of_checkpoints(root: Path) -> str | None:
             f"give one of them, e.g. {root / held[0]}"
         )
     return None
+
+
+def folder_of_loose_files(root: Path) -> str | None:
+    """When `root` is no checkpoint but holds loose .pt/.pkl files (and no checkpoint), the
+    message that names them; else None."""
+    try:
+        with os.scandir(root) as it:
+            loose = sorted(e.name for e in it if e.is_file() and e.name.endswith((".pt", ".pkl")))
+    except OSError:
+        return None
+    if not loose or parent_of_checkpoints(root) is not None:
+        return None
+    shown = ", ".join(loose[:3]) + (f", ... ({len(loose)} in all)" if len(loose) > 3 else "")
+    return (
+        f"{root}: not a checkpoint but a folder of {len(loose)} loose trajectory "
+        f"{'file' if len(loose) == 1 else 'files'} ({shown})"
+    )
 
 
 def is_rank_tree(path: str | os.PathLike[str]) -> bool:

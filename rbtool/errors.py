@@ -17,6 +17,14 @@ class DamagedCheckpointError(CheckpointError):
         self.directory = directory
 
 
+class LooseFilesError(CheckpointError):
+    """A folder of loose trajectory files was given where a checkpoint belongs (ingest makes one)."""
+
+    def __init__(self, message: str, directory: str = "") -> None:
+        super().__init__(message)
+        self.directory = directory
+
+
 class OutputExistsError(CheckpointError):
     """The output path exists and replacing it was not asked for."""
 

@@ -363,3 +363,50 @@ def test_a_buffer_the_group_may_not_share_is_one_error(
     assert status == 1
     lines = stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: ") and "ermission denied" in lines[0], stderr
+
+
+# ------------------------------------------------------------------ smaller defects
+def test_convert_without_format_is_one_line(tmp_path: Path) -> None:
+    places = hostile(tmp_path, "plain")
+    status, stdout, stderr = invoke("convert", places["CK"], "--out", places["OUT"])
+    assert status == 2 and stdout == ""
+    assert stderr.splitlines() == ["Error: --format is required: give pt or pkl (or set RBTOOL_FORMAT)"]
+    assert not places["OUT"].exists()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["stats", "SRC"],
+        ["stats", "SRC", "--index-only"],
+        ["verify", "SRC"],
+        ["sample", "SRC", "--num-chunks", "2"],
+        ["shard", "SRC", "-n", "2", "--out", "OUT"],
+        ["checkpoint", "load", "SRC"],
+    ],
+    ids=["stats", "stats-index-only", "verify", "sample", "shard", "checkpoint-load"],
+)
+def test_a_folder_of_loose_files_is_named_with_the_command_that_ingests_it(
+    tmp_path: Path, argv: list[str]
+) -> None:
+    src = tmp_path / "trajs"
+    trajectories(src, "extra", n=5)
+    status, stdout, stderr = invoke(*[{"SRC": src, "OUT": tmp_path / "out"}.get(a, a) for a in argv])
+    assert status == 1 and stdout == "", (stdout, stderr)
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
+    assert "5 loose trajectory files (t0.pt, t1.pt, t2.pt, ... (5 in all))" in lines[0]
+    assert f"rbtool ingest {src} --buffer DIR" in lines[0]
+
+
+@pytest.mark.parametrize("k", [17, 100, 10**6])
+def test_sample_says_when_k_is_more_than_the_window_holds(tmp_path: Path, k: int) -> None:
+    places = hostile(tmp_path, "plain")  # 3 trajectories of 2x2: 12 samples
+    argv = ["sample", places["CK"], "--num-chunks", "4", "--strategy", "topk", "--k", str(k), "--seed", "1"]
+    status, stdout, stderr = invoke(*argv, "--json")
+    assert status == 0, stderr
+    doc = json.loads(stdout)
+    assert doc["k"] == k and doc["k_used"] == 12
+    assert stderr == f"--k {k} is more than the window's 12 samples: top-k draws among all 12 (k 12)\n"
+    status, _, stderr = invoke("sample", places["CK"], "--num-chunks", "4", "--strategy", "topk", "--k", "12")
+    assert status == 0 and "--k" not in stderr  # a K the window holds: nothing to say

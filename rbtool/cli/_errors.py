@@ -13,7 +13,7 @@ from typing import Any
 
 import typer
 
-from rbtool.errors import DamagedCheckpointError, TrajectoryFileError
+from rbtool.errors import DamagedCheckpointError, LooseFilesError, TrajectoryFileError
 
 # Typer's own choice check: "'TopK' is not one of 'uniform', 'topk'."
 _NOT_ONE_OF = re.compile(r"(?P<value>'.*') is not one of (?P<choices>.*)\.$")
@@ -89,6 +89,12 @@ _READS_CHECKPOINT_FILES = {"sample", "stats", "diff", "convert", "export", "filt
 def fix_hint(exc: Exception, command: Any) -> str:
     """`; <the command that mends it>` for damage a command can only refuse, else ''."""
     name = getattr(command, "name", None)
+    if isinstance(exc, LooseFilesError):  # a checkpoint is made of them by ingest
+        where = exc.directory or "FOLDER"
+        return (
+            f"; `rbtool ingest {where} --buffer DIR` makes a buffer of them "
+            f"(or `rbtool checkpoint save {where} OUT --mode in-memory`)"
+        )
     if name is None or name in _REPORTS_DAMAGE:
         return ""
     if isinstance(exc, DamagedCheckpointError):

@@ -41,8 +41,11 @@ def convert(
         str, typer.Option("--out", "-o", help="Where (a directory or URL) to write the converted copy.")
     ],
     trajectory_format: Annotated[
-        TrajectoryFormat, typer.Option("--format", help="The format to write every trajectory file in.")
-    ],
+        TrajectoryFormat | None,
+        typer.Option(
+            "--format", help="The format to write every trajectory file in (required).", show_default=False
+        ),
+    ] = None,
     jobs: JobsOpt = None,
     journal: JournalOpt = None,
     strict: StrictOpt = True,
@@ -61,6 +64,10 @@ def convert(
 ) -> None:
     """Write OUT with every trajectory file of IN in FORMAT (a rank tree keeps its rank_* layout)."""
     refuse_output_mix(json, pretty=pretty)
+    if trajectory_format is None:  # one line, not the parser's list of choices on three lines
+        from rbtool.errors import UsageError
+
+        raise UsageError("--format is required: give pt or pkl (or set RBTOOL_FORMAT)")
     # to a local OUT, each file is read once: a source larger than the cache is streamed (a
     # remote OUT is staged whole in the cache first, so there the source must fit beside it)
     stream = not is_url(target_arg)
