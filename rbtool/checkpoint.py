@@ -74,13 +74,16 @@ def build_from_files(
     seed: int | None = 1234,
     overwrite: bool = False,
     progress: Progress | None = None,
-    link: bool = True,
+    link: bool | None = None,
     dry_run: bool = False,
 ) -> tuple[Index, WriteReport]:
     """What a buffer with auto_save off saves after adding the sources' trajectories in order.
 
     Ids are 0..n-1 in source order, the counter is n, and only the last `window`
-    trajectories (all when 0) are written and counted.
+    trajectories (all when 0) are written and counted. Files are placed as `ingest` places
+    them: by default a checkpoint's files may be hard-linked and loose files are copied
+    (whoever wrote them may write them again in place); `link` True links loose files too,
+    False links nothing.
     """
     if trajectory_format not in FORMATS:
         raise UsageError(f"format must be 'pt' or 'pkl', got {trajectory_format!r}")
@@ -89,6 +92,7 @@ def build_from_files(
         raise UsageError(f"window must be >= 0, got {window}")
     full = Index(seed=seed, trajectory_format=trajectory_format)
     paths: dict[int, Path] = {}
+    from_checkpoint: set[int] = set()  # ids whose source is a checkpoint's file
     kept = set(window_of(list(range(len(items))), window))
     start_phase(progress, len(items), "reading trajectory files")
     phases = progress if hasattr(progress, "start") else None  # a plain callback counts files placed
@@ -103,10 +107,19 @@ def build_from_files(
             full.entries[tid]["file_bytes"] = item.path.stat().st_size
         full.id_list.append(tid)
         paths[tid] = item.path
+        if item.entry is not None:
+            from_checkpoint.add(tid)
     full.trajectory_counter = len(items)
     sub = full.subset(window_of(full.id_list, window))
+    placed = from_checkpoint.__contains__ if link is None else link
     report = write_checkpoint(
-        Path(out), sub, paths.__getitem__, overwrite=overwrite, progress=progress, link=link, dry_run=dry_run
+        Path(out),
+        sub,
+        paths.__getitem__,
+        overwrite=overwrite,
+        progress=progress,
+        link=placed,
+        dry_run=dry_run,
     )
     return sub, report
 

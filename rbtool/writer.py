@@ -101,16 +101,18 @@ def fill_dir(
     source_of: Callable[[int], Source],
     progress: Progress | None,
     *,
-    link: bool = True,
+    link: bool | Callable[[int], bool] = True,
 ) -> WriteReport:
     """Place every listed trajectory into `directory` and write its index and metadata.
 
-    With `link` False no file is a hard link of its source (see place_trajectory).
+    With `link` False no file is a hard link of its source (see place_trajectory); a function
+    of the id says it per trajectory.
     """
     report = WriteReport()
     for tid in index.id_list:
         dst = directory / index.file_name(tid)
-        place_trajectory(source_of(tid), dst, index.entries[tid], report, link=link)
+        linked = link(tid) if callable(link) else link
+        place_trajectory(source_of(tid), dst, index.entries[tid], report, link=linked)
         if progress is not None:
             progress(1)
     write_index(directory, index)
@@ -124,7 +126,7 @@ def write_checkpoint(
     *,
     overwrite: bool = False,
     progress: Progress | None = None,
-    link: bool = True,
+    link: bool | Callable[[int], bool] = True,
     dry_run: bool = False,
 ) -> WriteReport:
     """Write a checkpoint listing `index` at `out`, published atomically.

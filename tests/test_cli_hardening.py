@@ -410,3 +410,37 @@ def test_sample_says_when_k_is_more_than_the_window_holds(tmp_path: Path, k: int
     assert stderr == f"--k {k} is more than the window's 12 samples: top-k draws among all 12 (k 12)\n"
     status, _, stderr = invoke("sample", places["CK"], "--num-chunks", "4", "--strategy", "topk", "--k", "12")
     assert status == 0 and "--k" not in stderr  # a K the window holds: nothing to say
+
+
+@pytest.mark.parametrize(
+    ("flags", "loose_linked", "checkpoint_linked"),
+    [([], False, True), (["--link"], True, True), (["--copy"], False, False)],
+    ids=["default", "link", "copy"],
+)
+def test_an_in_memory_save_places_files_as_ingest_does(
+    tmp_path: Path, flags: list[str], loose_linked: bool, checkpoint_linked: bool
+) -> None:
+    """Loose files are copied (a write in place to the source must not change the save) unless
+    --link; a checkpoint's files are linked unless --copy."""
+    places = hostile(tmp_path, "plain")
+    loose_file = places["SRC"] / "t0.pt"
+    out = tmp_path / "saved"
+    status, _, stderr = invoke(
+        "checkpoint", "save", places["CK"], loose_file, out, "--mode", "in-memory", "--window", "0", *flags
+    )
+    assert status == 0, stderr
+    saved = sorted(out.glob("trajectory_*.pt"), key=lambda p: int(p.name.split("_")[1]))
+    sources = [*sorted(places["CK"].glob("trajectory_*.pt")), loose_file]
+    assert len(saved) == 4
+    for i, (source, copy) in enumerate(zip(sources, saved, strict=True)):
+        linked = loose_linked if i == 3 else checkpoint_linked
+        assert os.path.samefile(source, copy) == linked, (i, flags)
+    original = saved[3].read_bytes()
+    loose_file.write_bytes(b"rewritten in place")  # the writer of a loose file writes it again
+    assert (saved[3].read_bytes() == original) != loose_linked
+
+
+def test_an_in_memory_save_refuses_link_with_copy(tmp_path: Path) -> None:
+    places = hostile(tmp_path, "plain")
+    status, stdout, stderr = invoke("checkpoint", "save", places["SRC"], tmp_path / "o", "--link", "--copy")
+    assert status == 2 and stdout == "" and len(stderr.splitlines()) == 1

@@ -100,6 +100,14 @@ def save(
         int | None, typer.Option("--seed", help="Seed recorded by an in-memory save (default 1234).")
     ] = None,
     force: ForceOpt = False,
+    link: Annotated[
+        bool,
+        typer.Option(
+            "--link",
+            help="in-memory: hard-link loose trajectory files too (default: copy them, as ingest does; "
+            "a checkpoint's files are linked).",
+        ),
+    ] = False,
     copy: CopyOpt = False,
     dry_run: DryRunOpt = False,
     all_items: AllOpt = False,
@@ -109,6 +117,10 @@ def save(
 ) -> None:
     """Write the checkpoint a buffer's save_checkpoint would write, from files on disk."""
     refuse_output_mix(json, pretty=pretty)
+    if link and copy:
+        from rbtool.errors import UsageError
+
+        raise UsageError("--link and --copy exclude each other; give one of them")
     # a dry run of a save reads every file, as the save does
     opening = read_and_write(
         source_args,
@@ -129,7 +141,8 @@ def save(
             trajectory_format,
             seed,
             force,
-            copy,
+            # never a hard link into the cache; loose files copied unless --link, as by ingest
+            False if copy or any(p.url is not None for p in places) else True if link else None,
             dry_run,
             all_items,
             json,
@@ -145,7 +158,7 @@ def _save(
     trajectory_format: TrajectoryFormat | None,
     seed: int | None,
     force: bool,
-    copy: bool,
+    link: bool | None,
     dry_run: bool,
     all_items: bool,
     json: bool,
@@ -185,7 +198,7 @@ def _save(
                 window,
                 overwrite=force,
                 progress=advance,
-                link=not copy,
+                link=link is not False,
                 dry_run=dry_run,
             )
     else:
@@ -198,7 +211,7 @@ def _save(
                 seed=1234 if seed is None else seed,
                 overwrite=force,
                 progress=advance,
-                link=not copy,
+                link=link,
                 dry_run=dry_run,
             )
         listed = list(range(index.trajectory_counter))  # an in-memory buffer numbers them 0..n-1
