@@ -411,7 +411,7 @@ def _load(
                 strict=strict,
                 overwrite=force,
                 progress=advance,
-                link=not copy,
+                link=not copy and place.url is None,  # never a hard link into the cache
                 dry_run=dry_run,
             )
         doc["restored_to"] = None if dry_run else str(buffer)

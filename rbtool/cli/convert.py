@@ -87,7 +87,7 @@ def convert(
                 strict=strict,
                 overwrite=force,
                 progress=advance,
-                link=not copy,
+                link=not copy and src.url is None,  # never a hard link into the cache
                 journal=journal,
                 dry_run=dry_run,
             )

@@ -109,7 +109,7 @@ def filter_(
                 dry_run=dry_run,
                 overwrite=force,
                 progress=advance,
-                link=not copy,
+                link=not copy and src.url is None,  # never a hard link into the cache
             )
         dst.finish()  # upload before printing (a URL's checkpoint exists only then)
         doc: dict[str, Any] = {

@@ -67,7 +67,7 @@ def merge(
                 trajectory_format=None if trajectory_format is None else trajectory_format.value,
                 overwrite=force,
                 progress=advance,
-                link=not copy,
+                link=not copy and all(p.url is None for p in places),  # never into the cache
                 dry_run=dry_run,
             )
         dst.finish()  # upload before printing (a URL's checkpoint exists only then)

@@ -85,7 +85,7 @@ def reshard(
                 dry_run=dry_run,
                 overwrite=force,
                 progress=advance,
-                link=not copy,
+                link=not copy and src.url is None,  # never a hard link into the cache
             )
         dst.finish()  # upload before printing (a URL's checkpoint exists only then)
         ranks: list[dict[str, Any]] = [

@@ -62,7 +62,7 @@ def shard(
                 strict=strict,
                 overwrite=force,
                 progress=advance,
-                link=not copy,
+                link=not copy and src.url is None,  # never a hard link into the cache
                 dry_run=dry_run,
             )
         dst.finish()  # upload before printing (a URL's checkpoint exists only then)
