@@ -229,8 +229,9 @@ def test_loading_a_rank_with_another_world_size_warns(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", RankLayoutWarning)
         load_state(out / "rank_1")  # a full load of its own directory
-        load_state(out / "rank_1", world_size=2, rank=0)
         load_state(out, world_size=3, rank=2)  # the whole tree, over any world size
+    with pytest.warns(RankLayoutWarning, match="already rank 1 of world size 2.*by world size 2"):
+        load_state(out / "rank_1", world_size=2, rank=0)  # split again by its own world size
     with pytest.warns(RankLayoutWarning, match="rank 1 of world size 2.*world size 3"):
         load_state(out / "rank_1", world_size=3, rank=0)
     buffer = TrajectoryReplayBuffer()
