@@ -451,11 +451,13 @@ class Journal:
         finally:
             os.close(fd)
 
-    def load(self) -> dict[str, tuple[Any, Any]]:
-        """Every recorded file, by key: (its identity then, its encoded result). Refuses foreign
-        journals, and journals that others could have written; files of an older journal version
-        (whose identities lack ctime and hashes) are left out, so their files are read again."""
-        done: dict[str, tuple[Any, Any]] = {}
+    def load(self) -> dict[str, list[tuple[Any, Any]]]:
+        """Every recorded file, by key: each (identity then, encoded result) recorded for it, in
+        every journal file (a file read again by a later pass has several; the one whose identity
+        is the file's now counts, whichever journal file holds it). Refuses foreign journals, and
+        journals that others could have written; files of an older journal version (whose
+        identities lack ctime and hashes) are left out, so their files are read again."""
+        done: dict[str, list[tuple[Any, Any]]] = {}
         mine = orjson.loads(self.header())
         for path, data in self._contents():
             lines = data.split(b"\n")
@@ -480,7 +482,7 @@ class Journal:
             for line in lines[1:]:
                 try:
                     row = read_json_bytes(line, str(path))  # bounded: nesting, size, 64-bit ints
-                    done[row["key"]] = (row["identity"], row["result"])
+                    done.setdefault(row["key"], []).append((row["identity"], row["result"]))
                 except (CheckpointError, KeyError, TypeError):
                     continue  # a torn last line (a crash mid-write) or an empty one
         return done
@@ -817,18 +819,20 @@ def _decide(
     if journal is not None:
         done = journal.load()
         for i, job in enumerate(named):
-            entry = done.get(job.key)
-            if entry is None:
+            entries = done.get(job.key)
+            if not entries:
                 continue
             wanted = [
                 _expected(p, job.hashes[k] if k < len(job.hashes) else None) for k, p in enumerate(job.files)
             ]
-            if entry[0] != wanted:
-                continue
-            try:
-                recorded[i] = _decode(entry[1], types)
-            except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-                continue
+            for identity, result in entries:
+                if identity != wanted:
+                    continue
+                try:
+                    recorded[i] = _decode(result, types)
+                    break
+                except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+                    continue
     todo = [i for i in range(len(named)) if i not in recorded]
     homes = [_home(named[i].files) for i in todo]
     ranks = plan([sizes[i] for i in todo], world_size, homes)

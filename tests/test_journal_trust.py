@@ -481,6 +481,39 @@ def test_a_journal_link_to_another_users_directory_is_refused(other: int, hashed
     refused(result, link)
 
 
+def stats_process(ckpt: Path, journal: Path) -> dict[str, Any]:
+    """`rbtool stats CKPT --journal DIR --json` in a process of its own (its own journal file)."""
+    argv = [
+        sys.executable,
+        "-m",
+        "rbtool",
+        "stats",
+        str(ckpt),
+        "--jobs",
+        "1",
+        "--journal",
+        str(journal),
+        "--json",
+    ]
+    done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_a_newer_result_counts_whichever_journal_file_holds_it(unhashed: Path, tmp_path: Path) -> None:
+    """A file read again by a later process has two results, in two journal files; the one whose
+    identity is the file's now counts, even when the older one's journal file is read last (the
+    files are named by rank and process id, so their order is the pids' order)."""
+    ckpt, journal = copy_of(unhashed, tmp_path), tmp_path / "journal"
+    assert stats_process(ckpt, journal)["journal"] == {"reused": 0, "files": FILES}
+    [older] = journal.glob("*.jsonl")
+    chmod_only(trajectory_files(ckpt)[0])
+    assert stats_process(ckpt, journal)["journal"] == {"reused": FILES - 1, "files": FILES}
+    older.rename(journal / "0-99999999999-last.jsonl")  # the older results are now read last
+    assert len(list(journal.glob("*.jsonl"))) == 2
+    assert stats_process(ckpt, journal)["journal"] == {"reused": FILES, "files": FILES}
+
+
 # ------------------------------------------------------------------ torchrun
 needs_torchrun = pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed")
 
