@@ -126,21 +126,28 @@ class RangeCache:
                 list(pool.map(lambda job: self._get(*job), jobs))
 
     def _get(self, rel: str, start: int, end: int) -> None:
+        from rbtool.remote import store_errors
+
         remote = self.mirror.checkpoint.remote
-        try:
+        where, options = f"{remote.url}/{rel}", remote.fs.storage_options
+        with store_errors(where, f"cannot read bytes {start}-{end}", options):
             data = remote.fs.cat_file(remote.key(rel), start=start, end=end)
-        except OSError as exc:
-            raise CheckpointError(f"{remote.url}/{rel}: cannot read bytes {start}-{end} ({exc})") from None
         if len(data) != end - start:
             raise CheckpointError(
                 f"{remote.url}/{rel}: bytes {start}-{end} read back as {len(data)} bytes "
                 "(changed during the read?); rerun"
             )
-        fd = os.open(self.mirror.path / rel, os.O_WRONLY)
         try:
-            os.pwrite(fd, data, start)
-        finally:
-            os.close(fd)
+            fd = os.open(self.mirror.path / rel, os.O_WRONLY)
+            try:
+                os.pwrite(fd, data, start)
+            finally:
+                os.close(fd)
+        except OSError as exc:  # the local cache's disk, not the store
+            raise CheckpointError(
+                f"{remote.url}/{rel}: cannot keep bytes {start}-{end} in the local cache "
+                f"({exc.strerror or exc}); free space there (RBTOOL_CACHE_DIR)"
+            ) from None
         with self._lock:
             first = rel not in self.present
             ranges = self.present[rel] = merge([*self.present.get(rel, []), (start, end)])

@@ -37,7 +37,10 @@ from rbtool.format import INDEX_FILE, LEGACY_INDEX_FILE, MERGE_MAP_FILE, METADAT
 MARKER = "rbtool-upload-complete.json"  # written last: the upload is whole
 PENDING = "rbtool-upload-pending.json"  # written first: an upload is under way (or was killed)
 MARKER_FORMAT = "rbtool-upload"
-MARKER_VERSION = 1
+# 2: the marker carries `digest` (of every object's name, size and sha256) and each object's
+# ETag as the store reported it after the upload; version 1 markers (neither) are still read.
+MARKER_VERSION = 2
+_MARKER_VERSIONS = (1, 2)
 _CONTROL = (MARKER, PENDING)
 _JSON_OBJECTS = (METADATA_FILE, INDEX_FILE, LEGACY_INDEX_FILE, MERGE_MAP_FILE)
 _CHUNK = 1 << 20
@@ -73,7 +76,8 @@ def parse_storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
     for pair in pairs or ():
         key, sep, text = pair.partition("=")
         if not sep or not key.strip():
-            raise UsageError(f"storage option {pair!r}: expected key=value")
+            shown = "(hidden: it may hold a secret)" if _SECRET_OPTION.search(pair) else repr(pair)
+            raise UsageError(f"storage option {shown}: expected key=value")
         try:
             value: Any = json.loads(text)
         except ValueError:
@@ -111,31 +115,235 @@ def open_remote(url: str, options: dict[str, Any] | None = None) -> Remote:
         from fsspec.core import url_to_fs
     except ImportError:
         raise RbtoolError(f"{url}: URLs need fsspec; install rbtool[s3] (pip install 'rbtool[s3]')") from None
-    del fsspec
     try:
-        fs, root = url_to_fs(url, **(options or {}))
-    except ImportError as exc:  # the scheme's fsspec package is missing (s3fs, gcsfs, ...)
+        cls = fsspec.get_filesystem_class(url.split("://", 1)[0].lower())
+    except (ImportError, ValueError) as exc:  # the scheme's fsspec package is missing (s3fs, gcsfs, ...)
         hint = "; install rbtool[s3]" if url.lower().startswith(("s3://", "s3a://")) else ""
-        raise RbtoolError(f"{url}: {one_line(str(exc))}{hint}") from None
+        raise RbtoolError(f"{shown_url(url)}: {redact(one_line(str(exc)), options)}{hint}") from None
+    _check_options(url, cls, options or {})
+    try:
+        with store_errors(url, "cannot open", options):
+            fs, root = url_to_fs(url, **(options or {}))
+    except ImportError as exc:
+        raise RbtoolError(f"{shown_url(url)}: {redact(one_line(str(exc)), options)}") from None
     except (ValueError, TypeError) as exc:
-        raise UsageError(f"{url}: {exc}") from None
+        raise UsageError(f"{shown_url(url)}: {redact(one_line(str(exc)), options)}") from None
     return Remote(url.rstrip("/"), fs, str(root).rstrip("/"))
 
 
-def _listing(remote: Remote) -> dict[str, dict[str, Any]]:
-    """Relative name -> info of every object under the remote directory (empty if there is none)."""
+# Options every fsspec filesystem takes (fsspec.spec.AbstractFileSystem and its caching).
+_COMMON_OPTIONS = {
+    "skip_instance_cache",
+    "use_listings_cache",
+    "listings_expiry_time",
+    "max_paths",
+    "asynchronous",
+    "loop",
+}
+_SECRET_OPTION = re.compile(r"secret|token|password|key|credential", re.IGNORECASE)
+_SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
+
+
+def _check_options(url: str, cls: type, options: dict[str, Any]) -> None:
+    """Refuse a storage option the filesystem of `url` does not take, or a value of the wrong kind
+    for an option whose default is a boolean or a number (`anon=maybe`)."""
+    import inspect as pyinspect
+
+    known: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            params = pyinspect.signature(init).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        for p in params:
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self":
+                known[p.name] = p.default
+    for key, value in options.items():
+        shown = f"{key}=***" if _SECRET_OPTION.search(key) else f"{key}={json.dumps(value)}"
+        if key not in known and key not in _COMMON_OPTIONS:
+            close = sorted(k for k in known if not k.startswith("_"))
+            raise UsageError(
+                f"{url}: unknown storage option {shown} for {cls.__name__} (it takes: {', '.join(close)})"
+            )
+        default = known.get(key)
+        if isinstance(default, bool) and not isinstance(value, bool):
+            raise UsageError(f"{url}: storage option {shown} takes true or false")
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if type(default) in (int, float) and value is not None and not number:
+            raise UsageError(f"{url}: storage option {shown} takes a number")
+
+
+def _secrets(options: dict[str, Any] | None) -> list[str]:
+    """The values of options (nested too) and environment variables that hold secrets."""
+    found: list[str] = []
+
+    def walk(place: dict[str, Any]) -> None:
+        for key, value in place.items():
+            if isinstance(value, dict):
+                walk(value)
+            elif _SECRET_OPTION.search(str(key)) and value not in (None, True, False, ""):
+                found.append(str(value))
+
+    walk(options or {})
+    found += [os.environ[name] for name in _SECRET_ENV if os.environ.get(name)]
+    return sorted({s for s in found if len(s) >= 3}, key=len, reverse=True)
+
+
+def redact(text: str, options: dict[str, Any] | None = None) -> str:
+    """`text` with every secret (values of key/secret/token/password options and of the AWS
+    credentials' environment variables, a URL's user:password@) replaced by ***."""
+    for secret in _secrets(options):
+        text = text.replace(secret, "***")
+    return re.sub(r"(://)[^/@\s]+@", r"\1***@", text)
+
+
+def shown_url(url: str) -> str:
+    """A URL as it is printed: without the password or key a user:password@ part holds."""
+    return re.sub(r"(://)[^/@\s]+@", r"\1***@", url)
+
+
+_NO_CREDENTIALS = (
+    "no credentials found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), "
+    "or give --storage-option key=... --storage-option secret=..."
+)
+
+
+def _store_reason(exc: BaseException) -> str:
+    """What a store error says, in one line."""
+    name = type(exc).__name__
+    text = one_line(str(exc)) or name
+    if name in ("NoCredentialsError", "PartialCredentialsError"):
+        return _NO_CREDENTIALS + f" ({text})"
+    if name in _CONNECT_ERRORS:
+        return f"cannot connect to the endpoint ({text}); check endpoint_url or AWS_ENDPOINT_URL"
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "no space left on the local disk (the cache: RBTOOL_CACHE_DIR)"
+    if isinstance(exc, OSError) and exc.strerror:
+        text = one_line(exc.strerror)
+    if isinstance(exc, FileNotFoundError) and "bucket" in text.lower():
+        return f"{text} (no such bucket)"
+    return text
+
+
+_CONNECT_ERRORS = ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError")
+_STORE_MODULES = ("botocore", "aiobotocore", "s3fs", "fsspec", "aiohttp", "gcsfs", "google", "adlfs", "azure")
+
+
+@contextmanager
+def store_errors(url: str, doing: str, options: dict[str, Any] | None = None) -> Iterator[None]:
+    """Turn what object storage raises in the block (OSError, botocore's and the HTTP client's
+    errors) into one CheckpointError naming `url`, secrets redacted; anything else passes."""
     try:
-        found = remote.fs.find(remote.root, detail=True)
-    except FileNotFoundError:
-        return {}
-    except OSError as exc:
-        raise CheckpointError(f"{remote.url}: {exc}") from None
+        yield
+    except RbtoolError:
+        raise
+    except Exception as exc:
+        module = type(exc).__module__.split(".")[0]
+        if not isinstance(exc, OSError) and module not in _STORE_MODULES:
+            raise
+        reason = redact(f"{doing} ({_store_reason(exc)})", options)
+        raise CheckpointError(f"{shown_url(url)}: {reason}") from None
+
+
+def _listing(remote: Remote) -> dict[str, dict[str, Any]]:
+    """Relative name -> info of every object under the remote directory (empty if there is none).
+
+    Every name is checked as one safe name first (`key_problem` without the checkpoint
+    vocabulary): a key that is a path (`..`, an empty segment, absolute) or holds a control
+    character refuses the whole listing, before any local path is built from it.
+    """
+    try:
+        with store_errors(remote.url, "cannot list", remote.fs.storage_options):
+            try:
+                remote.fs.invalidate_cache(remote.root)  # what another process (or writer) did since
+                found = remote.fs.find(remote.root, detail=True)
+            except FileNotFoundError as exc:
+                if "bucket" in str(exc).lower():
+                    raise
+                return {}
+    except CheckpointError as exc:
+        if "no such bucket" in str(exc):
+            raise CheckpointError(f"{remote.url}: the bucket does not exist") from None
+        raise
     prefix = remote.root + "/"
-    return {
+    listing = {
         name[len(prefix) :]: info
         for name, info in found.items()
         if name.startswith(prefix) and info.get("type", "file") != "directory"
     }
+    for rel in sorted(listing):
+        problem = key_problem(rel, names=False)
+        if problem is not None:
+            raise UnsafeKeyError(_key_message(remote, rel, problem))
+    return listing
+
+
+# ------------------------------------------------------------------ object names
+_RANK_DIR = re.compile(r"rank_[0-9]+")
+_NAME_BYTES = 255  # the longest file name a local file system takes
+
+
+class UnsafeKeyError(CheckpointError):
+    """An object key under a checkpoint's prefix is not one safe name that a checkpoint uses."""
+
+
+def shown_key(rel: str) -> str:
+    """An object name as it is printed: every character that is not printable escaped (\\n, \\x1b)."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in rel)
+
+
+def key_problem(rel: str, *, names: bool = True) -> str | None:
+    """Why the object name `rel` (relative to a checkpoint's prefix) cannot be read, or None.
+
+    A name is never a path: no `..` or `.` segment, no empty segment, not absolute, no NUL
+    or other control character, no segment longer than a file name. With `names`, it must
+    also be a name a checkpoint uses: the metadata, the index (or its legacy name), the
+    merge map, the upload marker or pending note, or a trajectory file as rbtool.format
+    names them, here or in a `rank_<r>/` directory.
+    """
+    from rbtool.format import parse_trajectory_file_name
+
+    if not rel:
+        return "is empty"
+    if any(not c.isprintable() for c in rel):
+        return "holds a control character"
+    if rel.startswith("/"):
+        return "is absolute (it starts with /)"
+    parts = rel.split("/")
+    if "" in parts:
+        return "has an empty segment (//)"
+    if "." in parts or ".." in parts:
+        return "has a . or .. segment"
+    if any(len(part.encode("utf-8", "surrogatepass")) > _NAME_BYTES for part in parts):
+        return f"has a segment longer than {_NAME_BYTES} bytes"
+    if not names:
+        return None
+    if len(parts) == 2 and _RANK_DIR.fullmatch(parts[0]):
+        parts = parts[1:]
+    name = parts[-1]
+    if len(parts) == 1 and (
+        name in _JSON_OBJECTS or name in _CONTROL or parse_trajectory_file_name(name) is not None
+    ):
+        return None
+    return (
+        "is not a name a checkpoint uses (metadata.json, trajectory_index.json, "
+        "trajectory_<id>_<weights>.<pt|pkl>, ..., here or in rank_<r>/)"
+    )
+
+
+def _key_message(remote: Remote, rel: str, problem: str) -> str:
+    return f"{remote.url}: object key {shown_key(rel)} {problem}; refused, nothing was read"
+
+
+def _check_names(remote: Remote, listing: dict[str, Any]) -> None:
+    """Refuse a listing holding a name a checkpoint does not use (naming the first such key)."""
+    for rel in sorted(listing):
+        problem = key_problem(rel)
+        if problem is not None:
+            raise UnsafeKeyError(_key_message(remote, rel, problem))
 
 
 def _start(progress: Progress | None, total: int, description: str) -> None:
@@ -151,6 +359,7 @@ class Digest:
     size: int
     sha256: str
     md5: str | None = None
+    etag: str | None = None  # as the store reported it after the upload (a marker's record)
 
 
 def digest_file(path: Path) -> Digest:
@@ -173,9 +382,15 @@ def _remote_sha256(remote: Remote, rel: str) -> str:
     return sha.hexdigest()
 
 
+def _etag(info: dict[str, Any]) -> str | None:
+    """The ETag a store lists for an object (quotes dropped, lower case), or None if it lists none."""
+    etag = str(info.get("ETag") or info.get("etag") or "").strip('"').lower()
+    return etag or None
+
+
 def _etag_md5(info: dict[str, Any]) -> str | None:
     """The md5 an S3-like store reports for a single-part object (its ETag), else None."""
-    etag = str(info.get("ETag") or info.get("etag") or "").strip('"').lower()
+    etag = _etag(info) or ""
     return etag if re.fullmatch(r"[0-9a-f]{32}", etag) else None
 
 
@@ -190,27 +405,92 @@ def _matches(remote: Remote, rel: str, info: dict[str, Any] | None, want: Digest
 
 
 # ------------------------------------------------------------------ the marker
-def _marker_doc(digests: dict[str, Digest]) -> bytes:
+def marker_digest(digests: dict[str, Digest]) -> str:
+    """The digest a marker records of its objects: sha256 of every name, size and sha256, sorted.
+
+    The index and the metadata are objects like the others, so it covers them too: an index,
+    metadata or object set of another upload does not match it.
+    """
+    rows = [[rel, d.size, d.sha256] for rel, d in sorted(digests.items())]
+    return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
+
+
+def _marker_doc(digests: dict[str, Digest], etags: dict[str, str] | None = None) -> bytes:
+    files: dict[str, dict[str, Any]] = {}
+    for rel, d in sorted(digests.items()):
+        files[rel] = {"size": d.size, "sha256": d.sha256}
+        if etags and etags.get(rel):
+            files[rel]["etag"] = etags[rel]
     doc = {
         "format": MARKER_FORMAT,
         "version": MARKER_VERSION,
-        "files": {rel: {"size": d.size, "sha256": d.sha256} for rel, d in sorted(digests.items())},
+        "digest": marker_digest(digests),
+        "files": files,
     }
     return json.dumps(doc, indent=1).encode() + b"\n"
 
 
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
 def _read_marker(remote: Remote, rel: str) -> dict[str, Digest]:
+    """The objects a completion marker records; refused if it is no marker or its digest does not
+    match the objects it lists (a marker edited, or entries of two uploads)."""
     where = f"{remote.url}/{rel}"
     try:
-        doc = _bounded_json(remote.fs.cat_file(remote.key(rel)), where)
-        if doc.get("format") != MARKER_FORMAT or doc.get("version") != MARKER_VERSION:
+        doc = _bounded_json(remote.fs.cat_file(remote.key(rel)), shown_url(where))
+        if doc.get("format") != MARKER_FORMAT or doc.get("version") not in _MARKER_VERSIONS:
             raise ValueError(f"format {doc.get('format')!r} version {doc.get('version')!r}")
-        return {
-            str(name): Digest(int(entry["size"]), str(entry["sha256"]))
-            for name, entry in doc["files"].items()
-        }
+        files: dict[str, Digest] = {}
+        for name, entry in doc["files"].items():
+            size, sha, etag = entry["size"], entry["sha256"], entry.get("etag")
+            if type(size) is not int or not 0 <= size < 1 << 63:
+                raise ValueError(f"{shown_key(str(name))}: size {size!r}")
+            if not isinstance(sha, str) or not _SHA256.fullmatch(sha):
+                raise ValueError(f"{shown_key(str(name))}: sha256 {sha!r:.80}")
+            if etag is not None and not isinstance(etag, str):
+                raise ValueError(f"{shown_key(str(name))}: etag {etag!r:.80}")
+            files[str(name)] = Digest(size, sha, etag=etag)
+    except OSError as exc:
+        reason = redact(_store_reason(exc))
+        raise CheckpointError(f"{shown_url(where)}: cannot read the completion marker ({reason})") from None
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        module = type(exc).__module__.split(".")[0]
+        if module in _STORE_MODULES:
+            raise CheckpointError(f"{shown_url(where)}: cannot read ({redact(_store_reason(exc))})") from None
         raise CheckpointError(f"{where}: not an rbtool completion marker ({exc})") from None
+    if doc["version"] >= 2 and doc.get("digest") != marker_digest(files):
+        raise CheckpointError(
+            f"{where}: the marker's digest does not match the objects it lists (edited, or written by two "
+            "uploads at once); refused, upload the checkpoint again"
+        )
+    return files
+
+
+def _after_upload(remote: Remote, digests: dict[str, Digest]) -> dict[str, str]:
+    """The ETags the store lists for what this upload wrote, refusing what another writer changed.
+
+    Listed once more before the marker goes up: an object missing, of another size, with
+    an md5 ETag that is not this upload's bytes, or one this upload did not write means a
+    second writer at the same URL; the marker is then not written (the upload stays
+    incomplete) and readers keep refusing it until one writer runs again alone.
+    """
+    listing = _listing(remote)
+    extra = sorted(rel for rel in listing if rel not in digests and rel not in _CONTROL)
+    changed = [
+        rel
+        for rel, d in sorted(digests.items())
+        if rel not in listing
+        or int(listing[rel].get("size") or 0) != d.size
+        or (_etag_md5(listing[rel]) is not None and d.md5 is not None and _etag_md5(listing[rel]) != d.md5)
+    ]
+    if extra or changed:
+        rel = (changed or extra)[0]
+        raise CheckpointError(
+            f"{remote.url}/{shown_key(rel)}: {'changed' if changed else 'written'} by another writer during "
+            "this upload; no marker was written (readers refuse the checkpoint); run one upload at a time"
+        )
+    return {rel: etag for rel in digests if (etag := _etag(listing[rel])) is not None}
 
 
 # ------------------------------------------------------------------ writing
@@ -220,13 +500,18 @@ def check_target(remote: Remote, *, overwrite: bool) -> None:
     An incomplete rbtool upload (a pending note, no marker) is always continued.
     """
     listing = _listing(remote)
-    if not listing or PENDING in listing:
+    if not listing:
         return
-    if not (MARKER in listing or _looks_like_checkpoint(listing)):
-        # as for a local target, --force replaces only a checkpoint (or an empty place)
+    foreign = sorted(rel for rel in listing if key_problem(rel) is not None)
+    if foreign:
+        # as for a local target, --force replaces only a checkpoint (or an empty place); an
+        # incomplete upload among objects no checkpoint holds is not continued (nor are they removed)
         raise CheckpointError(
-            f"{remote.url}: holds {len(listing)} objects that are not a checkpoint; choose another URL"
+            f"{remote.url}: holds {len(listing)} objects that are not a checkpoint (such as "
+            f"{shown_key(foreign[0])}); choose another URL"
         )
+    if PENDING in listing:
+        return
     if not overwrite:
         raise OutputExistsError(f"{remote.url}: already holds a checkpoint")
 
@@ -259,7 +544,15 @@ def upload_dir(
 
     Objects already there with the right size and content are kept (a rerun after a kill
     continues where the upload stopped); objects not in `local` are removed before the marker.
+    What the store raises is one error naming the URL.
     """
+    with store_errors(remote.url, "upload failed; rerun the command to continue", remote.fs.storage_options):
+        return _upload(local, remote, overwrite=overwrite, jobs=jobs, progress=progress)
+
+
+def _upload(
+    local: Path, remote: Remote, *, overwrite: bool, jobs: int | None, progress: Progress | None
+) -> dict[str, int]:
     check_target(remote, overwrite=overwrite)
     files = sorted(
         str(p.relative_to(local)) for p in local.rglob("*") if p.is_file() and p.name not in _CONTROL
@@ -303,7 +596,8 @@ def upload_dir(
     for rel in stale:
         remote.fs.rm_file(remote.key(rel))
     counts["removed"] = len(stale)
-    remote.fs.pipe_file(remote.key(MARKER), _marker_doc(digests))
+    etags = _after_upload(remote, digests)
+    remote.fs.pipe_file(remote.key(MARKER), _marker_doc(digests, etags))
     remote.fs.rm_file(remote.key(PENDING))
     return counts
 
@@ -650,12 +944,19 @@ def inspect(url: str, options: dict[str, Any] | None = None) -> RemoteCheckpoint
 
     Refuses an rbtool upload without its marker (killed or under way) and objects that are
     missing or of another size than the marker records. A rank directory inside an uploaded
-    rank tree is covered by the tree's marker (in its parent).
+    rank tree is covered by the tree's marker (in its parent). What the store raises is one
+    error naming the URL.
     """
+    with store_errors(url, "cannot read", options):
+        return _inspect(url, options)
+
+
+def _inspect(url: str, options: dict[str, Any] | None) -> RemoteCheckpoint:
     remote = open_remote(url, options)
     listing = _listing(remote)
     if not listing:
         raise CheckpointError(f"{url}: no such checkpoint (no objects under it)")
+    _check_names(remote, listing)
     parent_prefix = ""
     marker_of: tuple[Remote, str] | None = None
     pending = PENDING in listing
@@ -687,6 +988,22 @@ def inspect(url: str, options: dict[str, Any] | None = None) -> RemoteCheckpoint
         raise CheckpointError(
             f"{url}: {len(wrong)} object(s) missing or of another size than {MARKER} records ({shown})"
         )
+    # what the marker does not record, or an object the store lists under another ETag than
+    # the one it had after the upload, is another writer's: a mix of two uploads
+    extra = sorted(set(sizes) - set(recorded))
+    changed = [
+        rel
+        for rel, d in sorted(recorded.items())
+        if d.etag is not None and (etag := _etag(listing[rel])) is not None and etag != d.etag
+    ]
+    if extra or changed:
+        names = changed or extra
+        shown = ", ".join(shown_key(rel) for rel in names[:5]) + (" ..." if len(names) > 5 else "")
+        what = "changed since the upload (another ETag)" if changed else f"that {MARKER} does not record"
+        raise CheckpointError(
+            f"{url}: {len(names)} object(s) {what} ({shown}): another writer wrote here after the upload "
+            "(or at the same time); refused, upload the checkpoint again"
+        )
     return RemoteCheckpoint(remote, dict(recorded), {rel: d.size for rel, d in recorded.items()}, True)
 
 
@@ -701,7 +1018,8 @@ def _fetch(ckpt: RemoteCheckpoint, rel: str, dst: Path, *, in_place: bool = Fals
     tmp = dst.with_name(f".{dst.name}.part-{os.getpid()}")
     try:
         os.close(_create_private(tmp))  # 0600; the store's bytes are written into it
-        ckpt.remote.fs.get_file(ckpt.remote.key(rel), str(tmp))
+        with store_errors(f"{ckpt.remote.url}/{rel}", "cannot fetch", ckpt.remote.fs.storage_options):
+            ckpt.remote.fs.get_file(ckpt.remote.key(rel), str(tmp))
         got = digest_file(tmp)
         want = ckpt.objects[rel]
         if got.size != ckpt.sizes[rel] or (want is not None and got.sha256 != want.sha256):
@@ -715,7 +1033,8 @@ def _fetch(ckpt: RemoteCheckpoint, rel: str, dst: Path, *, in_place: bool = Fals
             if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
                 os.close(fd)
                 raise UntrustedCacheError(f"{dst}: a stand-in in the rbtool cache is not a file of its own")
-            with open(tmp, "rb") as src, open(fd, "r+b") as f:
+            keeping = store_errors(f"{ckpt.remote.url}/{rel}", "cannot keep it in the local cache")
+            with keeping, open(tmp, "rb") as src, open(fd, "r+b") as f:
                 shutil.copyfileobj(src, f, _CHUNK)
         else:
             os.replace(tmp, dst)
@@ -747,6 +1066,19 @@ class IndexMirror:
         else:
             names = [p.relative_to(self.path).as_posix() for p in paths]
         todo = sorted({rel for rel in names if rel not in done})
+        limit = cache_bytes()
+        for rel in todo:  # the size the listing and marker give, checked before anything is fetched
+            size = self.checkpoint.sizes[rel]
+            if size > limit:
+                raise CheckpointError(
+                    f"{self.checkpoint.remote.url}/{rel}: {size} bytes do not fit the local cache "
+                    f"({limit} bytes); raise RBTOOL_CACHE_BYTES"
+                )
+        if sum(self.checkpoint.sizes[rel] for rel in todo) + self.fetched_bytes > limit:
+            raise CheckpointError(
+                f"{self.checkpoint.remote.url}: the objects to fetch take more than the local cache "
+                f"({limit} bytes); raise RBTOOL_CACHE_BYTES"
+            )
 
         def get(rel: str) -> None:
             _fetch(self.checkpoint, rel, self.path / rel, in_place=True)

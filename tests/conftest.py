@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -311,6 +314,98 @@ def columns(request: pytest.FixtureRequest) -> Iterator[int]:
     _common.out.width = _common.err.width = request.param
     yield request.param
     _common.out._fixed_width, _common.err._width = saved
+
+
+def forget_etags(url: str) -> None:
+    """Rewrite the completion marker at `url` without its ETags, as an upload to a store that lists
+    none writes it: a changed object of the recorded size then reaches the checks that read it."""
+    import json
+
+    from rbtool import remote
+
+    r = remote.open_remote(url)
+    doc = json.loads(r.fs.cat_file(r.key(remote.MARKER)))
+    for entry in doc["files"].values():
+        entry.pop("etag", None)
+    r.fs.pipe_file(r.key(remote.MARKER), json.dumps(doc).encode())
+
+
+_CSI = re.compile(r"\x1b\[([0-9;?]*)([A-Za-z])")
+
+
+def screen(shown: str, width: int = 80) -> list[str]:
+    """The lines a terminal of `width` columns shows after printing `shown`: carriage returns,
+    line feeds, erase-line (ESC[2K) and cursor-up (ESC[nA) are played; other escapes (colours,
+    the cursor's visibility) are dropped; a line longer than `width` wraps."""
+    lines, row, col = [""], 0, 0
+    at = 0
+    while at < len(shown):
+        m = _CSI.match(shown, at)
+        if m:
+            args, op = m.groups()
+            if op == "K" and args == "2":
+                lines[row] = ""
+            elif op == "A":
+                row = max(0, row - int(args or 1))
+            at = m.end()
+            continue
+        ch = shown[at]
+        at += 1
+        if ch == "\r":
+            col = 0
+        elif ch == "\n":
+            row, col = row + 1, 0
+            if row == len(lines):
+                lines.append("")
+        elif ch.isprintable():
+            if col >= width:
+                row, col = row + 1, 0
+                if row == len(lines):
+                    lines.append("")
+            line = lines[row].ljust(col)
+            lines[row] = line[:col] + ch + line[col + 1 :]
+            col += 1
+    while lines and not lines[-1].strip():
+        lines.pop()
+    return lines
+
+
+def at_terminal(argv: list[str | Path], cwd: Path, interrupt_on: bytes | None = None) -> tuple[int, str]:
+    """Run `python -m rbtool ARGV` with stdout and stderr on a pseudo-terminal (80 columns); with
+    `interrupt_on`, send one SIGINT to its process group once that text has appeared."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR", "COLUMNS")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rbtool", *map(str, argv)],
+        stdin=subprocess.DEVNULL,
+        stdout=slave,
+        stderr=slave,
+        cwd=cwd,
+        env={**env, "TERM": "xterm", "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        start_new_session=True,
+        preexec_fn=sigint_default,
+    )
+    os.close(slave)
+    seen, sent = b"", False
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the other end closed: the command is done
+            break
+        if not chunk:
+            break
+        seen += chunk
+        if interrupt_on is not None and not sent and interrupt_on in seen:
+            os.killpg(proc.pid, signal.SIGINT)
+            sent = True
+    os.close(master)
+    return proc.wait(timeout=120), seen.decode(errors="replace")
 
 
 def sigint_default() -> None:
