@@ -22,8 +22,10 @@ from rbtool.index import Index, read_index
 
 def rank_number(name: str) -> int | None:
     """r for a directory named `rank_<r>`, else None."""
-    if name.startswith("rank_") and name[5:].isascii() and name[5:].isdigit():
-        return int(name[5:])
+    digits = name[5:].lstrip("0") or "0"
+    if name.startswith("rank_") and name[5:].isascii() and name[5:].isdigit() and len(digits) <= 19:
+        number = int(digits)
+        return number if number < 1 << 63 else None  # beyond int64: no rank (as a file id would be)
     return None
 
 

@@ -851,10 +851,11 @@ def check_metadata(meta: Any) -> tuple[Metadata, list[Problem]]:
             result.schemas = table
     result.foreign = not any(key in meta for key in RBTOOL_METADATA_KEYS)
     result.extra = {k: v for k, v in meta.items() if k not in METADATA_KEYS and k not in RBTOOL_METADATA_KEYS}
-    for key, value in result.extra.items():
+    for key, value in list(result.extra.items()):
         why = json_value_problem(value)
         if why is not None:
-            bad(f"key {key!r:.80} {why}: rbtool could not write it back")
+            bad(f"key {shown(key)} {why}: rbtool could not write it back", key=key)
+            del result.extra[key]  # what is kept must be writable: a repair drops it
     return result, found
 
 
