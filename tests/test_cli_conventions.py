@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import typer
-from conftest import make_traj, sigint_default
+from conftest import at_terminal, make_traj, screen, sigint_default
 from typer.testing import CliRunner
 
 import rbtool
@@ -397,42 +397,22 @@ def test_what_the_interrupt_line_says_for_each_kind_of_command(tmp_path: Path, c
 
 
 # ------------------------------------------------------------------ at a terminal
-def at_terminal(argv: list[str | Path], cwd: Path, interrupt_on: bytes | None = None) -> tuple[int, str]:
-    """Run `python -m rbtool ARGV` with stdout and stderr on a pseudo-terminal (80 columns); with
-    `interrupt_on`, send one SIGINT to its process group once that text has appeared."""
-    import fcntl
-    import pty
-    import struct
-    import termios
+@pytest.mark.parametrize("argv", [["stats"], ["verify", "--deep"], ["stats", "--window", "0"]])
+def test_a_report_at_a_terminal_leaves_no_bar_behind(argv: list[str], ckpt: Path, tmp_path: Path) -> None:
+    """The bar is gone before the report is printed: the screen holds the report alone, its
+    first line not glued onto a bar."""
+    status, shown = at_terminal([argv[0], ckpt, *argv[1:]], tmp_path)
+    lines = screen(shown)
+    assert status == 0 and "eta" in shown  # a bar was shown ...
+    assert not [line for line in lines if "eta" in line or "\u2501" in line], lines  # ... and cleared
+    assert lines[0].startswith(("OK ", str(ckpt)[:30])), lines[:3]
 
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
-    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR", "COLUMNS")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rbtool", *map(str, argv)],
-        stdin=subprocess.DEVNULL,
-        stdout=slave,
-        stderr=slave,
-        cwd=cwd,
-        env={**env, "TERM": "xterm", "PYTHONPATH": str(Path(rbtool.__file__).parents[1])},
-        start_new_session=True,
-        preexec_fn=sigint_default,
-    )
-    os.close(slave)
-    seen, sent = b"", False
-    while True:
-        try:
-            chunk = os.read(master, 65536)
-        except OSError:  # the other end closed: the command is done
-            break
-        if not chunk:
-            break
-        seen += chunk
-        if interrupt_on is not None and not sent and interrupt_on in seen:
-            os.killpg(proc.pid, signal.SIGINT)
-            sent = True
-    os.close(master)
-    return proc.wait(timeout=120), seen.decode(errors="replace")
+
+def test_the_screen_player_plays_what_a_bar_does() -> None:
+    bar = "\x1b[?25lreading \x1b[32m1/5\x1b[0m eta\r\x1b[2Kreading 5/5 eta\r\n\x1b[?25h\r\x1b[1A\x1b[2K"
+    assert screen(bar + "report\nmore\n") == ["report", "more"]
+    assert screen("reading 5/5 eta" + "report\n") == ["reading 5/5 etareport"]  # glued: seen as such
+    assert screen("x" * 85 + "\n", width=80) == ["x" * 80, "x" * 5]
 
 
 def test_a_terminal_gets_a_progress_bar_and_no_progress_lines(tmp_path: Path) -> None:

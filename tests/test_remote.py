@@ -16,7 +16,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FIXTURES, assert_one_error, make_traj, run, run_json, sigint_default
+from conftest import (
+    FIXTURES,
+    assert_one_error,
+    at_terminal,
+    forget_etags,
+    make_traj,
+    run,
+    run_json,
+    screen,
+    sigint_default,
+)
 
 from rbtool import remote
 
@@ -197,6 +207,7 @@ def test_a_dry_run_from_a_url_reads_only_its_json_objects(bucket: str) -> None:
     for name in keys(url):  # every trajectory object unreadable (same size): a dry run cannot notice
         if name.endswith(".pt"):
             fs.pipe_file(f"{root}/{name}", b"\0" * (local / name).stat().st_size)
+    forget_etags(url)  # (their ETags would tell: tests/test_remote_hostile.py)
     for argv in (["shard", url, "-n", "2"], ["merge", url], ["convert", url, "--format", "pkl"]):
         doc = run_json(*argv, "--out", f"{bucket}/out", "--dry-run")
         assert doc["dry_run"] is True and doc["upload"] == {
@@ -263,6 +274,7 @@ def test_index_only_commands_read_only_the_json_objects(bucket: str) -> None:
     for name in keys(url):
         if name.endswith(".pt"):
             fs.pipe_file(f"{root}/{name}", b"\0" * (local / name).stat().st_size)
+    forget_etags(url)  # (their ETags would tell: tests/test_remote_hostile.py)
     assert run_json("stats", url, "--index-only")["path"] == url
     assert run_json("checkpoint", "load", url, "-n", "2")["checkpoint"] == url
     assert run_json("verify", url)["ok"] is True
@@ -515,6 +527,21 @@ def test_remote_sources_of_save_ingest_and_load(bucket: str, tmp_path: Path, fiv
     assert run_json("verify", tmp_path / "restored", "--deep")["ok"] is True
 
 
+@pytest.mark.parametrize("command", ["stats", "verify"])
+def test_a_report_of_a_url_at_a_terminal_leaves_no_fetching_bar_behind(
+    command: str, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = f"{bucket}/ckpt"
+    save_to(url)
+    monkeypatch.setenv("RBTOOL_CACHE_DIR", str(tmp_path / "cache"))  # fetched in the run shown
+    argv = [command, url, *(["--deep"] if command == "verify" else [])]
+    status, shown = at_terminal(argv, tmp_path)
+    lines = screen(shown)
+    assert status == 0 and "fetching" in shown
+    assert not [line for line in lines if "eta" in line or "\u2501" in line], lines
+    assert lines[0].startswith(("OK ", url[:30])), lines[:3]
+
+
 def test_cached_copies_are_reused_until_changed(bucket: str, tmp_path: Path) -> None:
     url = f"{bucket}/ckpt"
     save_to(url)
@@ -526,13 +553,17 @@ def test_cached_copies_are_reused_until_changed(bucket: str, tmp_path: Path) -> 
     with remote.data_mirror(url, progress=calls.append):
         pass
     assert len(calls) == first  # nothing fetched again
-    # an output hard-linked to the cache, written in place: the copy is fetched again
+    # an output is a copy of its own, never linked to the cache: writing it in place leaves
+    # the cached copy as it was, and nothing is fetched again
     run_json("shard", url, "-n", "1", "--out", tmp_path / "shards")
     victim = sorted((tmp_path / "shards" / "rank_0").glob("trajectory_*.pt"))[0]
-    assert victim.stat().st_nlink > 1  # linked to the cached copy
+    assert victim.stat().st_nlink == 1
     with open(victim, "r+b") as f:
         f.write(b"\0" * 16)
     assert run_json("verify", url, "--deep")["ok"] is True
+    with remote.data_mirror(url, progress=calls.append):
+        pass
+    assert len(calls) == first
 
 
 def test_a_replacement_that_fails_midway_leaves_nothing_that_verifies(

@@ -891,13 +891,14 @@ def reading(
             yield place
         return
     with ExitStack() as stack:
-        advance = stack.enter_context(progress_bar(f"fetching {value}", None, enabled))
-        try:
-            local = stack.enter_context(remote.data_mirror(value, options, progress=advance))
-        except remote.CacheFullError:
-            if not stream:
-                raise
-            local = None  # other processes read what the cache holds: stream instead
+        # the bar is gone once the copies are fetched: nothing of it is left under the report
+        with progress_bar(f"fetching {remote.shown_url(value)}", None, enabled) as advance:
+            try:
+                local = stack.enter_context(remote.data_mirror(value, options, progress=advance))
+            except remote.CacheFullError:
+                if not stream:
+                    raise
+                local = None  # other processes read what the cache holds: stream instead
         if local is not None:
             yield Place(value, local, value.rstrip("/"))
             return
@@ -937,7 +938,7 @@ def writing(
         place = Place(value, staging.local, value.rstrip("/"))
 
         def publish() -> dict[str, int]:
-            with progress_bar(f"uploading to {value}", None, enabled) as advance:
+            with progress_bar(f"uploading to {remote.shown_url(value)}", None, enabled) as advance:
                 staging.progress = advance
                 return staging.publish()
 

@@ -175,23 +175,21 @@ def stats(
     @contextmanager
     def one(path: str) -> Iterator[dict[str, Any]]:
         """The statistics of `path`, named as given (a URL, not the local mirror they were read from)."""
-        with (
-            reading(path, storage_option, data=not index_only, enabled=enabled, stream=True) as place,
-            progress_bar("reading the index", None, enabled) as advance,
-        ):
-            doc = collect_stats(
-                place.local,
-                window=window,
-                index_only=index_only,
-                bins=bins,
-                draws=draws,
-                progress=advance,
-                jobs=jobs,
-                # one journal per input: with several paths, each its own subdirectory of DIR
-                journal=journal if len(paths) == 1 else input_journal(journal, path),
-                as_json=False,  # numpy columns and lazy file names: cut or streamed below
-                read_data=not jsonl,  # JSON Lines list the trajectories, not the data statistics
-            )
+        with reading(path, storage_option, data=not index_only, enabled=enabled, stream=True) as place:
+            with progress_bar("reading the index", None, enabled) as advance:  # gone before the report
+                doc = collect_stats(
+                    place.local,
+                    window=window,
+                    index_only=index_only,
+                    bins=bins,
+                    draws=draws,
+                    progress=advance,
+                    jobs=jobs,
+                    # one journal per input: with several paths, each its own subdirectory of DIR
+                    journal=journal if len(paths) == 1 else input_journal(journal, path),
+                    as_json=False,  # numpy columns and lazy file names: cut or streamed below
+                    read_data=not jsonl,  # JSON Lines list the trajectories, not the data statistics
+                )
             if "path" in doc:
                 doc["path"] = place.show(doc["path"])
             if doc.get("rank_dirs"):
