@@ -311,3 +311,19 @@ def test_convert_is_the_same_on_one_and_two_jobs(tmp_path: Path) -> None:
                 assert_same_trajectory(*(trajfile.load(f) for f in files))
                 for f, index in zip(files, (a, b), strict=True):
                     assert trajfile.sha256_file(f) == index.entries[tid]["sha256"]
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_pass_timer_leaves_out_the_start_up_of_its_workers(
+    jobs: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Throughput is what the reading costs: a module that takes a second to import (as torch
+    takes in a new process) and the workers' start are not counted in the pass's seconds."""
+    (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(1.0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.delitem(sys.modules, "slow_to_import", raising=False)
+    timer, wall = passes.Timer(), time.perf_counter()
+    assert run_pass(abs, [-1, -2, -3], jobs=jobs, preload=["slow_to_import"]) == [1, 2, 3]
+    wall = time.perf_counter() - wall
+    assert wall >= 1.0 and timer.elapsed() < wall - 0.9  # the import's second left out
