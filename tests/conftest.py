@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -414,3 +415,86 @@ def sigint_default() -> None:
     (`cmd &` in a script) ignores SIGINT, children inherit that, and Python then leaves it
     ignored, so the child would never see the Ctrl-C the test sends."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+# ------------------------------------------------------------------ the quick tier
+# `pytest -m "not slow"` (make quick) leaves out what starts real components or runs long:
+# the S3 servers, torchrun process groups, fuzzing, kills and crashes, the benchmarks'
+# smoke runs, and the snapshots at widths other than 80 columns. Every module keeps tests
+# in the quick tier; the full suite (.ci/run) runs everything.
+SLOW_FIXTURES = {"s3_server", "bucket"}
+SLOW_MODULES = {
+    "test_benchmarks_smoke",
+    "test_crash",
+    "test_distributed",
+    "test_fuzz",
+    "test_lerobot_video",
+}
+
+
+def _is_slow(item: pytest.Item) -> bool:
+    if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return True
+    if item.module is not None and item.module.__name__ in SLOW_MODULES:  # type: ignore[attr-defined]
+        return True
+    if any("torchrun" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")):
+        return True
+    callspec = getattr(item, "callspec", None)
+    mode = callspec.params.get("mode") if callspec is not None else None
+    return item.name.startswith("test_human_view_matches_its_snapshot") and mode not in (None, "80")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _is_slow(item):
+            item.add_marker(pytest.mark.slow)
+
+
+# ------------------------------------------------------------------ second local users
+OTHER_USER = "rbtool-other"  # the attacker (or victim) on the same machine
+
+
+def local_user(name: str, group: str | None = None) -> int:
+    """The uid of local user `name`, made with useradd (and put in `group`, made with groupadd)
+    if it is not there yet; the test is skipped when not run as root."""
+    import pwd
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("a second local user can only be made as root")
+    if group is not None:
+        subprocess.run(["groupadd", "-f", group], capture_output=True, check=True)
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        made = subprocess.run(
+            ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+            capture_output=True,
+            text=True,
+        )
+        try:
+            pwd.getpwnam(name)  # made here, or by a test running beside this one
+        except KeyError:
+            pytest.fail(f"useradd {name} failed: {made.stderr}")
+    if group is not None:
+        subprocess.run(["usermod", "-aG", group, name], capture_output=True, check=True)
+    return pwd.getpwnam(name).pw_uid
+
+
+def as_other(*argv: str | Path) -> None:
+    """Run a command as the other user (what an attacker on the same machine can do)."""
+    import subprocess
+
+    subprocess.run(["runuser", "-u", OTHER_USER, "--", *map(str, argv)], check=True, capture_output=True)
+
+
+@contextlib.contextmanager
+def shared_area(prefix: str, mode: int) -> Iterator[Path]:
+    """A directory under /tmp with `mode`, that other local users can reach (pytest's tmp_path is
+    root's alone); removed afterwards."""
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    path.chmod(mode)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -20,17 +20,15 @@ import os
 import pwd
 import shutil
 import stat
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, assert_one_error, run, run_json
+from conftest import FIXTURES, OTHER_USER, as_other, assert_one_error, local_user, run, run_json, shared_area
 
 from rbtool import remote
 
-OTHER = "rbtool-other"
+OTHER = OTHER_USER
 SOURCE = FIXTURES / "autosave_pt" / "autosave"
 CANARY = b"the victim's own file\n"
 
@@ -39,33 +37,14 @@ CANARY = b"the victim's own file\n"
 @pytest.fixture(scope="session")
 def other() -> int:
     """The uid of a second local user, made with useradd if it is not there yet (needs root)."""
-    if os.geteuid() != 0:
-        pytest.skip("a second local user can only be made as root")
-    try:
-        return pwd.getpwnam(OTHER).pw_uid
-    except KeyError:
-        pass
-    made = subprocess.run(
-        ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", OTHER], capture_output=True, text=True
-    )
-    try:
-        return pwd.getpwnam(OTHER).pw_uid  # made here, or by a test running beside this one
-    except KeyError:
-        pytest.fail(f"useradd {OTHER} failed: {made.stderr}")
-
-
-def as_other(*argv: str | Path) -> None:
-    """Run a command as the other user (what an attacker on the same machine can do)."""
-    subprocess.run(["runuser", "-u", OTHER, "--", *map(str, argv)], check=True, capture_output=True)
+    return local_user(OTHER)
 
 
 @pytest.fixture
 def area() -> Iterator[Path]:
     """A directory under /tmp that the other user can reach (pytest's tmp_path is root's alone)."""
-    path = Path(tempfile.mkdtemp(prefix="rbtool-trust-", dir="/tmp"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with shared_area("rbtool-trust-", 0o755) as path:
+        yield path
 
 
 @pytest.fixture

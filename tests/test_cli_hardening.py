@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_traj, runner
+from conftest import local_user, make_traj, runner, shared_area
 
 from rbtool.cli import app
 
@@ -260,33 +260,16 @@ sys.exit(run([buffer if a == "@BUFFER@" else a for a in argv]))
 def share() -> tuple[int, int, int]:
     """(uid of A, uid of B, gid of their group), made with groupadd/useradd (needs root)."""
     import grp
-    import pwd
-    import subprocess
 
-    if os.geteuid() != 0:
-        pytest.skip("second local users can only be made as root")
-    subprocess.run(["groupadd", "-f", GROUP], capture_output=True, check=True)
-    for user in (USER_A, USER_B):
-        try:
-            pwd.getpwnam(user)
-        except KeyError:
-            subprocess.run(
-                ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", "-G", GROUP, user],
-                capture_output=True,
-            )
-        subprocess.run(["usermod", "-aG", GROUP, user], capture_output=True, check=True)
-    return pwd.getpwnam(USER_A).pw_uid, pwd.getpwnam(USER_B).pw_uid, grp.getgrnam(GROUP).gr_gid
+    a, b = local_user(USER_A, GROUP), local_user(USER_B, GROUP)
+    return a, b, grp.getgrnam(GROUP).gr_gid
 
 
 @pytest.fixture
 def area() -> Iterator[Path]:
     """A directory under /tmp that the users can reach (pytest's tmp_path is root's alone)."""
-    import tempfile
-
-    path = Path(tempfile.mkdtemp(prefix="rbtool-share-", dir="/tmp"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with shared_area("rbtool-share-", 0o755) as path:
+        yield path
 
 
 def ingest_as(uid: int, gid: int, umask: str, sources: Path, buffer: Path, scratch: Path) -> tuple[int, str]:

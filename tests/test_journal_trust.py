@@ -16,25 +16,23 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
-from conftest import assert_one_error, make_traj, run
+from conftest import OTHER_USER, as_other, assert_one_error, local_user, make_traj, run, shared_area
 
 from rbtool import ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
-OTHER = "rbtool-other"
+OTHER = OTHER_USER
 FILES = 6
 DAMAGED = 2  # the position (in id order) of the file the tampering cases damage
 UNTIMED = ("seconds", "bytes_per_second", "jobs", "journal")
@@ -390,33 +388,14 @@ def test_a_journal_file_that_is_no_regular_file_is_refused(
 @pytest.fixture(scope="session")
 def other() -> int:
     """The uid of a second local user, made with useradd if it is not there yet (needs root)."""
-    if os.geteuid() != 0:
-        pytest.skip("a second local user can only be made as root")
-    try:
-        return pwd.getpwnam(OTHER).pw_uid
-    except KeyError:
-        pass
-    made = subprocess.run(
-        ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", OTHER], capture_output=True, text=True
-    )
-    try:
-        return pwd.getpwnam(OTHER).pw_uid
-    except KeyError:
-        pytest.fail(f"useradd {OTHER} failed: {made.stderr}")
-
-
-def as_other(*argv: str | Path) -> None:
-    """Run a command as the other user (what an attacker on the same machine can do)."""
-    subprocess.run(["runuser", "-u", OTHER, "--", *map(str, argv)], check=True, capture_output=True)
+    return local_user(OTHER)
 
 
 @pytest.fixture
 def area() -> Iterator[Path]:
     """A directory under /tmp the other user can write in (pytest's tmp_path is root's alone)."""
-    path = Path(tempfile.mkdtemp(prefix="rbtool-journal-", dir="/tmp"))
-    path.chmod(0o1777)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with shared_area("rbtool-journal-", 0o1777) as path:
+        yield path
 
 
 def forged_copy(pass_name: str, hashed: Path, area: Path) -> tuple[Path, Path]:
