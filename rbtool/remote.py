@@ -207,7 +207,7 @@ def shown_url(url: str) -> str:
 
 _NO_CREDENTIALS = (
     "no credentials found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), "
-    "or give --storage-option key=... --storage-option secret=..."
+    "or give the storage options key and secret"
 )
 
 

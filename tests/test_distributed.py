@@ -247,7 +247,7 @@ def test_a_torn_last_line_is_skipped(tmp_path: Path) -> None:
     journal = Journal(tmp_path, {"command": "test"})
     done = b'{"key":"a","identity":[],"result":1}\n'
     (tmp_path / "0-1-aa.jsonl").write_bytes(journal.header() + done + b'{"key":"b","ident')
-    assert journal.load() == {"a": ([], 1)}
+    assert journal.load() == {"a": [([], 1)]}
 
 
 def test_a_journal_of_another_pass_is_refused(tmp_path: Path) -> None:

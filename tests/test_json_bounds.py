@@ -336,6 +336,7 @@ def rss():
     return int(open('/proc/self/status').read().split('VmRSS:')[1].split()[0]) * 1024
 def hwm():
     return int(open('/proc/self/status').read().split('VmHWM:')[1].split()[0]) * 1024
+read_index(sys.argv[2])  # a one-entry index first: the modules a read imports are not the index's
 before = rss()
 index = read_index(sys.argv[1])
 print(hwm() - before)
@@ -363,13 +364,25 @@ def test_the_memory_estimate_holds_for_a_realistic_index(tmp_path: Path) -> None
         }
         for i in range(n)
     }
-    directory = tmp_path / "big"
-    directory.mkdir()
-    data = orjson.dumps({"trajectory_index": entries, "trajectory_id_list": list(range(n))})
-    (directory / fmt.INDEX_FILE).write_bytes(data)
-    meta = {"trajectory_format": "pt", "size": n, "total_samples": 16 * n, "trajectory_counter": n}
-    (directory / fmt.METADATA_FILE).write_bytes(orjson.dumps(meta))
-    proc = subprocess.run([sys.executable, "-c", _MEASURE, str(directory)], capture_output=True, text=True)
+    for name, count in (("big", n), ("one", 1)):
+        directory = tmp_path / name
+        directory.mkdir()
+        index = {
+            "trajectory_index": dict(list(entries.items())[:count]),
+            "trajectory_id_list": list(range(count)),
+        }
+        data = orjson.dumps(index)
+        (directory / fmt.INDEX_FILE).write_bytes(data)
+        meta = {
+            "trajectory_format": "pt",
+            "size": count,
+            "total_samples": 16 * count,
+            "trajectory_counter": count,
+        }
+        (directory / fmt.METADATA_FILE).write_bytes(orjson.dumps(meta))
+    data = (tmp_path / "big" / fmt.INDEX_FILE).read_bytes()
+    argv = [sys.executable, "-c", _MEASURE, str(tmp_path / "big"), str(tmp_path / "one")]
+    proc = subprocess.run(argv, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     used = int(proc.stdout)
     estimate = len(data) * fmt.INDEX_MEMORY_PER_BYTE
