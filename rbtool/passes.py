@@ -347,7 +347,8 @@ def _run(
     queue = iter(order)
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=_context(preload), initializer=_worker_init)
     try:
-        list(pool.map(_ready, range(workers)))  # every worker up before the clock counts the pass
+        for up in [pool.submit(_ready, i) for i in range(workers)]:  # every worker up before the
+            up.result()  # clock counts the pass
     except BaseException:
         _stop(pool)
         raise
