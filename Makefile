@@ -1,0 +1,26 @@
+# Everyday commands; each runs what .ci/run runs, or a part of it, in the venv the README makes.
+# `make venv` makes that venv (torch pinned first: see README "Try it on a fresh machine").
+PY := .venv/bin/python
+
+.PHONY: venv test quick lint format bench
+
+venv:
+	python3 -m venv .venv && .venv/bin/pip install -q --upgrade pip && .venv/bin/pip install -q torch==2.13.0 && .venv/bin/pip install -q -e '.[test]' && .venv/bin/pip check
+
+test: lint  # the whole suite, as CI runs it
+	$(PY) -m pytest
+
+quick:  # the quick tier: every module, no S3 servers, torchrun, fuzzing, kills or benchmarks
+	$(PY) -m pytest -m "not slow" -q
+
+lint:
+	.venv/bin/ruff check rbtool tests benchmarks
+	.venv/bin/ruff format --check rbtool tests benchmarks
+	.venv/bin/mypy
+
+format:
+	.venv/bin/ruff format rbtool tests benchmarks
+	.venv/bin/ruff check --fix rbtool tests benchmarks
+
+bench:  # the benchmarks' quick runs (figures side by side, never asserted); see benchmarks/README.md
+	$(PY) benchmarks/bench.py --quick
