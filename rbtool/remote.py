@@ -274,10 +274,7 @@ def _listing(remote: Remote) -> dict[str, dict[str, Any]]:
         for name, info in found.items()
         if name.startswith(prefix) and info.get("type", "file") != "directory"
     }
-    for rel in sorted(listing):
-        problem = key_problem(rel, names=False)
-        if problem is not None:
-            raise UnsafeKeyError(_key_message(remote, rel, problem))
+    _check_names(remote, listing, names=False)
     return listing
 
 
@@ -334,16 +331,15 @@ def key_problem(rel: str, *, names: bool = True) -> str | None:
     )
 
 
-def _key_message(remote: Remote, rel: str, problem: str) -> str:
-    return f"{remote.url}: object key {shown_key(rel)} {problem}; refused, nothing was read"
-
-
-def _check_names(remote: Remote, listing: dict[str, Any]) -> None:
-    """Refuse a listing holding a name a checkpoint does not use (naming the first such key)."""
+def _check_names(remote: Remote, listing: dict[str, Any], *, names: bool = True) -> None:
+    """Refuse a listing holding a key that is no safe name (with `names`, also one a checkpoint
+    does not use), naming the first such key in sorted order."""
     for rel in sorted(listing):
-        problem = key_problem(rel)
+        problem = key_problem(rel, names=names)
         if problem is not None:
-            raise UnsafeKeyError(_key_message(remote, rel, problem))
+            raise UnsafeKeyError(
+                f"{remote.url}: object key {shown_key(rel)} {problem}; refused, nothing was read"
+            )
 
 
 def _start(progress: Progress | None, total: int, description: str) -> None:
@@ -482,7 +478,7 @@ def _after_upload(remote: Remote, digests: dict[str, Digest]) -> dict[str, str]:
         for rel, d in sorted(digests.items())
         if rel not in listing
         or int(listing[rel].get("size") or 0) != d.size
-        or (_etag_md5(listing[rel]) is not None and d.md5 is not None and _etag_md5(listing[rel]) != d.md5)
+        or (d.md5 is not None and _etag_md5(listing[rel]) not in (None, d.md5))
     ]
     if extra or changed:
         rel = (changed or extra)[0]
