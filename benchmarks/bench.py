@@ -228,7 +228,7 @@ def weights_id(policy_version: int) -> str:
 
 def checkpoint_is_complete(path: Path, cfg: Config) -> bool:
     """True if `path` holds the checkpoint `cfg` asks for, with every trajectory file present."""
-    from rbtool.index import read_index
+    from rbtool.files.index import read_index
 
     if not (path / "metadata.json").is_file():
         return False
@@ -282,7 +282,7 @@ def ensure_checkpoint(cfg: Config) -> Path:
 
 def ensure_index(cfg: Config) -> Path:
     """A checkpoint directory with only metadata.json and a trajectory_index.json of `index_size` entries."""
-    from rbtool.index import Index, write_index
+    from rbtool.files.index import Index, write_index
 
     final = cfg.workdir / f"index_{cfg.index_size}"
     meta = final / "metadata.json"
@@ -640,7 +640,7 @@ def time_cli_op(argv_for: Callable[[Path], list[str]], out: Path, repeats: int) 
 
 def measure_copies(ckpt: Path, cfg: Config) -> dict[str, Any]:
     """shard --world-size N and checkpoint save (auto_save-on path), library and CLI, against cp -r."""
-    from rbtool.checkpoint import save_from_autosave_dir, shard
+    from rbtool.ops.checkpoint import save_from_autosave_dir, shard
 
     out = cfg.workdir / "out"
     log(f"copies: cp -r, shard --world-size {cfg.world_size}, checkpoint save; {cfg.repeats} runs each")

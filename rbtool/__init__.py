@@ -17,36 +17,43 @@ from rbtool.errors import (
 )
 
 if TYPE_CHECKING:
-    from rbtool.buffer import TrajectoryReplayBuffer
-    from rbtool.checkpoint import build_from_files, load_state, merge, restore, save_from_autosave_dir, shard
-    from rbtool.compare import diff
-    from rbtool.conversion import convert
-    from rbtool.dirs import CheckpointView, open_view
-    from rbtool.filtering import Criteria, filter_checkpoint
-    from rbtool.index import Index, read_index
-    from rbtool.ingestion import ingest
-    from rbtool.resharding import reshard
+    from rbtool.buffer.replay import TrajectoryReplayBuffer
+    from rbtool.files.dirs import CheckpointView, open_view
+    from rbtool.files.index import Index, read_index
+    from rbtool.ops.checkpoint import (
+        build_from_files,
+        load_state,
+        merge,
+        restore,
+        save_from_autosave_dir,
+        shard,
+    )
+    from rbtool.ops.compare import diff
+    from rbtool.ops.conversion import convert
+    from rbtool.ops.filtering import Criteria, filter_checkpoint
+    from rbtool.ops.ingestion import ingest
+    from rbtool.ops.resharding import reshard
 
 # Public names resolved on first use, so `import rbtool` (and the command line's start-up)
 # loads only what a command needs.
 _LAZY = {
-    "TrajectoryReplayBuffer": "rbtool.buffer",
-    "build_from_files": "rbtool.checkpoint",
-    "load_state": "rbtool.checkpoint",
-    "merge": "rbtool.checkpoint",
-    "restore": "rbtool.checkpoint",
-    "save_from_autosave_dir": "rbtool.checkpoint",
-    "shard": "rbtool.checkpoint",
-    "diff": "rbtool.compare",
-    "convert": "rbtool.conversion",
-    "CheckpointView": "rbtool.dirs",
-    "open_view": "rbtool.dirs",
-    "Criteria": "rbtool.filtering",
-    "filter_checkpoint": "rbtool.filtering",
-    "reshard": "rbtool.resharding",
-    "Index": "rbtool.index",
-    "read_index": "rbtool.index",
-    "ingest": "rbtool.ingestion",
+    "TrajectoryReplayBuffer": "rbtool.buffer.replay",
+    "build_from_files": "rbtool.ops.checkpoint",
+    "load_state": "rbtool.ops.checkpoint",
+    "merge": "rbtool.ops.checkpoint",
+    "restore": "rbtool.ops.checkpoint",
+    "save_from_autosave_dir": "rbtool.ops.checkpoint",
+    "shard": "rbtool.ops.checkpoint",
+    "diff": "rbtool.ops.compare",
+    "convert": "rbtool.ops.conversion",
+    "CheckpointView": "rbtool.files.dirs",
+    "open_view": "rbtool.files.dirs",
+    "Criteria": "rbtool.ops.filtering",
+    "filter_checkpoint": "rbtool.ops.filtering",
+    "reshard": "rbtool.ops.resharding",
+    "Index": "rbtool.files.index",
+    "read_index": "rbtool.files.index",
+    "ingest": "rbtool.ops.ingestion",
 }
 
 

@@ -56,9 +56,10 @@ import torch
 from conftest import make_traj, run, staging_left
 from typer.testing import Result
 
-from rbtool import TrajectoryReplayBuffer, ptheader, trajfile
+from rbtool import TrajectoryReplayBuffer
 from rbtool.errors import RbtoolError
-from rbtool.index import read_index
+from rbtool.files import ptheader, trajfile
+from rbtool.files.index import read_index
 
 SEED = 20260110
 ROOT = os.geteuid() == 0
@@ -1696,7 +1697,7 @@ LOCK_CASES = [(r, h) for r in LOCK_REPLACERS for h in LOCK_HOLDERS]
 @contextlib.contextmanager
 def holding(kind: str, held: Path) -> Iterator[Any]:
     """`held` held by this process as a training job or an ingest would hold it."""
-    from rbtool.fsutil import DirLock
+    from rbtool.files.fsutil import DirLock
 
     if kind in ("live", "live-pkl"):
         buffer = TrajectoryReplayBuffer(

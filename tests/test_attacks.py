@@ -23,9 +23,9 @@ import pytest
 import torch
 from conftest import make_traj, run, staging_left, tree_digest
 
-from rbtool import trajfile
 from rbtool.errors import RbtoolError, TrajectoryFileError, UnsafePickleError
-from rbtool.index import read_index
+from rbtool.files import trajfile
+from rbtool.files.index import read_index
 
 # ------------------------------------------------------------------ building blocks
 

@@ -1,4 +1,4 @@
-"""rbtool.batchmem: a batch's large fields reuse the memory of earlier batches nobody holds.
+"""rbtool.buffer.batchmem: a batch's large fields reuse the memory of earlier batches nobody holds.
 
 A batch, or any view, numpy array or shared-memory copy of one of its fields, must never be
 written over by a later sample; memory is reused only once nothing refers to it; and what is
@@ -16,8 +16,9 @@ import pytest
 import torch
 from conftest import flat_batch, make_traj
 
-from rbtool import TrajectoryReplayBuffer, batchmem, rowmap
-from rbtool.batchmem import BatchMemory
+from rbtool import TrajectoryReplayBuffer
+from rbtool.buffer import batchmem, rowmap
+from rbtool.buffer.batchmem import BatchMemory
 
 IMAGE = 48  # 6,912-byte rows: 256 of them are 1.7 MiB, past batchmem.MIN_BYTES
 DRAWS = 256

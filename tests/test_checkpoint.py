@@ -13,8 +13,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rbtool import CheckpointError, TrajectoryReplayBuffer, read_index
-from rbtool.checkpoint import MERGE_MAP_FILE, build_from_files, merge, restore, save_from_autosave_dir, shard
-from rbtool.index import rank_bounds
+from rbtool.files.index import rank_bounds
+from rbtool.ops.checkpoint import (
+    MERGE_MAP_FILE,
+    build_from_files,
+    merge,
+    restore,
+    save_from_autosave_dir,
+    shard,
+)
 
 
 def small_checkpoint(path: Path, n: int) -> Path:
@@ -129,7 +136,7 @@ def test_merging_the_reference_ranks_renumbers_ids(tmp_path: Path) -> None:
 def test_merge_of_a_rank_folder_and_format_conversion(tmp_path: Path) -> None:
     import torch
 
-    from rbtool import trajfile
+    from rbtool.files import trajfile
 
     merge([FIXTURES / "ranks"], tmp_path / "pt")
     merge([FIXTURES / "ranks"], tmp_path / "pkl", trajectory_format="pkl")

@@ -16,9 +16,9 @@ import pytest
 from conftest import FIXTURES, assert_one_error, make_traj, run
 
 from rbtool import TrajectoryReplayBuffer
-from rbtool.conversion import convert
-from rbtool.dirs import open_view
+from rbtool.files.dirs import open_view
 from rbtool.format import INDEX_FILE
+from rbtool.ops.conversion import convert
 
 # ------------------------------------------------------------------ sources
 # Three kinds of checkpoint: one rbtool saved (sizes and hashes recorded), one rbtool linked

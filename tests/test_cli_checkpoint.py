@@ -21,7 +21,9 @@ from conftest import (
     tree_digest,
 )
 
-from rbtool import layout, read_index, trajfile
+from rbtool import read_index
+from rbtool.files import trajfile
+from rbtool.format import layout
 
 
 def samples_of(paths: list[Path]) -> int:

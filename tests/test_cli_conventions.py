@@ -262,7 +262,7 @@ def loose_sources(directory: Path, n: int) -> list[Path]:
     """n distinct small .pkl trajectory files (one trajectory, its rewards changed per file)."""
     import torch
 
-    from rbtool import trajfile
+    from rbtool.files import trajfile
 
     directory.mkdir(parents=True)
     traj = make_traj(t=2, b=1, seed=0)
@@ -304,8 +304,8 @@ def interrupt(argv: list[str | Path], ready: object, cwd: Path) -> tuple[int, li
 
 
 def test_ctrl_c_mid_ingest_says_which_ids_the_buffer_holds(tmp_path: Path) -> None:
-    from rbtool.index import read_index
-    from rbtool.verify import verify_checkpoint
+    from rbtool.files.index import read_index
+    from rbtool.ops.verify import verify_checkpoint
 
     loose_sources(tmp_path / "src", 600)
     buffer = tmp_path / "buffer"
@@ -322,7 +322,7 @@ def test_ctrl_c_mid_ingest_says_which_ids_the_buffer_holds(tmp_path: Path) -> No
 
 
 def test_ctrl_c_mid_convert_writes_nothing_to_out(tmp_path: Path) -> None:
-    from rbtool.ingestion import ingest
+    from rbtool.ops.ingestion import ingest
 
     ingest(loose_sources(tmp_path / "src", 400), tmp_path / "ckpt")
     before = sorted(p.name for p in tmp_path.iterdir())
@@ -341,7 +341,7 @@ def test_ctrl_c_mid_convert_writes_nothing_to_out(tmp_path: Path) -> None:
 def test_ctrl_c_before_force_replaces_out_leaves_it_as_it_was(tmp_path: Path) -> None:
     from conftest import tree_digest
 
-    from rbtool.ingestion import ingest
+    from rbtool.ops.ingestion import ingest
 
     ingest(loose_sources(tmp_path / "src", 400), tmp_path / "ckpt")
     ingest(loose_sources(tmp_path / "other", 3), tmp_path / "out")

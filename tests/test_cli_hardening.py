@@ -67,7 +67,7 @@ def trajectories(directory: Path, field: str, n: int = 3) -> list[Path]:
 
 def hostile(tmp_path: Path, name: str) -> dict[str, Path]:
     """A checkpoint and a source folder whose names, field names and stray files hold `name`."""
-    from rbtool.ingestion import ingest
+    from rbtool.ops.ingestion import ingest
 
     src = tmp_path / f"src-{name}"
     trajectories(src, name)
@@ -304,8 +304,8 @@ def test_a_group_shares_a_setgid_buffer(
     share: tuple[int, int, int], area: Path, umask: str, legacy_lock: bool
 ) -> None:
     """User A ingests into a 2775 buffer of their group, then user B does: ids continue."""
-    from rbtool.fsutil import LOCK_FILE
-    from rbtool.index import read_index
+    from rbtool.files.fsutil import LOCK_FILE
+    from rbtool.files.index import read_index
 
     uid_a, uid_b, gid = share
     first, second = loose(area / "src1", 3, 0), loose(area / "src2", 2, 10)

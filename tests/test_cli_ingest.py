@@ -15,8 +15,10 @@ import pytest
 import torch
 from conftest import assert_one_error, make_traj, run, run_json, staging_left, tree_digest
 
-from rbtool import layout, read_index, trajfile
-from rbtool.fsutil import DirLock
+from rbtool import read_index
+from rbtool.files import trajfile
+from rbtool.files.fsutil import DirLock
+from rbtool.format import layout
 
 ADDED_RE = re.compile(r"^added trajectory ids (\d+)(?:-(\d+))?$")
 
@@ -138,7 +140,7 @@ def test_waits_for_a_locked_directory(tmp_path: Path, five_files: list[Path], mo
         waiting.wait(timeout=30)
         holder.release()
 
-    monkeypatch.setattr(importlib.import_module("rbtool.writer"), "DirLock", SignallingLock)
+    monkeypatch.setattr(importlib.import_module("rbtool.files.writer"), "DirLock", SignallingLock)
     releaser = threading.Thread(target=release_when_waited_on)
     releaser.start()
     try:

@@ -10,9 +10,10 @@ import pytest
 import torch
 from conftest import assert_one_error, make_traj, run, run_json, staging_left, tree_digest
 
-from rbtool import layout, read_index, trajfile
-from rbtool.checkpoint import MERGE_MAP_FILE
-from rbtool.format import ENTRY_KEYS
+from rbtool import read_index
+from rbtool.files import trajfile
+from rbtool.format import ENTRY_KEYS, layout
+from rbtool.ops.checkpoint import MERGE_MAP_FILE
 
 
 def trajectory_bytes(directory: Path) -> dict[str, bytes]:

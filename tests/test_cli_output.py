@@ -19,7 +19,7 @@ from typer.testing import CliRunner, Result
 
 from rbtool.cli import app
 from rbtool.cli._output import count, id_runs, number, size, unique_prefixes
-from rbtool.index import Index, write_index
+from rbtool.files.index import Index, write_index
 
 DAMAGED = FIXTURES / "nosave_window2_pt" / "ckpt"
 AUTOSAVE = FIXTURES / "autosave_pt" / "autosave"

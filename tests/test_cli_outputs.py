@@ -17,8 +17,8 @@ from conftest import FIXTURES, assert_one_error, run
 from rich.console import Console
 
 from rbtool.cli import _common
+from rbtool.files.index import Index, write_index
 from rbtool.format import trajectory_file_name
-from rbtool.index import Index, write_index
 
 BIG = 200_000  # entries of the generated index (written directly, no trajectory file exists)
 LIMIT = _common.SUMMARY_ITEMS
@@ -140,7 +140,7 @@ def test_the_human_view_names_a_few_runs_and_how_many_ids_remain() -> None:
 
 # ------------------------------------------------------------------ --all and --jsonl
 def test_stats_all_lists_every_trajectory_as_the_library_does(big: Path) -> None:
-    from rbtool.stats import collect_stats
+    from rbtool.ops.stats import collect_stats
 
     doc = json.loads(output("stats", big, "--json", "--all").stdout)
     library = collect_stats(big)
@@ -270,7 +270,7 @@ def test_output_options_that_contradict_are_usage_errors(args: list[str]) -> Non
 
 
 def test_the_streamed_document_is_the_one_orjson_writes(capsysbinary: pytest.CaptureFixture[bytes]) -> None:
-    from rbtool.stats import LazyColumn
+    from rbtool.ops.stats import LazyColumn
 
     n = 3 * 65536 + 5  # several blocks of the writer, and a short last one
     values = np.arange(n, dtype=np.int64)
@@ -339,7 +339,7 @@ def test_an_advance_reports_phases_with_totals() -> None:
 
     recorder = Recorder()
     advance = _common.Advance(recorder, 0)
-    from rbtool.stats import collect_stats
+    from rbtool.ops.stats import collect_stats
 
     collect_stats(AUTOSAVE, progress=advance)
     starts = [c for c in recorder.calls if c[0] == "start"]
@@ -360,7 +360,7 @@ def test_stats_still_refuses_a_file_that_leaves_the_checkpoint(tmp_path: Path) -
 
 
 def test_a_plain_progress_callback_counts_only_files() -> None:
-    from rbtool.verify import verify
+    from rbtool.ops.verify import verify
 
     seen: list[int] = []
     verify(AUTOSAVE, deep=True, jobs=1, progress=seen.append)

@@ -13,7 +13,7 @@ import torch
 from conftest import FIXTURES, assert_batches_equal, make_traj, run, run_json, tree_digest
 
 from rbtool import read_index
-from rbtool.checkpoint import build_from_files, merge, shard
+from rbtool.ops.checkpoint import build_from_files, merge, shard
 
 STATE_KEYS = ("size", "total_samples", "trajectory_counter", "trajectory_id_list")
 

@@ -12,7 +12,7 @@ from conftest import FIXTURES, tree_digest
 from typer.testing import CliRunner, Result
 
 from rbtool.cli import app
-from rbtool.index import read_index
+from rbtool.files.index import read_index
 
 runner = CliRunner()
 DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"

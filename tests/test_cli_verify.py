@@ -17,8 +17,8 @@ from typer.testing import CliRunner, Result
 
 from rbtool.cli import app
 from rbtool.cli.verify import MAX_ROWS
-from rbtool.index import Index, read_index, write_index
-from rbtool.verify import PROBLEM_CODES
+from rbtool.files.index import Index, read_index, write_index
+from rbtool.ops.verify import PROBLEM_CODES
 
 runner = CliRunner()
 DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES, runner
 
-from rbtool.buffer import TrajectoryReplayBuffer
+from rbtool.buffer.replay import TrajectoryReplayBuffer
 from rbtool.cli import app
 from rbtool.cli._window import DEFAULT_WINDOW
 

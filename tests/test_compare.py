@@ -1,4 +1,4 @@
-"""rbtool.compare: what differs between two checkpoints, by hash, size or content."""
+"""rbtool.ops.compare: what differs between two checkpoints, by hash, size or content."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import pytest
 import torch
 from conftest import FIXTURES, make_traj, tree_digest
 
-from rbtool.checkpoint import build_from_files, shard
-from rbtool.compare import content_difference, diff
-from rbtool.conversion import convert
-from rbtool.dirs import open_view
+from rbtool.files.dirs import open_view
 from rbtool.format import INDEX_FILE, METADATA_FILE
-from rbtool.resharding import reshard
+from rbtool.ops.checkpoint import build_from_files, shard
+from rbtool.ops.compare import content_difference, diff
+from rbtool.ops.conversion import convert
+from rbtool.ops.resharding import reshard
 
 AUTOSAVE = FIXTURES / "autosave_pt" / "autosave"
 

@@ -15,10 +15,11 @@ import pytest
 import torch
 from conftest import flat_batch, make_traj
 
-from rbtool import TrajectoryReplayBuffer, ingest, trajfile
-from rbtool.fsutil import DirLock
-from rbtool.index import read_index
-from rbtool.verify import verify_checkpoint
+from rbtool import TrajectoryReplayBuffer, ingest
+from rbtool.files import trajfile
+from rbtool.files.fsutil import DirLock
+from rbtool.files.index import read_index
+from rbtool.ops.verify import verify_checkpoint
 
 
 def make_sources(directory: Path, n: int, seed: int, suffix: str = ".pt") -> list[Path]:

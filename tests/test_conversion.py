@@ -1,4 +1,4 @@
-"""rbtool.conversion: every file rewritten in the other format, one at a time, rank trees kept."""
+"""rbtool.ops.conversion: every file rewritten in the other format, one at a time, rank trees kept."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import pytest
 from conftest import FIXTURES, assert_batches_equal, tree_digest
 
 from rbtool import TrajectoryReplayBuffer, read_index
-from rbtool.conversion import convert
 from rbtool.errors import MissingTrajectoryFilesError, OutputExistsError, UsageError
 from rbtool.format import METADATA_FILE
-from rbtool.resharding import reshard
-from rbtool.verify import verify
+from rbtool.ops.conversion import convert
+from rbtool.ops.resharding import reshard
+from rbtool.ops.verify import verify
 
 AUTOSAVE = FIXTURES / "autosave_pt" / "autosave"
 

@@ -29,10 +29,10 @@ from typing import Any
 import pytest
 from conftest import make_traj, tree_digest
 
-from rbtool import trajfile
+from rbtool.files import trajfile
+from rbtool.files.index import Index, read_index, window_of, write_index
 from rbtool.format import is_checkpoint_dir, trajectory_file_name
-from rbtool.index import Index, read_index, window_of, write_index
-from rbtool.verify import verify_checkpoint
+from rbtool.ops.verify import verify_checkpoint
 
 SEED = 20251130
 ADDED = re.compile(r"^added trajectory ids (\d+)(?:-(\d+))?$")

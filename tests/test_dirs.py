@@ -1,4 +1,4 @@
-"""rbtool.dirs: which checkpoints a path holds, and opening one strictly or not."""
+"""rbtool.files.dirs: which checkpoints a path holds, and opening one strictly or not."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES
 
-from rbtool.dirs import checkpoint_dirs, missing_files, open_checkpoint, rank_dirs, rank_number
 from rbtool.errors import CheckpointError, MissingTrajectoryFilesError
+from rbtool.files.dirs import checkpoint_dirs, missing_files, open_checkpoint, rank_dirs, rank_number
 
 NOSAVE = FIXTURES / "nosave_window2_pt" / "ckpt"
 
@@ -62,7 +62,7 @@ def test_non_strict_open_keeps_what_exists() -> None:
 
 # ------------------------------------------------------------------ views of rank trees
 def test_a_checkpoint_is_its_own_view() -> None:
-    from rbtool.dirs import open_view
+    from rbtool.files.dirs import open_view
 
     path = FIXTURES / "ranks" / "rank_1"
     view = open_view(path)
@@ -72,7 +72,7 @@ def test_a_checkpoint_is_its_own_view() -> None:
 
 
 def test_colliding_ranks_are_renumbered_by_old_id_then_rank_order() -> None:
-    from rbtool.dirs import open_view
+    from rbtool.files.dirs import open_view
 
     ranks = FIXTURES / "ranks"
     view = open_view(ranks)
@@ -94,9 +94,9 @@ def test_colliding_ranks_are_renumbered_by_old_id_then_rank_order() -> None:
 
 def test_unique_ids_are_kept_in_numeric_rank_order(tmp_path: Path) -> None:
     """rank_2 before rank_10: sorted as text, the list would read 0, 1, 10, 2, ..."""
-    from rbtool.checkpoint import shard
-    from rbtool.dirs import open_view
-    from rbtool.index import read_index
+    from rbtool.files.dirs import open_view
+    from rbtool.files.index import read_index
+    from rbtool.ops.checkpoint import shard
 
     source = FIXTURES / "varying_shapes_pt" / "ckpt"
     shard(source, 11, tmp_path / "tree")
@@ -108,7 +108,7 @@ def test_unique_ids_are_kept_in_numeric_rank_order(tmp_path: Path) -> None:
 
 
 def test_non_strict_views_drop_missing_files_per_rank(tmp_path: Path) -> None:
-    from rbtool.dirs import open_view
+    from rbtool.files.dirs import open_view
 
     shutil.copytree(NOSAVE, tmp_path / "rank_0")
     shutil.copytree(FIXTURES / "ranks" / "rank_0", tmp_path / "rank_1")

@@ -1,4 +1,4 @@
-"""Deep passes over torchrun ranks, and the journals they resume from (rbtool.ranks).
+"""Deep passes over torchrun ranks, and the journals they resume from (rbtool.passes.ranks).
 
 The end-to-end tests start real `torchrun --standalone --nproc_per_node=2` runs (gloo on CPU)
 and compare their report with one process's; a rank is lost mid-run through the test-only
@@ -23,10 +23,18 @@ from conftest import FIXTURES, make_traj, run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rbtool import ranks
 from rbtool.format import Problem
-from rbtool.ranks import Journal, JournalError, home_rank, input_journal, open_journal, plan, ranked_pass
-from rbtool.stats import EpisodeTally, FieldRow, TrajectoryData
+from rbtool.ops.stats import EpisodeTally, FieldRow, TrajectoryData
+from rbtool.passes import ranks
+from rbtool.passes.ranks import (
+    Journal,
+    JournalError,
+    home_rank,
+    input_journal,
+    open_journal,
+    plan,
+    ranked_pass,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")

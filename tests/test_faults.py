@@ -22,7 +22,7 @@ from conftest import make_traj, run, tree_digest
 
 from rbtool import shard
 from rbtool.errors import FileSystemError, RbtoolError
-from rbtool.index import read_index
+from rbtool.files.index import read_index
 
 ROOT = os.geteuid() == 0
 

@@ -1,4 +1,4 @@
-"""rbtool.filtering: a valid checkpoint of the trajectories that match; filter then diff lists the dropped."""
+"""filtering: a valid checkpoint of the trajectories that match; filter then diff lists the dropped."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import torch
 from conftest import FIXTURES, make_traj, tree_digest
 
 from rbtool import read_index
-from rbtool.checkpoint import build_from_files
-from rbtool.compare import diff
 from rbtool.errors import CheckpointError, UsageError
-from rbtool.filtering import Criteria, filter_checkpoint
-from rbtool.verify import verify
+from rbtool.ops.checkpoint import build_from_files
+from rbtool.ops.compare import diff
+from rbtool.ops.filtering import Criteria, filter_checkpoint
+from rbtool.ops.verify import verify
 
 RANKS = FIXTURES / "ranks"
 

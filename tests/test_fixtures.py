@@ -9,7 +9,7 @@ import pytest
 from conftest import FIXTURES, RLINF_DIRS, assert_batches_equal
 
 from rbtool import MissingTrajectoryFilesError, TrajectoryReplayBuffer
-from rbtool.checkpoint import load_state
+from rbtool.ops.checkpoint import load_state
 
 NOSAVE = {"nosave_window2_pt/ckpt", "nosave_window2_pkl/ckpt"}
 # Checkpoints that sit directly in the fixtures folder, with batches of several windows and sizes.
@@ -95,7 +95,7 @@ def test_sampled_batches_are_bit_identical(rel: str, case: dict) -> None:
 def test_draws_match_recorded_indices(rel: str, case: dict) -> None:
     import torch
 
-    from rbtool.sampling import draw_uniform
+    from rbtool.buffer.sampling import draw_uniform
 
     buffer = TrajectoryReplayBuffer(sample_window_size=case["sample_window_size"])
     buffer.load_checkpoint(FIXTURES / rel, strict=rel not in NOSAVE)

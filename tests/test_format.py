@@ -19,10 +19,10 @@ from conftest import FIXTURES
 
 from rbtool import format as fmt
 from rbtool.errors import CheckpointError
+from rbtool.files.index import Index, read_index, write_index
 from rbtool.format import ERROR, PROBLEM_CODES, check_json, entry_problems
-from rbtool.index import Index, read_index, write_index
-from rbtool.stats import read_table
-from rbtool.verify import verify_checkpoint
+from rbtool.ops.stats import read_table
+from rbtool.ops.verify import verify_checkpoint
 
 BASE = FIXTURES / "autosave_pt" / "autosave"  # five RLinf trajectories, ids 0-4
 FILE_CODES = {"file_missing", "file_name_mismatch", "file_size_mismatch", "stray_file", "duplicate_files"}

@@ -1,4 +1,4 @@
-"""rbtool.fsutil: atomic writes, link-or-copy, staged directories, publishing, directory locks."""
+"""rbtool.files.fsutil: atomic writes, link-or-copy, staged directories, publishing, directory locks."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from rbtool import fsutil
 from rbtool.errors import CheckpointError, FileSystemError, OutputExistsError
-from rbtool.fsutil import (
+from rbtool.files import fsutil
+from rbtool.files.fsutil import (
     LOCK_FILE,
     STAGING_MARK,
     DirLock,

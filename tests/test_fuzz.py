@@ -27,9 +27,9 @@ import torch
 from conftest import FIXTURES, RLINF_DIRS, make_traj, tree_digest
 from typer.testing import CliRunner, Result
 
-from rbtool import trajfile
 from rbtool.cli import app
-from rbtool.verify import verify
+from rbtool.files import trajfile
+from rbtool.ops.verify import verify
 
 runner = CliRunner()
 SEED = 4242

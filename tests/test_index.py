@@ -1,4 +1,4 @@
-"""rbtool.index: the in-memory index, its JSON round trip, and id and rank arithmetic."""
+"""rbtool.files.index: the in-memory index, its JSON round trip, and id and rank arithmetic."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rbtool.errors import CheckpointError, UsageError
+from rbtool.files.index import Index, init_buffer_dir, rank_bounds, read_index, window_of, write_index
 from rbtool.format import FORMAT_VERSION, LEGACY_INDEX_FILE
-from rbtool.index import Index, init_buffer_dir, rank_bounds, read_index, window_of, write_index
 
 
 def entry(tid: int, t: int = 4, b: int = 2) -> dict[str, object]:

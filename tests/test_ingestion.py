@@ -1,4 +1,4 @@
-"""rbtool.ingestion: adding trajectory files to a buffer directory, continuing its ids."""
+"""rbtool.ops.ingestion: adding trajectory files to a buffer directory, continuing its ids."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 from conftest import make_traj, tree_digest
 
-from rbtool import layout, trajfile
-from rbtool.dirs import open_checkpoint
 from rbtool.errors import CheckpointError, FileSystemError, TrajectoryFileError, UsageError
-from rbtool.format import INDEX_FILE, METADATA_FILE
-from rbtool.fsutil import LOCK_FILE, DirLock
-from rbtool.index import Index, read_index
-from rbtool.ingestion import ingest
-from rbtool.writer import copied_entries, new_entry, write_checkpoint
+from rbtool.files import trajfile
+from rbtool.files.dirs import open_checkpoint
+from rbtool.files.fsutil import LOCK_FILE, DirLock
+from rbtool.files.index import Index, read_index
+from rbtool.files.writer import copied_entries, new_entry, write_checkpoint
+from rbtool.format import INDEX_FILE, METADATA_FILE, layout
+from rbtool.ops.ingestion import ingest
 
 
 def loose_files(directory: Path, n: int, fmt: str = "pt", start: int = 0) -> list[Path]:

@@ -1,4 +1,4 @@
-"""A journal never turns damage into OK (rbtool.ranks, SPEC §7).
+"""A journal never turns damage into OK (rbtool.passes.ranks, SPEC §7).
 
 A journaled result is bound to its file's content: size, mtime, inode, device and ctime (which
 no user can set back), and, where the index records a sha256, the hash the pass computed when
@@ -28,7 +28,7 @@ import orjson
 import pytest
 from conftest import OTHER_USER, as_other, assert_one_error, local_user, make_traj, run, shared_area
 
-from rbtool import ranks
+from rbtool.passes import ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")

@@ -331,7 +331,7 @@ def test_a_bad_limit_setting_is_a_usage_error(base: Path, monkeypatch: pytest.Mo
 
 _MEASURE = """
 import resource, sys
-from rbtool.index import read_index
+from rbtool.files.index import read_index
 def rss():
     return int(open('/proc/self/status').read().split('VmRSS:')[1].split()[0]) * 1024
 def hwm():

@@ -1,4 +1,4 @@
-"""rbtool.layout: the [T + E, B] rule, bootstrap rows, describe."""
+"""rbtool.format.layout: the [T + E, B] rule, bootstrap rows, describe."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rbtool.errors import InvalidTrajectoryError
-from rbtool.layout import (
+from rbtool.format.layout import (
     DONE_LIKE,
     SAMPLED_TOP_FIELDS,
     describe,
@@ -22,7 +22,7 @@ from rbtool.layout import (
 
 
 def test_importing_layout_does_not_import_torch() -> None:
-    code = "import sys, rbtool.layout; print('torch' in sys.modules)"
+    code = "import sys, rbtool.format.layout; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

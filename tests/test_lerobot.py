@@ -1,4 +1,4 @@
-"""rbtool.lerobot: export as LeRobot v3.0, import LeRobot v3.0 / v2.1, and import(export(c)) == c."""
+"""rbtool.interop.lerobot: export as LeRobot v3.0, import LeRobot v3.0 / v2.1, and import(export(c)) == c."""
 
 from __future__ import annotations
 
@@ -24,16 +24,16 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from rbtool import trajfile  # noqa: E402
-from rbtool.dirs import open_view  # noqa: E402
 from rbtool.errors import CheckpointError, OutputExistsError, UsageError  # noqa: E402
-from rbtool.ingestion import ingest  # noqa: E402
-from rbtool.layout import drop_bootstrap_rows  # noqa: E402
-from rbtool.lerobot import (  # noqa: E402
+from rbtool.files.dirs import open_view  # noqa: E402
+from rbtool.format.layout import drop_bootstrap_rows  # noqa: E402
+from rbtool.interop.lerobot import (  # noqa: E402
     LeRobotFeatureError,
     LeRobotSource,
     export_lerobot,
     import_lerobot,
 )
+from rbtool.ops.ingestion import ingest  # noqa: E402
 
 ALL_FIXTURES = [*RLINF_DIRS, "nested_obs_pt", "pkl_format_switch", "seedless_pt", "ranks"]
 HINT_KEYS = ("file_bytes", "sha256", "link")  # describe the file written, not the data
@@ -197,7 +197,7 @@ def test_importing_an_export_twice_adds_it_once(tmp_path: Path) -> None:
 
 
 def test_an_empty_checkpoint_comes_back_empty(tmp_path: Path) -> None:
-    from rbtool.index import Index, init_buffer_dir
+    from rbtool.files.index import Index, init_buffer_dir
 
     init_buffer_dir(tmp_path / "empty", Index(seed=7, trajectory_counter=0))
     result = export_lerobot(tmp_path / "empty", tmp_path / "ds", fps=5)
@@ -558,8 +558,8 @@ def build_v21(root: Path, lengths: list[int]) -> list[dict[str, Any]]:
 def check_episode_import(
     buffer: Path, frames: list[dict[str, Any]], lengths: list[int], first_id: int = 0
 ) -> None:
-    from rbtool.buffer import TrajectoryReplayBuffer
-    from rbtool.verify import verify_checkpoint
+    from rbtool.buffer.replay import TrajectoryReplayBuffer
+    from rbtool.ops.verify import verify_checkpoint
 
     view = open_view(buffer)
     assert view.index.id_list == list(range(first_id, first_id + len(lengths)))

@@ -23,9 +23,9 @@ pytest.importorskip("PIL")
 import numpy as np  # noqa: E402
 
 from rbtool import trajfile  # noqa: E402
-from rbtool.dirs import open_view  # noqa: E402
 from rbtool.errors import CheckpointError  # noqa: E402
-from rbtool.lerobot import MAX_BYTES_ENV, export_lerobot, import_lerobot  # noqa: E402
+from rbtool.files.dirs import open_view  # noqa: E402
+from rbtool.interop.lerobot import MAX_BYTES_ENV, export_lerobot, import_lerobot  # noqa: E402
 
 SOURCE = FIXTURES / "autosave_pt/autosave"
 DATA_FILE = "data/chunk-000/file-000.parquet"
@@ -822,7 +822,7 @@ def make_buffer(tmp_path: Path, kind: str) -> Path:
         buffer.mkdir(parents=True)
     elif kind == "rbtool-buffer":
         (tmp_path / "out").mkdir()
-        from rbtool.ingestion import ingest
+        from rbtool.ops.ingestion import ingest
 
         ingest(sorted((FIXTURES / "varying_shapes_pt/ckpt").glob("trajectory_*.pt")), buffer)
     else:

@@ -29,9 +29,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from rbtool import trajfile  # noqa: E402
-from rbtool.dirs import open_view  # noqa: E402
-from rbtool.layout import DONE_LIKE, drop_bootstrap_rows  # noqa: E402
-from rbtool.lerobot import export_lerobot, import_lerobot  # noqa: E402
+from rbtool.files.dirs import open_view  # noqa: E402
+from rbtool.format.layout import DONE_LIKE, drop_bootstrap_rows  # noqa: E402
+from rbtool.interop.lerobot import export_lerobot, import_lerobot  # noqa: E402
 
 # Runs under LeRobot's interpreter: every frame LeRobotDataset gives, saved as arrays.
 READ = """
@@ -195,8 +195,8 @@ def test_lerobot_loads_a_generated_export_rolled_over_into_several_files(tmp_pat
 
 
 def test_rbtool_imports_samples_and_verifies_what_lerobot_wrote(tmp_path: Path) -> None:
-    from rbtool.buffer import TrajectoryReplayBuffer
-    from rbtool.verify import verify_checkpoint
+    from rbtool.buffer.replay import TrajectoryReplayBuffer
+    from rbtool.ops.verify import verify_checkpoint
 
     lerobot(WRITE, tmp_path / "made", tmp_path / "frames.npz")
     frames = np.load(tmp_path / "frames.npz", allow_pickle=False)

@@ -1,4 +1,4 @@
-"""rbtool.lerobot with video: `export --video` writes LeRobot v3.0 video features, import decodes them."""
+"""lerobot with video: `export --video` writes LeRobot v3.0 video features, import decodes them."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from rbtool import trajfile  # noqa: E402
-from rbtool.dirs import open_view  # noqa: E402
 from rbtool.errors import CheckpointError, UsageError  # noqa: E402
-from rbtool.lerobot import export_lerobot, import_lerobot  # noqa: E402
+from rbtool.files.dirs import open_view  # noqa: E402
+from rbtool.interop.lerobot import export_lerobot, import_lerobot  # noqa: E402
 
 FPS = 10
 

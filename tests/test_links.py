@@ -25,13 +25,13 @@ import pytest
 import torch
 from conftest import FIXTURES, assert_one_error, make_traj, run, run_json, tree_digest
 
-from rbtool import fsutil
-from rbtool.dirs import checkpoint_dirs
-from rbtool.fsutil import FICLONE, link_or_copy
-from rbtool.index import read_index
-from rbtool.ingestion import ingest
-from rbtool.verify import verify_checkpoint
-from rbtool.writer import WriteReport, place_trajectory
+from rbtool.files import fsutil
+from rbtool.files.dirs import checkpoint_dirs
+from rbtool.files.fsutil import FICLONE, link_or_copy
+from rbtool.files.index import read_index
+from rbtool.files.writer import WriteReport, place_trajectory
+from rbtool.ops.ingestion import ingest
+from rbtool.ops.verify import verify_checkpoint
 
 CKPT = "autosave_pt/autosave"  # five .pt trajectories
 N = 5

@@ -19,7 +19,7 @@ from conftest import FIXTURES, make_traj, run, tree_digest
 
 from rbtool import TrajectoryReplayBuffer
 from rbtool.errors import DirectoryInUseError
-from rbtool.index import read_index
+from rbtool.files.index import read_index
 
 SOURCE = FIXTURES / "autosave_pt" / "autosave"
 
@@ -85,7 +85,7 @@ def test_a_lock_held_by_another_process_is_named(tmp_path: Path) -> None:
                 f"""
                 import sys, time
                 from pathlib import Path
-                from rbtool.fsutil import DirLock
+                from rbtool.files.fsutil import DirLock
                 with DirLock(Path({str(held)!r}), wait=False):
                     print("held", flush=True)
                     sys.stdin.read()

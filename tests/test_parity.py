@@ -15,7 +15,7 @@ import torch
 from conftest import FIXTURES, assert_batches_equal, make_traj
 
 from rbtool import TrajectoryReplayBuffer, read_index
-from rbtool.checkpoint import merge, shard
+from rbtool.ops.checkpoint import merge, shard
 
 
 def expected(name: str) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""rbtool.passes: a per-file function on worker processes, as a single process would run it.
+"""rbtool.passes.pool: a per-file function on worker processes, as a single process would run it.
 
 Results in list order, the first error in list order, largest tasks first, a bounded number
 of tasks in flight, progress in the calling process, Ctrl-C and dead workers handled.
@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 from conftest import FIXTURES, RLINF_DIRS, make_traj
 
-from rbtool import passes
 from rbtool.errors import RbtoolError, TrajectoryFileError, UsageError
-from rbtool.passes import Throughput, check_jobs, default_jobs, run_pass
+from rbtool.passes import pool as passes
+from rbtool.passes.pool import Throughput, check_jobs, default_jobs, run_pass
 
 DEEP_FIXTURES = [*RLINF_DIRS, "ranks"]
 
@@ -143,7 +143,7 @@ def test_ctrl_c_stops_the_workers() -> None:
 def test_with_another_thread_running_workers_come_from_a_fork_server() -> None:
     # alone, a process forks its workers (asked in a fresh process: an earlier test's S3
     # client may have left its event-loop thread running in this one)
-    alone = "from rbtool import passes; print(passes._context(()).get_start_method())"
+    alone = "from rbtool.passes import pool as passes; print(passes._context(()).get_start_method())"
     assert subprocess.run([sys.executable, "-c", alone], capture_output=True, text=True).stdout == "fork\n"
     stop = threading.Event()
     thread = threading.Thread(target=stop.wait)
@@ -211,7 +211,7 @@ def problems_of(report: Any) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("rel", DEEP_FIXTURES)
 def test_verify_deep_is_the_same_on_one_and_two_jobs_on_the_fixtures(rel: str) -> None:
-    from rbtool.verify import verify
+    from rbtool.ops.verify import verify
 
     one, two = (verify(FIXTURES / rel, deep=True, jobs=j) for j in (1, 2))
     assert problems_of(two) == problems_of(one) and two.bytes_read == one.bytes_read > 0
@@ -219,7 +219,7 @@ def test_verify_deep_is_the_same_on_one_and_two_jobs_on_the_fixtures(rel: str) -
 
 
 def test_verify_deep_is_the_same_on_one_and_two_jobs_on_a_damaged_checkpoint(damaged: Path) -> None:
-    from rbtool.verify import verify
+    from rbtool.ops.verify import verify
 
     one, two = (verify(damaged, deep=True, jobs=j) for j in (1, 2))
     found = problems_of(one)
@@ -233,7 +233,7 @@ def test_verify_deep_is_the_same_on_one_and_two_jobs_on_a_damaged_checkpoint(dam
     "rel", ["autosave_pt/autosave", "varying_shapes_pt/ckpt", "nosave_window2_pkl/ckpt", "ranks"]
 )
 def test_stats_data_is_the_same_on_one_and_two_jobs(rel: str) -> None:
-    from rbtool.stats import DrawRequest, collect_stats
+    from rbtool.ops.stats import DrawRequest, collect_stats
 
     draws = DrawRequest(500, "topk", k=8)
     one, two = (collect_stats(FIXTURES / rel, draws=draws, jobs=j) for j in (1, 2))
@@ -244,7 +244,7 @@ def test_stats_data_is_the_same_on_one_and_two_jobs(rel: str) -> None:
 
 
 def test_stats_stops_at_the_first_bad_file_in_list_order_on_any_jobs(damaged: Path) -> None:
-    from rbtool.stats import collect_stats
+    from rbtool.ops.stats import collect_stats
 
     errors = []
     for jobs in (1, 2):
@@ -255,8 +255,8 @@ def test_stats_stops_at_the_first_bad_file_in_list_order_on_any_jobs(damaged: Pa
 
 
 def test_repair_is_the_same_on_one_and_two_jobs(damaged: Path, tmp_path: Path) -> None:
-    from rbtool.index import read_index
-    from rbtool.repair import repair
+    from rbtool.files.index import read_index
+    from rbtool.ops.repair import repair
 
     results = [repair(damaged, tmp_path / f"out{j}", jobs=j) for j in (1, 2)]
     docs = []
@@ -293,9 +293,9 @@ def assert_same_trajectory(a: Any, b: Any) -> None:
 
 
 def test_convert_is_the_same_on_one_and_two_jobs(tmp_path: Path) -> None:
-    from rbtool import trajfile
-    from rbtool.conversion import convert
-    from rbtool.index import read_index
+    from rbtool.files import trajfile
+    from rbtool.files.index import read_index
+    from rbtool.ops.conversion import convert
 
     for j in (1, 2):
         result = convert(FIXTURES / "ranks", tmp_path / f"pkl{j}", "pkl", jobs=j)

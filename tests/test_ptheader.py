@@ -1,4 +1,4 @@
-"""rbtool.ptheader: a `.pt` file's structure from its header agrees with torch's loader, and
+"""rbtool.files.ptheader: a `.pt` file's structure from its header agrees with torch's loader, and
 hostile headers are refused the way torch's path refuses them."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import pytest
 import torch
 from conftest import FIXTURES, make_traj
 
-from rbtool import trajfile
 from rbtool.errors import TrajectoryFileError
-from rbtool.layout import describe, iter_tensors
-from rbtool.ptheader import TensorSpec, UnusualLayout, iter_specs, read_header
+from rbtool.files import trajfile
+from rbtool.files.ptheader import TensorSpec, UnusualLayout, iter_specs, read_header
+from rbtool.format.layout import describe, iter_tensors
 
 FIXTURE_FILES = sorted(FIXTURES.rglob("trajectory_*.pt"))
 

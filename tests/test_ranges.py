@@ -1,4 +1,4 @@
-"""Remote sampling by byte ranges (rbtool.ranges), against the real S3 servers of conftest.
+"""Remote sampling by byte ranges (rbtool.remote.ranges), against the real S3 servers of conftest.
 
 A uniform sample of a remote checkpoint fetches the zip directory, data.pkl, the small-row
 fields and the drawn rows of each drawn `.pt` file into its sparse stand-in; the batch is the
@@ -16,7 +16,7 @@ import pytest
 from conftest import assert_batches_equal, assert_one_error, forget_etags, make_traj, run, run_json
 
 from rbtool import remote
-from rbtool.ranges import merge, subtract
+from rbtool.remote.ranges import merge, subtract
 
 
 @pytest.fixture(autouse=True)
@@ -108,9 +108,9 @@ def test_sample_reads_only_the_ranges_it_needs_bit_for_bit(bucket: str, tmp_path
 
 
 def test_a_second_sample_reuses_the_ranges_fetched(bucket: str, tmp_path: Path) -> None:
-    from rbtool.buffer import TrajectoryReplayBuffer
-    from rbtool.dirs import open_view
-    from rbtool.ranges import RangeCache, drawn_rows
+    from rbtool.buffer.replay import TrajectoryReplayBuffer
+    from rbtool.files.dirs import open_view
+    from rbtool.remote.ranges import RangeCache, drawn_rows
 
     ckpt = _large_checkpoint(tmp_path)
     url = f"{bucket}/large"

@@ -1,4 +1,4 @@
-"""rbtool.repair: a consistent checkpoint from what is really there; the source never changes."""
+"""rbtool.ops.repair: a consistent checkpoint from what is really there; the source never changes."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from conftest import FIXTURES, RLINF_DIRS, make_traj, tree_digest
 
 from rbtool import TrajectoryReplayBuffer, load_state
 from rbtool.errors import CheckpointError, UsageError
+from rbtool.files.index import read_index
 from rbtool.format import ENTRY_KEYS
-from rbtool.index import read_index
-from rbtool.repair import plan_repair, repair
-from rbtool.verify import verify, verify_checkpoint
+from rbtool.ops.repair import plan_repair, repair
+from rbtool.ops.verify import verify, verify_checkpoint
 
 NOSAVE = [rel for rel in RLINF_DIRS if "nosave_window2" in rel]
 CLEAN = [rel for rel in RLINF_DIRS if rel not in NOSAVE]
@@ -217,7 +217,7 @@ def test_counter_stays_above_every_id(rlinf_copy: Any, tmp_path: Path) -> None:
 
 def test_converts_files_whose_suffix_differs_from_the_format(rlinf_copy: Any, tmp_path: Path) -> None:
     """A .pkl file in a pt checkpoint is the trajectory that is really there: kept, rewritten as .pt."""
-    from rbtool import trajfile
+    from rbtool.files import trajfile
 
     src = rlinf_copy(BASE)
     pt = file_of(src, 2)

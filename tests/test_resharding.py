@@ -1,4 +1,4 @@
-"""rbtool.resharding: M rank directories to N, equal to shard(merge(tree), N), by count or by samples."""
+"""rbtool.ops.resharding: M rank directories to N, equal to shard(merge(tree), N), by count or by samples."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rbtool import TrajectoryReplayBuffer, read_index
-from rbtool.checkpoint import build_from_files, load_state, merge, shard
 from rbtool.errors import RankLayoutWarning, UsageError
+from rbtool.files.index import balanced_blocks
 from rbtool.format import INDEX_FILE, MERGE_MAP_FILE, METADATA_FILE, parse_trajectory_file_name
-from rbtool.index import balanced_blocks
-from rbtool.resharding import plan, reshard
+from rbtool.ops.checkpoint import build_from_files, load_state, merge, shard
+from rbtool.ops.resharding import plan, reshard
 
 # Trajectories per rank of the generated trees: uneven, with an empty rank once M >= 4.
 RANK_SIZES = [3, 1, 4, 0, 2]

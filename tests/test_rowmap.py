@@ -1,4 +1,4 @@
-"""rbtool.rowmap: files mapped side by side in one range, and sampling with map_rows=True.
+"""rbtool.buffer.rowmap: files mapped side by side in one range, and sampling with map_rows=True.
 
 Batches drawn through the row map must be bit-identical to those the default (pread) path
 gives, whatever the window does: files mapped as they are drawn, released as they leave
@@ -17,10 +17,11 @@ import pytest
 import torch
 from conftest import flat_batch, make_traj
 
-from rbtool import TrajectoryReplayBuffer, rowmap
+from rbtool import TrajectoryReplayBuffer
+from rbtool.buffer import rowmap
+from rbtool.buffer.rowmap import RowMap
 from rbtool.errors import TrajectoryFileError, UsageError
-from rbtool.ptheader import SMALL_FILE_BYTES
-from rbtool.rowmap import RowMap
+from rbtool.files.ptheader import SMALL_FILE_BYTES
 
 pytestmark = pytest.mark.skipif(not rowmap.available(), reason="the row map needs Linux (mremap)")
 

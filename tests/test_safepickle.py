@@ -1,4 +1,4 @@
-"""Tests for rbtool.safepickle: restricted loading of RLinf trajectory pickles."""
+"""Tests for rbtool.files.safepickle: restricted loading of RLinf trajectory pickles."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 from conftest import FIXTURES as REFERENCE
 
 from rbtool.errors import TrajectoryFileError, UnsafePickleError
-from rbtool.safepickle import dump_pickle_trajectory, load_pickle_trajectory
+from rbtool.files.safepickle import dump_pickle_trajectory, load_pickle_trajectory
 
 FIXTURE_DIR = REFERENCE / "nosave_window2_pkl" / "ckpt"
 FIXTURES = sorted(FIXTURE_DIR.glob("trajectory_*.pkl"))
@@ -180,7 +180,7 @@ def test_dump_is_plain_protocol_4_pickle() -> None:
 
 
 def test_load_does_not_need_torch_at_import() -> None:
-    code = "import sys, rbtool.safepickle; sys.exit('torch' in sys.modules)"
+    code = "import sys, rbtool.files.safepickle; sys.exit('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], check=False)
     assert result.returncode == 0
 

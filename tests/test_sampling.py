@@ -8,9 +8,10 @@ from typing import Any
 import pytest
 from conftest import assert_batches_equal, make_traj
 
-from rbtool import TrajectoryReplayBuffer, read_index, trajfile
-from rbtool.sampling import draw_uniform
-from rbtool.storage import FileRows, shared_schema
+from rbtool import TrajectoryReplayBuffer, read_index
+from rbtool.buffer.sampling import draw_uniform
+from rbtool.buffer.storage import FileRows, shared_schema
+from rbtool.files import trajfile
 
 
 def eager_flatten(traj: dict[str, Any], t: int) -> dict[tuple[str, ...], Any]:
@@ -40,8 +41,8 @@ def eager_flatten(traj: dict[str, Any], t: int) -> dict[tuple[str, ...], Any]:
 def eager_sample(ckpt: Path, window: int, num_chunks: int, seed: int) -> dict[str, Any]:
     import torch
 
-    from rbtool.index import window_of
-    from rbtool.storage import nest
+    from rbtool.buffer.storage import nest
+    from rbtool.files.index import window_of
 
     index = read_index(ckpt)
     ids = window_of(index.id_list, window)

@@ -1,4 +1,4 @@
-"""rbtool.sources: listing trajectory files from files, folders and checkpoints; checking them."""
+"""rbtool.files.sources: listing trajectory files from files, folders and checkpoints; checking them."""
 
 from __future__ import annotations
 
@@ -11,16 +11,17 @@ import pytest
 import torch
 from conftest import FIXTURES, make_traj
 
-from rbtool import layout, trajfile
 from rbtool.errors import (
     CheckpointError,
     InvalidTrajectoryError,
     MissingTrajectoryFilesError,
     TrajectoryFileError,
 )
-from rbtool.index import Index, read_index
-from rbtool.sources import Item, check_item, collect_items, collect_sources
-from rbtool.writer import copied_entries, new_entry, write_checkpoint
+from rbtool.files import trajfile
+from rbtool.files.index import Index, read_index
+from rbtool.files.sources import Item, check_item, collect_items, collect_sources
+from rbtool.files.writer import copied_entries, new_entry, write_checkpoint
+from rbtool.format import layout
 
 
 def write_file(path: Path, traj: dict[str, Any]) -> Path:

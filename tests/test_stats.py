@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from rbtool import CheckpointError, UsageError, build_from_files
-from rbtool.index import read_index
-from rbtool.layout import done_extra_rows, drop_bootstrap_rows
-from rbtool.stats import (
+from rbtool.files.index import read_index
+from rbtool.format.layout import done_extra_rows, drop_bootstrap_rows
+from rbtool.ops.stats import (
     OTHER,
     TERMINATED,
     TRUNCATED,
@@ -236,7 +236,7 @@ def test_index_only_reads_just_the_json(tmp_path: Path) -> None:
 
 def test_index_only_does_not_import_torch() -> None:
     code = (
-        "import sys; from rbtool.stats import collect_stats; "
+        "import sys; from rbtool.ops.stats import collect_stats; "
         f"collect_stats({str(FIXTURES / 'autosave_pt' / 'autosave')!r}, index_only=True); "
         "print('torch' in sys.modules)"
     )

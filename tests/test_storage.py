@@ -1,4 +1,4 @@
-"""rbtool.storage: flat views of in-memory and `.pt`-file trajectories, the fd cache, gather."""
+"""rbtool.buffer.storage: flat views of in-memory and `.pt`-file trajectories, the fd cache, gather."""
 
 from __future__ import annotations
 
@@ -20,11 +20,9 @@ from conftest import make_traj
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rbtool import layout, storage, trajfile
-from rbtool.errors import InvalidTrajectoryError, TrajectoryFileError
-from rbtool.layout import DONE_LIKE, done_rows
-from rbtool.sampling import draw_uniform
-from rbtool.storage import (
+from rbtool.buffer import storage
+from rbtool.buffer.sampling import draw_uniform
+from rbtool.buffer.storage import (
     FileRows,
     FlatView,
     PinnedFile,
@@ -38,6 +36,10 @@ from rbtool.storage import (
     shared_schema,
     window_cache,
 )
+from rbtool.errors import InvalidTrajectoryError, TrajectoryFileError
+from rbtool.files import trajfile
+from rbtool.format import layout
+from rbtool.format.layout import DONE_LIKE, done_rows
 
 FieldPath = tuple[str, ...]
 
@@ -194,8 +196,9 @@ FD_SCRIPT = textwrap.dedent(
     from pathlib import Path
     resource.setrlimit(resource.RLIMIT_NOFILE, (80, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     import numpy as np, torch
-    from rbtool import storage, trajfile
-    from rbtool.storage import FlatView, open_trajectory
+    from rbtool.buffer import storage
+    from rbtool.files import trajfile
+    from rbtool.buffer.storage import FlatView, open_trajectory
     storage.SMALL_FILE_BYTES = 0  # as in large files: wide rows stay on disk
 
     root = Path(sys.argv[1])

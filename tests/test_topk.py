@@ -10,7 +10,7 @@ import torch
 from conftest import FIXTURES, make_traj
 
 from rbtool import TrajectoryReplayBuffer, UsageError
-from rbtool.topk import (
+from rbtool.buffer.topk import (
     RewardIndex,
     check_strategy,
     draw_topk,

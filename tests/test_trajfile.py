@@ -1,4 +1,4 @@
-"""rbtool.trajfile: cleaning trajectory dicts, serializing them, loading them safely, hashes."""
+"""rbtool.files.trajfile: cleaning trajectory dicts, serializing them, loading them safely, hashes."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import pytest
 import torch
 from conftest import make_traj
 
-from rbtool import layout, trajfile
 from rbtool.errors import InvalidTrajectoryError, TrajectoryFileError, UnsafePickleError
+from rbtool.files import trajfile
+from rbtool.format import layout
 
 
 def assert_same_tree(actual: dict[str, Any], expected: dict[str, Any]) -> None:

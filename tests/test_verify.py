@@ -1,4 +1,4 @@
-"""rbtool.verify: every problem is found and reported with its code, the reference fixtures judged right."""
+"""verify: every problem is found and reported with its code, the reference fixtures judged right."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import pytest
 from conftest import FIXTURES, RLINF_DIRS, make_traj, tree_digest
 
 from rbtool import format as format_module
-from rbtool.index import Index, read_index, write_index
-from rbtool.verify import PROBLEM_CODES, verify, verify_checkpoint
+from rbtool.files.index import Index, read_index, write_index
+from rbtool.ops.verify import PROBLEM_CODES, verify, verify_checkpoint
 
 NOSAVE = [rel for rel in RLINF_DIRS if "nosave_window2" in rel]
 CLEAN = [rel for rel in RLINF_DIRS if rel not in NOSAVE]
@@ -136,7 +136,7 @@ def test_paths_that_are_not_checkpoints_raise(tmp_path: Path) -> None:
 
 def test_quick_check_does_not_import_torch() -> None:
     code = (
-        "import sys\nfrom rbtool.verify import verify\n"
+        "import sys\nfrom rbtool.ops.verify import verify\n"
         f"r = verify({str(FIXTURES / NOSAVE[0])!r})\n"
         "assert not r.ok\nprint('torch' in sys.modules)"
     )

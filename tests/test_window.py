@@ -14,9 +14,9 @@ import torch
 from conftest import make_traj
 
 from rbtool import TrajectoryReplayBuffer, read_index
+from rbtool.buffer.storage import RowCache
 from rbtool.errors import TrajectoryFileError
-from rbtool.layout import DONE_LIKE, drop_bootstrap_rows
-from rbtool.storage import RowCache
+from rbtool.format.layout import DONE_LIKE, drop_bootstrap_rows
 
 
 def flat_fields(traj: dict[str, Any]) -> dict[tuple[str, ...], torch.Tensor]:
@@ -82,7 +82,7 @@ def varied_traj(rng: random.Random, seed: int, wide: bool = False) -> dict[str, 
 def test_batches_equal_a_from_scratch_gather_through_adds_loads_and_window_changes(
     tmp_path: Path, auto_save: bool, seed: int, large_files: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rbtool import storage
+    from rbtool.buffer import storage
 
     if large_files:  # read as files too large to hold whole: small fields packed, wide ones on disk
         monkeypatch.setattr(storage, "SMALL_FILE_BYTES", 0)
@@ -140,7 +140,7 @@ def test_a_sample_that_fails_on_a_damaged_file_draws_nothing(tmp_path: Path) -> 
 
 
 def test_the_row_cache_drops_fields_a_new_trajectory_lacks_and_its_dead_rows() -> None:
-    from rbtool.storage import FlatView
+    from rbtool.buffer.storage import FlatView
 
     cache = RowCache()
     trajs = [make_traj(t=2, b=1, seed=i) for i in range(6)]
@@ -159,7 +159,7 @@ def test_the_row_cache_drops_fields_a_new_trajectory_lacks_and_its_dead_rows() -
 
 
 def test_the_row_cache_stops_at_its_budget() -> None:
-    from rbtool.storage import FlatView
+    from rbtool.buffer.storage import FlatView
 
     cache = RowCache(max_bytes=4096)
     base = 0
@@ -194,7 +194,7 @@ def test_auto_save_publishes_are_spaced_and_a_flush_publishes_everything(tmp_pat
 def test_checkpoints_rbtool_writes_record_each_trajectorys_field_schema(tmp_path: Path) -> None:
     import orjson
 
-    from rbtool.layout import field_schema, schema_digest
+    from rbtool.format.layout import field_schema, schema_digest
 
     trajs = [make_traj(seed=i) for i in range(4)]
     del trajs[2]["prev_values"]
@@ -215,7 +215,7 @@ def test_checkpoints_rbtool_writes_record_each_trajectorys_field_schema(tmp_path
 def test_a_recorded_schema_spares_reading_the_window_s_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rbtool import storage
+    from rbtool.buffer import storage
 
     buffer = TrajectoryReplayBuffer(sample_window_size=0)
     buffer.add_trajectories([make_traj(t=2, b=1, seed=i) for i in range(300)])
@@ -269,8 +269,8 @@ def test_a_file_that_disagrees_with_its_recorded_schema_is_named(tmp_path: Path)
 
 
 def test_ingest_records_the_schema_it_read_from_each_header(tmp_path: Path) -> None:
-    from rbtool.ingestion import ingest
-    from rbtool.layout import field_schema, schema_digest
+    from rbtool.format.layout import field_schema, schema_digest
+    from rbtool.ops.ingestion import ingest
 
     sources = []
     for i in range(3):
@@ -320,7 +320,7 @@ def test_the_first_sample_of_a_foreign_checkpoint_reports_the_headers_it_reads(t
 def test_rows_read_by_threads_are_those_read_in_order(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rbtool import storage
+    from rbtool.buffer import storage
 
     monkeypatch.setattr(storage, "SMALL_FILE_BYTES", 0)  # image rows stay in their files
     writer = TrajectoryReplayBuffer(sample_window_size=0)
@@ -350,7 +350,7 @@ def test_held_bytes_spread_over_many_blocks_give_the_from_scratch_batches(
 ) -> None:
     """Small files held in blocks of a few files each, the oldest dropped past a budget of ten
     files (blocks emptied and let go, the rest moved) while batches read them in place."""
-    from rbtool import storage
+    from rbtool.buffer import storage
 
     trajs = {i: make_traj(t=4, b=2, seed=i, image=4 + i % 2) for i in range(30)}
     writer = TrajectoryReplayBuffer(sample_window_size=0)
@@ -382,7 +382,7 @@ def test_a_batch_drawing_from_more_files_than_the_descriptor_cache_keeps_open(
     """auto_save on: files are read by name, through the bounded descriptor cache. A batch whose
     draws reach more large files than it keeps open reads each row from its own file (a
     descriptor closed by the cache, its number maybe reused, is never read)."""
-    from rbtool import storage
+    from rbtool.buffer import storage
 
     monkeypatch.setattr(storage, "MAX_OPEN_FDS", 16)
     monkeypatch.setattr(storage, "SMALL_FILE_BYTES", 0)  # image rows stay in their files

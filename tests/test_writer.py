@@ -1,4 +1,4 @@
-"""rbtool.writer: placing trajectory files, publishing directories, the auto-save thread."""
+"""rbtool.files.writer: placing trajectory files, publishing directories, the auto-save thread."""
 
 from __future__ import annotations
 
@@ -13,12 +13,11 @@ import pytest
 import torch
 from conftest import make_traj, staging_left
 
-from rbtool import layout, trajfile
 from rbtool.errors import CheckpointError, OutputExistsError, RbtoolError
-from rbtool.format import INDEX_FILE, METADATA_FILE
-from rbtool.fsutil import DirLock
-from rbtool.index import Index, read_index
-from rbtool.writer import (
+from rbtool.files import trajfile
+from rbtool.files.fsutil import DirLock
+from rbtool.files.index import Index, read_index
+from rbtool.files.writer import (
     AutoSaveWriter,
     BufferWriter,
     Source,
@@ -29,6 +28,7 @@ from rbtool.writer import (
     place_trajectory,
     write_checkpoint,
 )
+from rbtool.format import INDEX_FILE, METADATA_FILE, layout
 
 
 def assert_same_tensors(actual: dict[str, Any], expected: dict[str, Any]) -> None:

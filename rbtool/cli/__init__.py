@@ -87,13 +87,13 @@ def main() -> None:
     """Console-script entry point, also run by `python -m rbtool`.
 
     Under torchrun, ranks other than 0 print nothing on stdout: every rank builds the same
-    report (rbtool.ranks), rank 0 prints it; and no rank leaves before the others are done
+    report (rbtool.passes.ranks), rank 0 prints it; and no rank leaves before the others are done
     (torchrun ends every rank as soon as one exits with an error: rank 0 could be cut off
     in the middle of its report).
     """
     try:
         if os.environ.get("RANK", "0") != "0" and os.environ.get("WORLD_SIZE"):
-            from rbtool.ranks import from_env, silenced_stdout
+            from rbtool.passes.ranks import from_env, silenced_stdout
 
             try:
                 world = from_env()
@@ -104,7 +104,7 @@ def main() -> None:
         else:
             app()
     finally:
-        ranks = sys.modules.get("rbtool.ranks")
+        ranks = sys.modules.get("rbtool.passes.ranks")
         if ranks is not None:
             sys.stdout.flush()
             ranks.finish()

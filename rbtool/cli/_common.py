@@ -120,7 +120,7 @@ def exit_status(exc: RbtoolError) -> int:
 
 
 # Commands that may run under torchrun with more than one rank: the passes spread over the
-# ranks (rbtool.ranks) and read-only commands; a writer started K times would race itself.
+# ranks (rbtool.passes.ranks) and read-only commands; a writer started K times would race itself.
 OVER_RANKS = frozenset({"verify", "stats", "convert", "export", "diff", "version"})
 
 
@@ -216,7 +216,7 @@ class Group(TyperGroup):
                 os.close(devnull)
                 raise typer.Exit(BROKEN_PIPE_STATUS) from None
             except OSError as exc:  # the library maps these itself; this is the last net
-                from rbtool.fsutil import os_error
+                from rbtool.files.fsutil import os_error
 
                 print_error(str(os_error(exc, exc.filename or "?")))
                 raise typer.Exit(1) from None
@@ -909,7 +909,8 @@ def reading(
 @contextmanager
 def _streamed(value: str, options: dict[str, Any]) -> Iterator[Place]:
     """A streamed mirror of the URL `value`, fed to the passes run inside the block."""
-    from rbtool import passes, remote
+    from rbtool import remote
+    from rbtool.passes import pool as passes
 
     with remote.stream_mirror(value, options) as streamed, passes.feeding(streamed):
         place = Place(value, streamed.path, value.rstrip("/"))
@@ -1210,7 +1211,7 @@ def interrupted_line(
             return f"interrupted: nothing was written to {buffer}"
         if after == index_before:
             return f"interrupted: the buffer {buffer} is left as it was"
-        from rbtool.index import read_index
+        from rbtool.files.index import read_index
 
         try:
             ids = read_index(buffer).id_list

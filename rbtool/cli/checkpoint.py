@@ -46,7 +46,7 @@ from rbtool.cli._window import DEFAULT_WINDOW, window_line
 from rbtool.cli._writing import DryRunOpt, dry_run_note, read_and_write, trajectories
 
 if TYPE_CHECKING:
-    from rbtool.index import Index
+    from rbtool.files.index import Index
 
 checkpoint_app = typer.Typer(
     cls=Group,
@@ -165,9 +165,9 @@ def _save(
     pretty: bool,
 ) -> None:
     target, shown = place.local, place.show()
-    from rbtool import checkpoint
-    from rbtool.dirs import is_rank_tree, open_view
+    from rbtool.files.dirs import is_rank_tree, open_view
     from rbtool.format import is_checkpoint_dir
+    from rbtool.ops import checkpoint
 
     fmt = None if trajectory_format is None else trajectory_format.value
     chosen = mode
@@ -359,7 +359,7 @@ def _load(
     pretty: bool,
     jsonl: bool,
 ) -> None:
-    from rbtool import checkpoint
+    from rbtool.ops import checkpoint
 
     ckpt, display = place.local, place.show()
     if buffer is not None:
@@ -372,7 +372,7 @@ def _load(
     # --world-size and --rank are checked before anything is read, in the options' words;
     # without --rank every rank's block is shown.
     check_rank_options(world_size, rank, buffer)
-    from rbtool.dirs import warn_layout
+    from rbtool.files.dirs import warn_layout
 
     # One step: the library reads the index and checks the files in one call.
     with progress_bar("reading the index and checking files", 1, show_progress(json or jsonl)) as advance:
@@ -436,7 +436,7 @@ def _load(
         rows = [("full" if rank is None else f"rank {rank}", doc)]
     out.print(state_table(f"{display} ({how})", rows, limit))
     if view.renumbered:
-        from rbtool.dirs import RENUMBERED_NOTE
+        from rbtool.files.dirs import RENUMBERED_NOTE
 
         changed = count(doc["renumbered_ids"], "id")
         out.print(f"{RENUMBERED_NOTE}; {changed} changed", markup=False, highlight=False)

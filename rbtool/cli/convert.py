@@ -76,7 +76,7 @@ def convert(
     )
     with opening as ([src], dst):
         source, target = src.local, dst.local
-        from rbtool import conversion
+        from rbtool.ops import conversion
 
         with progress_bar("converting", None, show_progress(json) and not dry_run) as advance:
             result = conversion.convert(
@@ -136,6 +136,6 @@ def convert(
             markup=False,
         )
         if result.journal is not None:
-            from rbtool.ranks import journal_note
+            from rbtool.passes.ranks import journal_note
 
             out.print(journal_note(result.journal), markup=False)

@@ -55,7 +55,7 @@ def diff(
         reading(b_arg, storage_option, data=True, enabled=show_progress(json)) as place_b,
     ):
         a, b = place_a.local, place_b.local
-        from rbtool import compare
+        from rbtool.ops import compare
 
         with progress_bar("comparing", None, show_progress(json)) as advance:
             result = compare.diff(a, b, deep=deep, strict=strict, progress=advance)

@@ -88,7 +88,7 @@ def filter_(
     )
     with opening as ([src], dst):
         source, target = src.local, dst.local
-        from rbtool import filtering
+        from rbtool.ops import filtering
 
         criteria = filtering.Criteria(
             model_weights_ids=tuple(model_weights_id or ()),

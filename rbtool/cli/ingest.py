@@ -39,8 +39,8 @@ def id_range(ids: list[int]) -> str:
 
 def _count_items(sources: list[Path]) -> int | None:
     """How many trajectories the sources hold, for the progress bar's total (None if unknown)."""
-    from rbtool.checkpoint import collect_items
     from rbtool.errors import RbtoolError
+    from rbtool.ops.checkpoint import collect_items
 
     try:
         return len(collect_items(sources))
@@ -117,7 +117,7 @@ def ingest(
         ]
         sources = [place.local for place in places]
         from rbtool.errors import UsageError
-        from rbtool.ingestion import ingest as ingest_sources
+        from rbtool.ops.ingestion import ingest as ingest_sources
 
         if link and copy:
             raise UsageError("--link and --copy exclude each other; give one of them")

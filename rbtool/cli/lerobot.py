@@ -56,7 +56,7 @@ class ExportFormat(str, enum.Enum):
 def _unmappable(exc: Exception) -> Exception:
     """A feature the defaults cannot map, with the options that answer it."""
     from rbtool.errors import UsageError
-    from rbtool.lerobot import LeRobotFeatureError
+    from rbtool.interop.lerobot import LeRobotFeatureError
 
     if isinstance(exc, LeRobotFeatureError):
         if exc.mappable:
@@ -158,9 +158,9 @@ def export(
     refuse_output_mix(json, pretty=pretty)
     with reading(source_arg, storage_option, data=True, enabled=show_progress(json)) as src:
         source = src.local
-        from rbtool.dirs import open_view
         from rbtool.errors import RbtoolError, UsageError
-        from rbtool.lerobot import CODEBASE_VERSION, export_lerobot, parse_field_map
+        from rbtool.files.dirs import open_view
+        from rbtool.interop.lerobot import CODEBASE_VERSION, export_lerobot, parse_field_map
 
         refuse_overlap(target, [source], "OUT")
         if video and not images:
@@ -233,7 +233,7 @@ def export(
                 )
             )
         if result.journal is not None:
-            from rbtool.ranks import journal_note
+            from rbtool.passes.ranks import journal_note
 
             rows.append(("journal", journal_note(result.journal, "trajectories")))
         verb = "would export" if dry_run else "export"
@@ -319,8 +319,8 @@ def import_lerobot(
     """
     refuse_output_mix(json, pretty=pretty)
     from rbtool.errors import RbtoolError
-    from rbtool.lerobot import count_units, parse_field_map
-    from rbtool.lerobot import import_lerobot as run_import
+    from rbtool.interop.lerobot import count_units, parse_field_map
+    from rbtool.interop.lerobot import import_lerobot as run_import
 
     refuse_overlap(buffer, [source], "--buffer")
     selected = parse_episodes(episodes)

@@ -55,8 +55,8 @@ def merge(
     opening = read_and_write(dir_args, target_arg, storage_option, json=json, force=force, dry_run=dry_run)
     with opening as (places, dst):
         dirs, target = [p.local for p in places], dst.local
-        from rbtool import checkpoint
-        from rbtool.dirs import checkpoint_dirs
+        from rbtool.files.dirs import checkpoint_dirs
+        from rbtool.ops import checkpoint
 
         inputs = [p for d in dirs for p in checkpoint_dirs(d)]
         with progress_bar("merging", None, show_progress(json) and not dry_run) as advance:

@@ -71,7 +71,7 @@ def repair(
     and a lost or corrupt index or metadata is rebuilt from the trajectory files.
     """
     refuse_output_mix(json, pretty=pretty)
-    from rbtool.repair import repair as run_repair
+    from rbtool.ops.repair import repair as run_repair
 
     refuse_overlap(target, [path], "--out")  # as every writer words it (the library refuses it too)
     with progress_bar("checking trajectory files", None, show_progress(json)) as advance:

@@ -73,7 +73,7 @@ def reshard(
     )
     with opening as ([src], dst):
         source, target = src.local, dst.local
-        from rbtool import resharding
+        from rbtool.ops import resharding
 
         with progress_bar("resharding", None, show_progress(json) and not dry_run) as advance:
             result = resharding.reshard(

@@ -46,7 +46,7 @@ from rbtool.cli._window import DEFAULT_WINDOW, window_line
 from rbtool.cli._writing import DryRunOpt, dry_run_note
 
 if TYPE_CHECKING:
-    from rbtool.dirs import CheckpointView
+    from rbtool.files.dirs import CheckpointView
     from rbtool.remote import IndexMirror
 
 DEFAULT_SEED = 1234  # the buffer's default, used when the checkpoint records no seed
@@ -65,7 +65,7 @@ def save_batch(batch: dict[str, Any], path: Path, *, force: bool, dry_run: bool)
     import torch
 
     from rbtool.errors import RbtoolError
-    from rbtool.fsutil import check_file_target, make_parents, write_bytes_atomic
+    from rbtool.files.fsutil import check_file_target, make_parents, write_bytes_atomic
 
     check_file_target(path, overwrite=force)  # checked again: the draw may have taken a while
     buffer = io.BytesIO()
@@ -110,7 +110,7 @@ def _remote_reads(
         return None
     index = view.index
     if strategy is Strategy.uniform and all(e.get("schema") in index.schemas for e in index.entries.values()):
-        from rbtool.ranges import drawn_rows
+        from rbtool.remote.ranges import drawn_rows
 
         return drawn_rows(mirror, view, extra_fields=extra_fields)
     mirror.fetch()
@@ -166,13 +166,13 @@ def sample(
             if given:
                 raise typer.BadParameter("applies only with --out (nothing else writes)", param_hint=flag)
 
-    from rbtool.fsutil import check_file_target
+    from rbtool.files.fsutil import check_file_target
 
     if out_path is not None:
         check_file_target(out_path, overwrite=force)  # before anything is read
 
-    from rbtool.buffer import TrajectoryReplayBuffer
-    from rbtool.dirs import open_view
+    from rbtool.buffer.replay import TrajectoryReplayBuffer
+    from rbtool.files.dirs import open_view
 
     # what the buffer will load: a rank tree reads as the merge of its ranks (ids are the
     # merged ones); non-strict drops missing files before merging, as load_checkpoint does

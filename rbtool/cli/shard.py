@@ -52,7 +52,7 @@ def shard(
     opening = read_and_write([ckpt_arg], target_arg, storage_option, json=json, force=force, dry_run=dry_run)
     with opening as ([src], dst):
         ckpt, target = src.local, dst.local
-        from rbtool import checkpoint
+        from rbtool.ops import checkpoint
 
         with progress_bar("sharding", None, show_progress(json) and not dry_run) as advance:
             shards, report = checkpoint.shard(

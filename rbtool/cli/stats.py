@@ -163,14 +163,14 @@ def stats(
             raise typer.BadParameter("--jsonl lists the trajectories only", param_hint="--sample-draws")
 
     from rbtool.errors import RbtoolError, UsageError
-    from rbtool.stats import DrawRequest, collect_stats
+    from rbtool.ops.stats import DrawRequest, collect_stats
 
     draws = None
     if sample_draws is not None:
         draws = DrawRequest(sample_draws, strategy.value, k, temperature, seed)
     enabled = show_progress(json or jsonl) and not index_only
 
-    from rbtool.ranks import input_journal
+    from rbtool.passes.ranks import input_journal
 
     @contextmanager
     def one(path: str) -> Iterator[dict[str, Any]]:
@@ -312,7 +312,7 @@ def render(doc: dict[str, Any], con: Console, every: bool = False, wide: bool = 
         )
     )
     if doc.get("renumbered"):
-        from rbtool.dirs import RENUMBERED_NOTE
+        from rbtool.files.dirs import RENUMBERED_NOTE
 
         con.print(RENUMBERED_NOTE, style="yellow", markup=False, highlight=False)
     if files["checked"]:
@@ -360,7 +360,7 @@ def render(doc: dict[str, Any], con: Console, every: bool = False, wide: bool = 
     if data is not None and data["trajectories_read"]:
         con.print(data_table(data, wide))
         if doc.get("journal") is not None:
-            from rbtool.ranks import journal_note
+            from rbtool.passes.ranks import journal_note
 
             con.print(journal_note(doc["journal"]), markup=False)
         con.print(episode_line(data))

@@ -39,7 +39,7 @@ from rbtool.cli._common import (
 )
 
 if TYPE_CHECKING:
-    from rbtool.verify import CheckpointReport
+    from rbtool.ops.verify import CheckpointReport
 
 MAX_ROWS = 50  # problems shown per checkpoint in the human view; --all shows them all
 _STYLE = {"error": "bold red", "warning": "yellow", "notice": "cyan"}
@@ -172,8 +172,8 @@ def verify(
             "the quick check reads no trajectory file: add --deep", param_hint="--journal"
         )
     from rbtool.errors import CheckpointError, RbtoolError, UsageError
-    from rbtool.ranks import input_journal, journal_note
-    from rbtool.verify import verify as run_verify
+    from rbtool.ops.verify import verify as run_verify
+    from rbtool.passes.ranks import input_journal, journal_note
 
     enabled = show_progress(json or jsonl)
     single = len(paths) == 1

@@ -126,7 +126,7 @@ def keep_freed_memory() -> None:
     A worker reads file after file of similar sizes; by default glibc serves blocks above
     a few MiB with fresh mmaps and trims freed heap, so every file's bytes and tensors fault
     their pages in anew (about an eighth of a deep check's CPU time). Workers do this, and so
-    does a torchrun rank that runs its share itself (rbtool.ranks).
+    does a torchrun rank that runs its share itself (rbtool.passes.ranks).
     """
     if not sys.platform.startswith("linux"):
         return
@@ -169,7 +169,7 @@ def _context(preload: Sequence[str]) -> Any:
         return multiprocessing.get_context("fork")
     if "forkserver" in methods:
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["rbtool.passes", *preload])
+        context.set_forkserver_preload(["rbtool.passes.pool", *preload])
         return context
     return multiprocessing.get_context("spawn")
 

@@ -842,7 +842,7 @@ def _read_private(path: Path, limit: int) -> bytes | None:
 @contextmanager
 def _scratch(name: str) -> Iterator[Path]:
     """A fresh directory in the cache (0700), removed afterwards; those killed runs left are removed first."""
-    from rbtool.fsutil import new_staging_dir
+    from rbtool.files.fsutil import new_staging_dir
 
     path = new_staging_dir(cache_root() / name)
     try:
@@ -893,7 +893,7 @@ def drop_link_records(local: Path) -> None:
     nothing, and a copy read back whose inode happened to match would be reported as written
     in place.
     """
-    from rbtool.index import read_index, write_index
+    from rbtool.files.index import read_index, write_index
 
     for metadata in sorted(local.rglob(METADATA_FILE)):
         index = read_index(metadata.parent)
@@ -1099,7 +1099,7 @@ def index_mirror(url: str, options: dict[str, Any] | None = None) -> Iterator[In
 
     For the commands that read only the index and the listing (names and sizes), nothing
     but the JSON objects (and the marker) is read from the store; `sample` fetches, of the
-    trajectories it draws, only the byte ranges its reads need (`rbtool.ranges`; small and
+    trajectories it draws, only the byte ranges its reads need (`rbtool.remote.ranges`; small and
     `.pkl` files whole), and nothing else.
     """
     cache_root()  # an untrusted cache is refused before the store is asked anything
@@ -1503,7 +1503,7 @@ class StreamMirror:
     """An IndexMirror whose objects are fetched in batches ahead of a pass and released after it.
 
     For the passes that read each file once (verify --deep, stats' data pass, convert) over
-    a checkpoint larger than the cache: `rbtool.passes.run_pass` calls `fetch` for the files
+    a checkpoint larger than the cache: `rbtool.passes.pool.run_pass` calls `fetch` for the files
     of the next tasks while their bytes fit `budget` (the cache bound less what the rest of
     the cache holds), and `release` for a task's files once it is done, which puts the
     sparse stand-in back. At most `budget` bytes of objects are here at any time.
@@ -1612,7 +1612,7 @@ def stream_mirror(url: str, options: dict[str, Any] | None = None) -> Iterator[S
 
 def _local_ranks() -> int:
     """The torchrun ranks on this node (1 without torchrun): they share the cache, and its room."""
-    from rbtool.ranks import from_env
+    from rbtool.passes.ranks import from_env
 
     world = from_env()
     return world.local_size if world is not None else 1

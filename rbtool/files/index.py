@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 
 from rbtool.errors import UsageError
+from rbtool.files.fsutil import write_bytes_atomic
 from rbtool.format import (
     FORMAT_VERSION,
     INDEX_FILE,
@@ -24,7 +25,6 @@ from rbtool.format import (
     is_checkpoint_dir,
     trajectory_file_name,
 )
-from rbtool.fsutil import write_bytes_atomic
 
 
 def rank_bounds(n: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -219,7 +219,7 @@ def init_buffer_dir(directory: Path, index: Index) -> None:
     """
     import shutil
 
-    from rbtool.fsutil import new_staging_dir
+    from rbtool.files.fsutil import new_staging_dir
 
     if not directory.exists():
         staging = new_staging_dir(directory)

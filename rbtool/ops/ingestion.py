@@ -17,9 +17,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rbtool import trajfile
-from rbtool.dirs import open_checkpoint
 from rbtool.errors import CheckpointError, RbtoolError, UsageError
+from rbtool.files import trajfile
+from rbtool.files.dirs import open_checkpoint
+from rbtool.files.fsutil import LOCK_FILE, make_parents, refuse_file_parent
+from rbtool.files.index import Index, init_buffer_dir, read_index
+from rbtool.files.sources import Checked, Item, Skipped, check_item, collect_sources
+from rbtool.files.writer import BufferWriter, WriteReport, new_entry, record_schema
 from rbtool.format import (
     FORMATS,
     INDEX_FILE,
@@ -28,10 +32,6 @@ from rbtool.format import (
     is_checkpoint_dir,
     parse_trajectory_file_name,
 )
-from rbtool.fsutil import LOCK_FILE, make_parents, refuse_file_parent
-from rbtool.index import Index, init_buffer_dir, read_index
-from rbtool.sources import Checked, Item, Skipped, check_item, collect_sources
-from rbtool.writer import BufferWriter, WriteReport, new_entry, record_schema
 
 _TEMP_RE = re.compile(r"^\.trajectory_.*\.tmp$")
 

@@ -102,7 +102,7 @@ def iter_tensors(
 ) -> Iterator[tuple[tuple[str, ...], Any]]:
     """(path, tensor) for every tensor in a trajectory dict, depth first in dict order.
 
-    `kind`: what counts as a tensor (default torch.Tensor; rbtool.ptheader.TensorSpec for a
+    `kind`: what counts as a tensor (default torch.Tensor; rbtool.files.ptheader.TensorSpec for a
     header read without the data).
     """
     kind = kind or _tensor_type()

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from rbtool.dirs import checkpoint_dirs, rank_number
 from rbtool.errors import RbtoolError, UnsafePickleError
+from rbtool.files.dirs import checkpoint_dirs, rank_number
 from rbtool.format import (
     ERROR,
     FORMATS,
@@ -44,8 +44,8 @@ from rbtool.format import (
     problem,
     trajectory_file_name,
 )
-from rbtool.passes import Timer, check_jobs
-from rbtool.ranks import Journal, open_journal, ranked_pass, total_jobs
+from rbtool.passes.pool import Timer, check_jobs
+from rbtool.passes.ranks import Journal, open_journal, ranked_pass, total_jobs
 
 Progress = Callable[[int], None]
 
@@ -394,7 +394,7 @@ def _deep_task(task: _DeepTask) -> _DeepResult:
 # -------------------------------------------------------------------- deep checks
 def _schema_of(traj: dict[str, Any]) -> dict[str, str]:
     """Field path -> 'dtype[trailing dims]' ('dtype(1-dim)' for per-env vectors)."""
-    from rbtool.layout import iter_tensors
+    from rbtool.format.layout import iter_tensors
 
     out = {}
     for path, tensor in iter_tensors(traj):
@@ -410,8 +410,9 @@ def _deep_check_file(
     """Read one file once, hash and load those bytes, check it: (its schema or None, bytes read)."""
     import torch
 
-    from rbtool import layout, trajfile
     from rbtool.errors import InvalidTrajectoryError
+    from rbtool.files import trajfile
+    from rbtool.format import layout
 
     name = path.name
     data = b""
@@ -561,7 +562,7 @@ def _run_deep(
         jobs=jobs,
         weights=[_file_size(t.path) for t in tasks],
         progress=progress,
-        preload=("torch", "rbtool.verify"),
+        preload=("torch", "rbtool.ops.verify"),
         journal=journal,
         files=lambda t: (t.path,),
         types=(Problem,),
@@ -591,7 +592,7 @@ def verify(
 
     The deep pass runs on `jobs` worker processes (default: the cores this process may use),
     over the files of every checkpoint at once; under torchrun the files are shared among
-    the ranks (rbtool.ranks). With `journal` (a directory), each checked file is recorded
+    the ranks (rbtool.passes.ranks). With `journal` (a directory), each checked file is recorded
     there, and a rerun takes the recorded results of unchanged files. `progress(1)` is called
     per file of the deep pass; a callback with a `start(total, description)` method also hears
     of each phase (checkpoints checked, then files loaded) and counts the checkpoints too.

@@ -1,8 +1,8 @@
 """TrajectoryReplayBuffer: RLinf's constructor and methods, composed of rbtool's parts.
 
-index (rbtool.index: ids, entries, counters) + storage (rbtool.storage: where each
-trajectory's rows are) + samplers (rbtool.sampling, rbtool.topk: draws only) + writer
-(rbtool.writer: the auto-save thread, publish order, directory lock).
+index (rbtool.files.index: ids, entries, counters) + storage (rbtool.buffer.storage: where each
+trajectory's rows are) + samplers (rbtool.buffer.sampling, rbtool.buffer.topk: draws only) + writer
+(rbtool.files.writer: the auto-save thread, publish order, directory lock).
 """
 
 from __future__ import annotations
@@ -16,15 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rbtool import trajfile
-from rbtool.batchmem import BatchMemory
-from rbtool.dirs import CheckpointView, open_view, warn_layout
-from rbtool.errors import BufferClosedError, CheckpointError, EmptyBufferError, UsageError
-from rbtool.format import FORMATS, trajectory_file_name
-from rbtool.index import Index, init_buffer_dir, read_index, window_of
-from rbtool.layout import field_schema
-from rbtool.sampling import Draw, SampleCounts, check_draw, check_num_chunks, draw_range
-from rbtool.storage import (
+from rbtool.buffer.batchmem import BatchMemory
+from rbtool.buffer.sampling import Draw, SampleCounts, check_draw, check_num_chunks, draw_range
+from rbtool.buffer.storage import (
     FlatView,
     RawTrajectory,
     RowCache,
@@ -34,7 +28,11 @@ from rbtool.storage import (
     gather,
     recorded_signature,
 )
-from rbtool.writer import (
+from rbtool.errors import BufferClosedError, CheckpointError, EmptyBufferError, UsageError
+from rbtool.files import trajfile
+from rbtool.files.dirs import CheckpointView, open_view, warn_layout
+from rbtool.files.index import Index, init_buffer_dir, read_index, window_of
+from rbtool.files.writer import (
     AutoSaveWriter,
     Progress,
     WriteReport,
@@ -43,9 +41,11 @@ from rbtool.writer import (
     start_phase,
     write_checkpoint,
 )
+from rbtool.format import FORMATS, trajectory_file_name
+from rbtool.format.layout import field_schema
 
 if TYPE_CHECKING:
-    from rbtool.topk import Candidates, RewardIndex
+    from rbtool.buffer.topk import Candidates, RewardIndex
 
 # The largest share of the auto-save writer's time spent rewriting the index (see _publish).
 PUBLISH_SHARE = 0.2
@@ -283,7 +283,7 @@ class TrajectoryReplayBuffer:
                 )
                 position += 1
             if self._rewards is not None:
-                from rbtool.topk import trajectory_scores
+                from rbtool.buffer.topk import trajectory_scores
 
                 added = zip(ids, prepared, strict=True)
                 self._rewards.add((tid, trajectory_scores(t, info.num_samples)) for tid, (t, info) in added)
@@ -444,7 +444,7 @@ class TrajectoryReplayBuffer:
         `before_gather(draw)` is called once the rows are drawn and before any is read (a
         reader of remote objects fetches the drawn trajectories' files there).
         """
-        from rbtool.topk import check_strategy
+        from rbtool.buffer.topk import check_strategy
 
         self._check_open()
         check_strategy(strategy, k, temperature)
@@ -461,7 +461,7 @@ class TrajectoryReplayBuffer:
         progress: Progress | None,
         before_gather: Callable[[Draw], None] | None,
     ) -> tuple[Draw, dict[str, Any]]:
-        from rbtool.topk import draw_topk
+        from rbtool.buffer.topk import draw_topk
 
         self._check_open()
         if not self._index.id_list:
@@ -503,8 +503,8 @@ class TrajectoryReplayBuffer:
 
     def _topk_candidates(self, window: list[int], k: int) -> Candidates:
         """The window's top-k samples by reward; scores of loaded trajectories are read lazily."""
-        from rbtool.storage import view_scores
-        from rbtool.topk import RewardIndex
+        from rbtool.buffer.storage import view_scores
+        from rbtool.buffer.topk import RewardIndex
 
         if self._rewards is None:
             self._rewards = RewardIndex()
@@ -570,7 +570,7 @@ class TrajectoryReplayBuffer:
         are kept open, so deleting or replacing `load_path` later does not break sampling
         or saving; with auto_save on they are linked (or copied) into the auto-save
         directory, which stays a valid checkpoint. `load_path` may also be a view already
-        opened with rbtool.dirs.open_view: then exactly that index is loaded.
+        opened with rbtool.files.dirs.open_view: then exactly that index is loaded.
         """
         self._check_open()
         self.flush()

@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any
 from rbtool.errors import CheckpointError, RbtoolError
 
 if TYPE_CHECKING:
-    from rbtool.dirs import CheckpointView
-    from rbtool.ptheader import ZipRecord
+    from rbtool.buffer.sampling import Draw
+    from rbtool.files.dirs import CheckpointView
+    from rbtool.files.ptheader import ZipRecord
     from rbtool.remote import IndexMirror
-    from rbtool.sampling import Draw
 
 # Missing ranges of one object closer than this are fetched in one request (the gap too).
 COALESCE_GAP = 16 << 10
@@ -199,14 +199,14 @@ def _file_ranges(
     The header's ranges are fetched here (the zip directory, the local headers, data.pkl)."""
     import math
 
-    from rbtool.ptheader import (
+    from rbtool.buffer.storage import ROW_READ_MIN_BYTES, raw_layout
+    from rbtool.files.ptheader import (
         LOCAL_HEADER_BYTES,
         UnusualLayout,
         parse_header,
         record_data_start,
         zip_records,
     )
-    from rbtool.storage import ROW_READ_MIN_BYTES, raw_layout
 
     size = cache.mirror.checkpoint.sizes[rel]
 
@@ -260,7 +260,7 @@ def drawn_rows(
     Uniform draws from a checkpoint whose index records every schema read nothing before the
     draw, so this is all that is fetched. Pass one `cache` to several buffers of a mirror to share it.
     """
-    from rbtool.ptheader import SMALL_FILE_BYTES
+    from rbtool.files.ptheader import SMALL_FILE_BYTES
 
     ranges_cache = cache or RangeCache(mirror)
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rbtool import trajfile
-from rbtool.dirs import CheckpointView, open_view
-from rbtool.layout import iter_tensors
+from rbtool.files import trajfile
+from rbtool.files.dirs import CheckpointView, open_view
+from rbtool.format.layout import iter_tensors
 
 Progress = Callable[[int], None]
 

@@ -15,22 +15,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rbtool import layout, trajfile
-from rbtool.dirs import checkpoint_dirs
 from rbtool.errors import InvalidTrajectoryError, RbtoolError, UsageError
+from rbtool.files import trajfile
+from rbtool.files.dirs import checkpoint_dirs
+from rbtool.files.fsutil import check_target, staged_dir
+from rbtool.files.index import Index
+from rbtool.files.writer import WriteReport, fill_dir, new_entry, start_phase
 from rbtool.format import (
     FORMATS,
     METADATA_FILE,
     IndexCheck,
     check_json,
     escapes,
+    layout,
     parse_trajectory_file_name,
     trajectory_file_name,
 )
-from rbtool.fsutil import check_target, staged_dir
-from rbtool.index import Index
-from rbtool.passes import Throughput, Timer, check_jobs, run_pass
-from rbtool.writer import WriteReport, fill_dir, new_entry, start_phase
+from rbtool.passes.pool import Throughput, Timer, check_jobs, run_pass
 
 Progress = Callable[[int], None]
 DEFAULT_SEED = 1234
@@ -287,7 +288,7 @@ class _Planner:
             jobs=jobs,
             weights=[_file_size(p) for p in to_read],
             progress=progress,
-            preload=("torch", "rbtool.repair"),
+            preload=("torch", "rbtool.ops.repair"),
         )
         self.seconds = timer.elapsed()
         facts = dict(zip(to_read, read, strict=True))

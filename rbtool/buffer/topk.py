@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from rbtool.buffer.sampling import Draw
 from rbtool.errors import RbtoolError, UsageError
-from rbtool.sampling import Draw
 
 if TYPE_CHECKING:
     import torch

@@ -35,14 +35,21 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from rbtool import ranks, trajfile
-from rbtool.dirs import open_checkpoint, open_view
 from rbtool.errors import CheckpointError, RbtoolError, UsageError
+from rbtool.files import trajfile
+from rbtool.files.dirs import open_checkpoint, open_view
+from rbtool.files.fsutil import (
+    fsync_dir,
+    make_parents,
+    new_staging_dir,
+    refuse_file_parent,
+    write_bytes_atomic,
+)
+from rbtool.files.index import Index, init_buffer_dir, read_index
+from rbtool.files.writer import BufferWriter, WriteReport, new_entry
 from rbtool.format import check_weights_id, is_checkpoint_dir, read_json_bytes, read_json_file
-from rbtool.fsutil import fsync_dir, make_parents, new_staging_dir, refuse_file_parent, write_bytes_atomic
-from rbtool.index import Index, init_buffer_dir, read_index
-from rbtool.layout import DONE_LIKE, done_extra_rows, drop_bootstrap_rows, with_stored_defaults
-from rbtool.writer import BufferWriter, WriteReport, new_entry
+from rbtool.format.layout import DONE_LIKE, done_extra_rows, drop_bootstrap_rows, with_stored_defaults
+from rbtool.passes import ranks
 
 if TYPE_CHECKING:
     import numpy as np
@@ -971,7 +978,7 @@ def export_lerobot(
     read, features, episodes and frames counted), `out` is checked as publishing would check
     it, and nothing is written (no file counts, no bytes).
 
-    Under torchrun (rbtool.ranks) both passes run over the ranks: each rank reads its share's
+    Under torchrun (rbtool.passes.ranks) both passes run over the ranks: each rank reads its share's
     structure, every rank decides the same features and episode numbers from the gathered
     results, each rank renders its share's rows into `.OUT.rbtool-resume-staging` beside `out`
     (journaled in `journal`, default `.OUT.rbtool-resume-journal`, removed once published), and
@@ -3155,7 +3162,7 @@ def _rebuild(
 
     def check_entry(record: dict[str, Any], traj: dict[str, Any]) -> None:
         """The sidecar's entry agrees with the trajectory rebuilt (its digest is the sidecar's own)."""
-        from rbtool.layout import describe
+        from rbtool.format.layout import describe
 
         entry, tid = record["entry"], record["trajectory_id"]
         try:

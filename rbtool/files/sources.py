@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rbtool import trajfile
-from rbtool.dirs import is_rank_tree, open_checkpoint, open_view, parent_of_checkpoints
 from rbtool.errors import CheckpointError
+from rbtool.files import trajfile
+from rbtool.files.dirs import is_rank_tree, open_checkpoint, open_view, parent_of_checkpoints
+from rbtool.files.ptheader import TensorSpec, UnusualLayout, read_header
 from rbtool.format import is_checkpoint_dir
-from rbtool.layout import TrajectoryInfo, describe_stored, field_schema
-from rbtool.ptheader import TensorSpec, UnusualLayout, read_header
+from rbtool.format.layout import TrajectoryInfo, describe_stored, field_schema
 
 
 @dataclass
@@ -156,7 +156,7 @@ class Checked:
 def check_item(item: Item, data: bytes | None = None) -> Checked:
     """Open a trajectory file safely and check its tensors.
 
-    A `.pt` file is checked from its header (rbtool.ptheader: structure and every tensor's
+    A `.pt` file is checked from its header (rbtool.files.ptheader: structure and every tensor's
     declared place, no tensor data loaded), unless its layout is one only torch's loader
     reads; `.pkl` files are loaded. `data`: the file's bytes, when read already.
     """
@@ -184,7 +184,7 @@ def check_item(item: Item, data: bytes | None = None) -> Checked:
     return Checked(item.path, info, sha, schema=schema)
 
 
-# Headers are shared by the files of one structure (rbtool.ptheader): what they say about the
+# Headers are shared by the files of one structure (rbtool.files.ptheader): what they say about the
 # trajectory is worked out once per header, when it does not depend on the file's name.
 _FACTS: dict[int, tuple[dict[str, Any], TrajectoryInfo, list[list[Any]]]] = {}
 

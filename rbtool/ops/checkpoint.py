@@ -15,18 +15,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rbtool.dirs import CheckpointView, open_view, shard_counter, warn_layout
 from rbtool.errors import UsageError
-from rbtool.format import FORMATS, INDEX_FILE, MERGE_MAP_FILE, METADATA_FILE, trajectory_file_name
-from rbtool.fsutil import check_target, staged_dir, write_bytes_atomic
-from rbtool.index import Index, dumps, rank_bounds, window_of
+from rbtool.files.dirs import CheckpointView, open_view, shard_counter, warn_layout
+from rbtool.files.fsutil import check_target, staged_dir, write_bytes_atomic
+from rbtool.files.index import Index, dumps, rank_bounds, window_of
 
 # Re-exported: the writer side and the sources moved to their own modules.
-from rbtool.sources import Checked as Checked
-from rbtool.sources import Item as Item
-from rbtool.sources import check_item as check_item
-from rbtool.sources import collect_items as collect_items
-from rbtool.writer import (
+from rbtool.files.sources import Checked as Checked
+from rbtool.files.sources import Item as Item
+from rbtool.files.sources import check_item as check_item
+from rbtool.files.sources import collect_items as collect_items
+from rbtool.files.writer import (
     Progress,
     Source,
     WriteReport,
@@ -39,8 +38,9 @@ from rbtool.writer import (
     write_checkpoint,
     write_ranks,
 )
-from rbtool.writer import copied_entries as copied_entries
-from rbtool.writer import place_trajectory as place_trajectory
+from rbtool.files.writer import copied_entries as copied_entries
+from rbtool.files.writer import place_trajectory as place_trajectory
+from rbtool.format import FORMATS, INDEX_FILE, MERGE_MAP_FILE, METADATA_FILE, trajectory_file_name
 
 
 # ------------------------------------------------------------------ save / build

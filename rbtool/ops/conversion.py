@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rbtool import ranks
-from rbtool.dirs import checkpoint_dirs, open_checkpoint
 from rbtool.errors import UsageError
+from rbtool.files.dirs import checkpoint_dirs, open_checkpoint
+from rbtool.files.fsutil import check_target, fs_errors, link_or_copy, publish_dir, staged_dir
+from rbtool.files.index import Index, write_index
+from rbtool.files.writer import Progress, WriteReport, copied_entries, place_trajectory, start_phase
 from rbtool.format import FORMATS, MERGE_MAP_FILE
-from rbtool.fsutil import check_target, fs_errors, link_or_copy, publish_dir, staged_dir
-from rbtool.index import Index, write_index
-from rbtool.passes import Throughput, Timer, check_jobs, default_jobs
-from rbtool.writer import Progress, WriteReport, copied_entries, place_trajectory, start_phase
+from rbtool.passes import ranks
+from rbtool.passes.pool import Throughput, Timer, check_jobs, default_jobs
 
 
 @dataclass
@@ -107,7 +107,7 @@ def convert(
     `dry_run` nothing is read or written (no journal either): the result lists the
     checkpoints `out` would hold.
 
-    Under torchrun, or with `journal` (a directory), the pass is resumable (rbtool.ranks):
+    Under torchrun, or with `journal` (a directory), the pass is resumable (rbtool.passes.ranks):
     every rank places its share of the files in a fixed hidden directory beside `out`,
     journaling each (in `journal`, default another hidden directory beside `out`); rank 0
     writes the index and metadata and publishes `out` once every rank is done, then removes
@@ -200,7 +200,7 @@ def _convert_into(
         # only rewritten files are read: they weigh, linked ones hardly
         weights=[_size(t.src) if t.src.suffix != t.dst.suffix else 0 for t in tasks],
         progress=progress,
-        preload=("torch", "rbtool.conversion"),
+        preload=("torch", "rbtool.ops.conversion"),
         journal=journal,
         files=lambda t: (t.src, t.dst),
         types=(WriteReport,),

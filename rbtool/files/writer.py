@@ -1,7 +1,7 @@
 """The writer side: placing trajectory files, publishing a directory, the auto-save thread.
 
 Publish order is always the same: trajectory files first (each atomically), then the
-index, then metadata (rbtool.index.write_index), so a reader never meets an index naming
+index, then metadata (rbtool.files.index.write_index), so a reader never meets an index naming
 a file that is missing or partly written. The buffer's auto-save and `ingest` both write
 through here, holding the directory's lock.
 """
@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rbtool import trajfile
 from rbtool.errors import RbtoolError
-from rbtool.fsutil import DirLock, check_target, link_or_copy, staged_dir, write_bytes_atomic
-from rbtool.index import Index, write_index
-from rbtool.layout import TrajectoryInfo, schema_digest
+from rbtool.files import trajfile
+from rbtool.files.fsutil import DirLock, check_target, link_or_copy, staged_dir, write_bytes_atomic
+from rbtool.files.index import Index, write_index
+from rbtool.format.layout import TrajectoryInfo, schema_digest
 
 Source = Path | dict[str, Any]
 Progress = Callable[[int], None]  # called with the number of trajectories just done

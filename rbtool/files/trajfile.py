@@ -2,7 +2,7 @@
 
 Loading is safe in three steps: the file must be a regular file (never a FIFO or device)
 whose zip records are stored as they are (no compression to inflate); `.pt` files load with
-`weights_only=True`, `.pkl` files with rbtool.safepickle's restricted unpickler; and then
+`weights_only=True`, `.pkl` files with rbtool.files.safepickle's restricted unpickler; and then
 every value is checked before anyone uses it (`check_loaded`): string keys, bounded nesting,
 no cycles, ints in int64, and tensors that are dense strided CPU tensors of a supported
 dtype whose storage holds every element of their view, with no stride-0 or overlapping
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from rbtool.errors import InvalidTrajectoryError, RbtoolError, TrajectoryFileError, UnsafePickleError
-from rbtool.layout import TrajectoryInfo, describe
+from rbtool.format.layout import TrajectoryInfo, describe
 
 
 def _as_dict(trajectory: Any) -> dict[str, Any]:
@@ -92,7 +92,7 @@ def to_bytes(traj: dict[str, Any], fmt: str) -> bytes:
         buffer = io.BytesIO()
         torch.save(traj, buffer)
         return buffer.getvalue()
-    from rbtool.safepickle import dump_pickle_trajectory
+    from rbtool.files.safepickle import dump_pickle_trajectory
 
     return dump_pickle_trajectory(traj)
 
@@ -244,7 +244,7 @@ def _check_zip_records(path: Path, data: bytes | None = None, *, mapped: bool = 
                 raise TrajectoryFileError(f"{path}: {damage}") from None
     except (zipfile.BadZipFile, OSError, ValueError):
         return  # not a zip (a legacy .pt) or unreadable: torch's loader names the problem
-    from rbtool.safepickle import refuse_opcodes
+    from rbtool.files.safepickle import refuse_opcodes
 
     sizes = {r.filename: r.file_size for r in records}
     for record, data_pkl in zip(pickles, pickled, strict=True):
@@ -431,7 +431,7 @@ def load_bytes(data: bytes, path: Path, *, suffix: str | None = None) -> dict[st
         _check_zip_records(path, data)
         obj = _torch_load(path, io.BytesIO(data), mmap=False)
     elif suffix == ".pkl":
-        from rbtool.safepickle import load_pickle_trajectory
+        from rbtool.files.safepickle import load_pickle_trajectory
 
         obj = load_pickle_trajectory(data, name=str(path))
     else:
@@ -474,7 +474,7 @@ def load(path: str | os.PathLike[str], *, mmap: bool = False, suffix: str | None
         else:
             obj = load_pt_template(path, mmap=False)
     elif suffix == ".pkl":
-        from rbtool.safepickle import load_pickle_trajectory
+        from rbtool.files.safepickle import load_pickle_trajectory
 
         require_torch()
         _open_regular(path)

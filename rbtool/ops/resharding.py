@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rbtool.dirs import CheckpointView, open_view
 from rbtool.errors import UsageError
+from rbtool.files.dirs import CheckpointView, open_view
+from rbtool.files.fsutil import check_target, staged_dir, write_bytes_atomic
+from rbtool.files.index import Index, balanced_blocks, dumps, rank_bounds
+from rbtool.files.writer import Progress, WriteReport, fill_dir, rank_layout, rank_parts, start_phase
 from rbtool.format import MERGE_MAP_FILE
-from rbtool.fsutil import check_target, staged_dir, write_bytes_atomic
-from rbtool.index import Index, balanced_blocks, dumps, rank_bounds
-from rbtool.writer import Progress, WriteReport, fill_dir, rank_layout, rank_parts, start_phase
 
 SPLITS = ("count", "samples")
 

@@ -1,7 +1,7 @@
 """Deep passes over ranks (torchrun), and journals that let an interrupted pass resume.
 
 Under `torchrun` (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
-in the environment), `ranked_pass` is `rbtool.passes.run_pass` spread over the ranks:
+in the environment), `ranked_pass` is `rbtool.passes.pool.run_pass` spread over the ranks:
 
 - rank 0 makes the plan (which rank reads which file) from the file sizes and sends it to
   every rank, so every rank works from the same plan: byte-balanced (the bytes of any two
@@ -65,9 +65,9 @@ from typing import Any, Generic, TypeVar
 import orjson
 
 from rbtool.errors import CheckpointError, RbtoolError, UsageError
+from rbtool.files.fsutil import fsync_dir
 from rbtool.format import read_json_bytes
-from rbtool.fsutil import fsync_dir
-from rbtool.passes import Progress, check_jobs, default_jobs, keep_freed_memory, run_pass
+from rbtool.passes.pool import Progress, check_jobs, default_jobs, keep_freed_memory, run_pass
 
 T = TypeVar("T")
 R = TypeVar("R")

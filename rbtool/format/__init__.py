@@ -144,7 +144,7 @@ SEVERITIES = (ERROR, WARNING, NOTICE)
 
 # Every problem rbtool reports about a checkpoint: code -> (severity, what it means).
 # The JSON-level ones come from check_json (an error there is what loaders refuse); the
-# file-level ones from rbtool.verify. docs/cli.md documents the same table.
+# file-level ones from rbtool.ops.verify. docs/cli.md documents the same table.
 PROBLEM_CODES: dict[str, tuple[str, str]] = {
     "metadata_missing": (ERROR, "metadata.json does not exist"),
     "metadata_unreadable": (ERROR, "metadata.json cannot be read or is not valid JSON"),

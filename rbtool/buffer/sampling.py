@@ -3,7 +3,7 @@
 The draw follows the reference implementation step by step (randint, bucketize with
 right=True) so that a seed, a window and a checkpoint give the same batch bit for bit.
 A sampler only computes draws; reading the drawn rows is the storage's job
-(rbtool.storage.gather).
+(rbtool.buffer.storage.gather).
 """
 
 from __future__ import annotations

@@ -21,9 +21,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rbtool import trajfile
+from rbtool.buffer.rowmap import RowMap
+from rbtool.buffer.rowmap import available as rowmap_available
+from rbtool.buffer.sampling import ids_at
 from rbtool.errors import RbtoolError, TrajectoryFileError
-from rbtool.layout import (
+from rbtool.files import trajfile
+from rbtool.files.ptheader import (
+    SMALL_FILE_BYTES,
+    TensorSpec,
+    UnusualLayout,
+    iter_specs,
+    open_regular,
+    read_header,
+)
+from rbtool.format.layout import (
     DONE_LIKE,
     NESTED_ORDER,
     SAMPLED_TOP_FIELDS,
@@ -33,17 +44,13 @@ from rbtool.layout import (
     done_rows,
     drop_bootstrap_rows,
 )
-from rbtool.ptheader import SMALL_FILE_BYTES, TensorSpec, UnusualLayout, iter_specs, open_regular, read_header
-from rbtool.rowmap import RowMap
-from rbtool.rowmap import available as rowmap_available
-from rbtool.sampling import ids_at
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from rbtool.batchmem import BatchMemory
-    from rbtool.sampling import Draw
+    from rbtool.buffer.batchmem import BatchMemory
+    from rbtool.buffer.sampling import Draw
 
 FieldPath = tuple[str, ...]
 Schema = dict[FieldPath, tuple[Any, tuple[int, ...]]]  # path -> (dtype, per-sample shape)
@@ -183,7 +190,7 @@ class FileTrajectory(FileHandle):
     """A `.pt` trajectory opened for sampling: small fields in memory, large rows left on disk.
 
     The structure and each tensor's place in the file come from the file's header
-    (rbtool.ptheader: no tensor bytes read, no torch.load); a small file is read whole, in
+    (rbtool.files.ptheader: no tensor bytes read, no torch.load); a small file is read whole, in
     one read; in a larger one, fields with large rows stay on disk and are read with pread.
     """
 
@@ -1662,7 +1669,7 @@ def view_scores(view: FlatView) -> np.ndarray:
     import numpy as np
     import torch
 
-    from rbtool.topk import scores_of_rows
+    from rbtool.buffer.topk import scores_of_rows
 
     field = view.fields.get(("rewards",))
     if field is None:

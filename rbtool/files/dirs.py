@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from rbtool.errors import CheckpointError, LooseFilesError, MissingTrajectoryFilesError, RankLayoutWarning
+from rbtool.files.index import Index, read_index
 from rbtool.format import escapes, is_checkpoint_dir, parse_trajectory_file_name
-from rbtool.index import Index, read_index
 
 
 def rank_number(name: str) -> int | None:

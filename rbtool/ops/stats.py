@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any, cast, overload
 
 import numpy as np
 
-from rbtool.dirs import checkpoint_dirs, open_view
 from rbtool.errors import (
     CheckpointError,
     NeedsTrajectoryFilesError,
@@ -28,10 +27,11 @@ from rbtool.errors import (
     TrajectoryFileError,
     UsageError,
 )
+from rbtool.files.dirs import checkpoint_dirs, open_view
+from rbtool.files.index import Index, read_index
 from rbtool.format import IndexCheck, check_json, escapes, not_a_file, trajectory_file_name
-from rbtool.index import Index, read_index
-from rbtool.passes import Throughput, Timer, check_jobs
-from rbtool.ranks import Journal, open_journal, ranked_pass, total_jobs
+from rbtool.passes.pool import Throughput, Timer, check_jobs
+from rbtool.passes.ranks import Journal, open_journal, ranked_pass, total_jobs
 
 if TYPE_CHECKING:
     import torch
@@ -545,7 +545,8 @@ def read_trajectory(path: Path, t: int, b: int) -> TrajectoryData:
     """
     import torch
 
-    from rbtool import layout, trajfile
+    from rbtool.files import trajfile
+    from rbtool.format import layout
 
     traj = trajfile.load(path, mmap=True)
     info = layout.describe(traj, str(path))
@@ -664,9 +665,9 @@ def data_report(
 ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[int, np.ndarray]]:
     """Schema and data statistics over every trajectory whose file exists.
 
-    Files are read on `jobs` worker processes (rbtool.passes), the largest first when
+    Files are read on `jobs` worker processes (rbtool.passes.pool), the largest first when
     `sizes` (from `file_sizes`) are given, shared among the ranks under torchrun and recorded
-    in `journal` if given (rbtool.ranks); the numbers are those of a single process.
+    in `journal` if given (rbtool.passes.ranks); the numbers are those of a single process.
     Returns (schema rows, data section, per-sample reward scores by id for the draw spread).
     """
     per_fields: list[tuple[int, list[FieldRow]]] = []
@@ -694,7 +695,7 @@ def data_report(
         jobs=jobs,
         weights=None if sizes is None else [int(sizes[pos]) for pos in positions],
         progress=progress,
-        preload=("torch", "rbtool.stats"),
+        preload=("torch", "rbtool.ops.stats"),
         describe=lambda task: str(task[0]),
         journal=journal,
         files=lambda task: (task[0],),
@@ -770,14 +771,14 @@ def draws_report(
 ) -> dict[str, Any]:
     """Observed against expected draws per window trajectory, total variation, concentration flag.
 
-    The draws are the samplers' own (rbtool.sampling, rbtool.topk), unclamped: the same seed
+    The draws are the samplers' own (rbtool.buffer.sampling, rbtool.buffer.topk), unclamped: the same seed
     gives the same draws as a fresh buffer's first `sample(n)` (before n is clamped to the
     window's samples).
     """
     import torch
 
-    from rbtool.sampling import draw_uniform
-    from rbtool.topk import RewardIndex, check_strategy, draw_topk, softmax_weights
+    from rbtool.buffer.sampling import draw_uniform
+    from rbtool.buffer.topk import RewardIndex, check_strategy, draw_topk, softmax_weights
 
     check_strategy(request.strategy, request.k, request.temperature)
     if request.n < 1:
@@ -870,7 +871,7 @@ def collect_stats(
     need rewards, are refused. The data part reads files on `jobs` worker processes
     (default: the cores this process may use), shared among the ranks under torchrun; with
     `journal` (a directory) each file read is recorded there and a rerun takes the recorded
-    results of unchanged files (rbtool.ranks).
+    results of unchanged files (rbtool.passes.ranks).
     """
     if jobs is not None:
         check_jobs(jobs)

@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rbtool import trajfile
-from rbtool.dirs import CheckpointView, open_view
 from rbtool.errors import CheckpointError, UsageError
+from rbtool.files import trajfile
+from rbtool.files.dirs import CheckpointView, open_view
+from rbtool.files.fsutil import check_target, staged_dir, write_bytes_atomic
+from rbtool.files.index import Index, dumps
+from rbtool.files.writer import Progress, WriteReport, copied_entries, fill_dir, start_phase
 from rbtool.format import MERGE_MAP_FILE
-from rbtool.fsutil import check_target, staged_dir, write_bytes_atomic
-from rbtool.index import Index, dumps
-from rbtool.writer import Progress, WriteReport, copied_entries, fill_dir, start_phase
 
 
 @dataclass

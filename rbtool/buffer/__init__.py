@@ -1,0 +1,1 @@
+"""The replay buffer: samplers, storage backends, batch memory, and `TrajectoryReplayBuffer`."""

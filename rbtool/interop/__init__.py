@@ -1,0 +1,1 @@
+"""Other formats: LeRobot datasets both ways."""

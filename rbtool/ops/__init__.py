@@ -1,0 +1,1 @@
+"""Operations on checkpoint directories, one module each; none builds on another."""

@@ -1,0 +1,1 @@
+"""Deep passes: one function over many files on worker processes (`pool`) and torchrun ranks (`ranks`)."""
