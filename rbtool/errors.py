@@ -87,3 +87,33 @@ class DirectoryInUseError(CheckpointError):
 
 class LeftoversRemovedWarning(UserWarning):
     """Staging directories that interrupted rbtool runs left were removed."""
+
+
+class UnusualLayout(RbtoolError):
+    """The file is not laid out the way this reader knows; load it with torch instead."""
+
+
+class JournalError(RbtoolError):
+    """A journal directory that belongs to another pass, or cannot be read or written."""
+
+
+class UnsafeKeyError(CheckpointError):
+    """An object key under a checkpoint's prefix is not one safe name that a checkpoint uses."""
+
+
+class UntrustedCacheError(FileSystemError):
+    """The cache directory, an ancestor of it, or an entry in it is not the user's own."""
+
+
+class CacheFullError(CheckpointError):
+    """A data mirror does not fit the cache beside what other processes are reading."""
+
+
+class LeRobotFeatureError(UsageError):
+    """A LeRobot feature that cannot become a buffer field as it is: it can be dropped, and
+    when only its place is the problem (`mappable`), mapped to another field."""
+
+    def __init__(self, message: str, feature: str, *, mappable: bool = False) -> None:
+        super().__init__(message)
+        self.feature = feature
+        self.mappable = mappable

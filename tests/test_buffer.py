@@ -16,8 +16,8 @@ from rbtool import (
     TrajectoryReplayBuffer,
     UsageError,
     read_index,
-    trajfile,
 )
+from rbtool.files import trajfile
 
 
 def files_of(directory: Path) -> list[str]:

@@ -9,7 +9,8 @@ import pytest
 from conftest import FIXTURES
 
 from rbtool.errors import CheckpointError, MissingTrajectoryFilesError
-from rbtool.files.dirs import checkpoint_dirs, missing_files, open_checkpoint, rank_dirs, rank_number
+from rbtool.files.dirs import checkpoint_dirs, missing_files, open_checkpoint, rank_dirs
+from rbtool.format.ranknames import rank_number
 
 NOSAVE = FIXTURES / "nosave_window2_pt" / "ckpt"
 

@@ -23,8 +23,8 @@ pytest.importorskip("PIL")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from rbtool import trajfile  # noqa: E402
 from rbtool.errors import CheckpointError, OutputExistsError, UsageError  # noqa: E402
+from rbtool.files import trajfile  # noqa: E402
 from rbtool.files.dirs import open_view  # noqa: E402
 from rbtool.format.layout import drop_bootstrap_rows  # noqa: E402
 from rbtool.interop.lerobot import (  # noqa: E402

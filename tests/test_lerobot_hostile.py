@@ -22,8 +22,8 @@ pytest.importorskip("PIL")
 
 import numpy as np  # noqa: E402
 
-from rbtool import trajfile  # noqa: E402
 from rbtool.errors import CheckpointError  # noqa: E402
+from rbtool.files import trajfile  # noqa: E402
 from rbtool.files.dirs import open_view  # noqa: E402
 from rbtool.interop.lerobot import MAX_BYTES_ENV, export_lerobot, import_lerobot  # noqa: E402
 

@@ -28,7 +28,7 @@ pytest.importorskip("pyarrow")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from rbtool import trajfile  # noqa: E402
+from rbtool.files import trajfile  # noqa: E402
 from rbtool.files.dirs import open_view  # noqa: E402
 from rbtool.format.layout import DONE_LIKE, drop_bootstrap_rows  # noqa: E402
 from rbtool.interop.lerobot import export_lerobot, import_lerobot  # noqa: E402

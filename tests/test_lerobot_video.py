@@ -16,8 +16,8 @@ av = pytest.importorskip("av")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from rbtool import trajfile  # noqa: E402
 from rbtool.errors import CheckpointError, UsageError  # noqa: E402
+from rbtool.files import trajfile  # noqa: E402
 from rbtool.files.dirs import open_view  # noqa: E402
 from rbtool.interop.lerobot import export_lerobot, import_lerobot  # noqa: E402
 

@@ -34,6 +34,7 @@ from rbtool.cli._common import (
     upload_note,
 )
 from rbtool.cli._writing import DryRunOpt, dry_run_note, read_and_write, trajectories
+from rbtool.format.ranknames import rank_dir_name
 
 
 class Balance(str, enum.Enum):
@@ -89,7 +90,7 @@ def reshard(
             )
         dst.finish()  # upload before printing (a URL's checkpoint exists only then)
         ranks: list[dict[str, Any]] = [
-            {"path": dst.show(target / f"rank_{p.rank}"), **p.as_json()} for p in result.ranks
+            {"path": dst.show(target / rank_dir_name(p.rank)), **p.as_json()} for p in result.ranks
         ]
         view = result.view
         doc: dict[str, Any] = {
@@ -119,7 +120,7 @@ def reshard(
         ]
         rows = [
             [
-                f"rank_{r['rank']}",
+                rank_dir_name(r["rank"]),
                 f"{r['size']}",
                 f"{r['total_samples']}",
                 size(r["bytes"]),

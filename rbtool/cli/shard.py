@@ -28,6 +28,7 @@ from rbtool.cli._common import (
     upload_note,
 )
 from rbtool.cli._writing import DryRunOpt, dry_run_note, read_and_write, trajectories
+from rbtool.format.ranknames import rank_dir_name
 
 
 def shard(
@@ -67,7 +68,7 @@ def shard(
             )
         dst.finish()  # upload before printing (a URL's checkpoint exists only then)
         ranks: list[dict[str, Any]] = [
-            {"rank": r, "path": dst.show(target / f"rank_{r}"), **part.state()}
+            {"rank": r, "path": dst.show(target / rank_dir_name(r)), **part.state()}
             for r, part in enumerate(shards)
         ]
         doc: dict[str, Any] = {
@@ -86,7 +87,7 @@ def shard(
             state_table(
                 f"{src.show()} {'would be ' if dry_run else ''}sharded over {world_size} ranks into "
                 f"{dst.show()}",
-                [(f"rank_{r['rank']}", r) for r in ranks],
+                [(rank_dir_name(r["rank"]), r) for r in ranks],
                 None if all_items else SUMMARY_ITEMS,
             )
         )

@@ -18,15 +18,7 @@ from typing import Any
 from rbtool.errors import CheckpointError, LooseFilesError, MissingTrajectoryFilesError, RankLayoutWarning
 from rbtool.files.index import Index, read_index
 from rbtool.format import escapes, is_checkpoint_dir, parse_trajectory_file_name
-
-
-def rank_number(name: str) -> int | None:
-    """r for a directory named `rank_<r>`, else None."""
-    digits = name[5:].lstrip("0") or "0"
-    if name.startswith("rank_") and name[5:].isascii() and name[5:].isdigit() and len(digits) <= 19:
-        number = int(digits)
-        return number if number < 1 << 63 else None  # beyond int64: no rank (as a file id would be)
-    return None
+from rbtool.format.ranknames import rank_number
 
 
 def rank_dirs(directory: Path) -> list[Path]:

@@ -31,6 +31,7 @@ from rbtool.errors import (
     OutputExistsError,
     RbtoolError,
 )
+from rbtool.format.ranknames import is_rank_name
 
 LOCK_FILE = ".rbtool.lock"
 STAGING_MARK = ".rbtool-staging-"
@@ -321,10 +322,7 @@ def _may_replace(target: Path) -> bool:
     if not names or names & _CHECKPOINT_FILES:
         return True
     return all(
-        p.is_dir()
-        and p.name.startswith("rank_")
-        and p.name[5:].isdigit()
-        and bool({c.name for c in p.iterdir()} & _CHECKPOINT_FILES)
+        p.is_dir() and is_rank_name(p.name) and bool({c.name for c in p.iterdir()} & _CHECKPOINT_FILES)
         for p in children
     )
 
@@ -367,9 +365,7 @@ def _publish_dir(staging: Path, target: Path, *, overwrite: bool) -> None:
             )
         # A directory (or a rank of it) that a live buffer or another rbtool process holds
         # is never replaced: its writer would go on writing into a deleted directory.
-        locks = _hold_locks(
-            [target, *[p for p in target.iterdir() if p.is_dir() and p.name.startswith("rank_")]]
-        )
+        locks = _hold_locks([target, *[p for p in target.iterdir() if p.is_dir() and is_rank_name(p.name)]])
         try:
             old = target.parent / f".{target.name}.rbtool-old-{_owner_tag()}-{uuid.uuid4().hex[:12]}"
             os.rename(target, old)

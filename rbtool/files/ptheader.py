@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from rbtool.errors import RbtoolError, TrajectoryFileError
+from rbtool.errors import RbtoolError, TrajectoryFileError, UnusualLayout
 
 # torch's legacy storage classes: the dtype each stands for, and its size in bytes.
 STORAGE_DTYPES = {
@@ -53,10 +53,6 @@ MAX_PICKLE_BYTES = 64 << 20  # a trajectory's structure; tensors' bytes are in o
 SMALL_FILE_BYTES = 256 << 10  # files up to this size are read whole, in one read
 _INT64 = (-(1 << 63), 1 << 63)
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., file name length, extra length
-
-
-class UnusualLayout(RbtoolError):
-    """The file is not laid out the way this reader knows; load it with torch instead."""
 
 
 @dataclass(frozen=True, slots=True)

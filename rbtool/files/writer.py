@@ -20,9 +20,10 @@ from rbtool.files import trajfile
 from rbtool.files.fsutil import DirLock, check_target, link_or_copy, staged_dir, write_bytes_atomic
 from rbtool.files.index import Index, write_index
 from rbtool.format.layout import TrajectoryInfo, schema_digest
+from rbtool.format.ranknames import rank_dir_name
+from rbtool.progress import Progress
 
 Source = Path | dict[str, Any]
-Progress = Callable[[int], None]  # called with the number of trajectories just done
 
 
 def start_phase(progress: Progress | None, total: int, description: str) -> None:
@@ -187,7 +188,7 @@ def write_ranks(
     start_phase(progress, sum(part.size for part in parts), "placing trajectory files")
     with staged_dir(out, overwrite=overwrite) as staging:
         for rank, part in enumerate(parts):
-            rank_dir = staging / f"rank_{rank}"
+            rank_dir = staging / rank_dir_name(rank)
             rank_dir.mkdir()
             report.add(fill_dir(rank_dir, part, source_of, progress, link=link))
     return report

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,8 +23,7 @@ from typing import Any
 from rbtool.files import trajfile
 from rbtool.files.dirs import CheckpointView, open_view
 from rbtool.format.layout import iter_tensors
-
-Progress = Callable[[int], None]
+from rbtool.progress import Progress
 
 # Metadata a load reports, compared on the merged views.
 METADATA_KEYS = ("size", "total_samples", "trajectory_counter", "seed")

@@ -18,8 +18,9 @@ from rbtool.files import trajfile
 from rbtool.files.dirs import CheckpointView, open_view
 from rbtool.files.fsutil import check_target, staged_dir, write_bytes_atomic
 from rbtool.files.index import Index, dumps
-from rbtool.files.writer import Progress, WriteReport, copied_entries, fill_dir, start_phase
+from rbtool.files.writer import WriteReport, copied_entries, fill_dir, start_phase
 from rbtool.format import MERGE_MAP_FILE
+from rbtool.progress import Progress
 
 
 @dataclass

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,8 +31,8 @@ from rbtool.format import (
     trajectory_file_name,
 )
 from rbtool.passes.pool import Throughput, Timer, check_jobs, run_pass
+from rbtool.progress import Progress
 
-Progress = Callable[[int], None]
 DEFAULT_SEED = 1234
 
 

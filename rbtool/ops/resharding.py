@@ -16,8 +16,10 @@ from rbtool.errors import UsageError
 from rbtool.files.dirs import CheckpointView, open_view
 from rbtool.files.fsutil import check_target, staged_dir, write_bytes_atomic
 from rbtool.files.index import Index, balanced_blocks, dumps, rank_bounds
-from rbtool.files.writer import Progress, WriteReport, fill_dir, rank_layout, rank_parts, start_phase
+from rbtool.files.writer import WriteReport, fill_dir, rank_layout, rank_parts, start_phase
 from rbtool.format import MERGE_MAP_FILE
+from rbtool.format.ranknames import rank_dir_name
+from rbtool.progress import Progress
 
 SPLITS = ("count", "samples")
 
@@ -106,7 +108,7 @@ def reshard(
     start_phase(progress, sum(part.size for part in parts), "placing trajectory files")
     with staged_dir(Path(out), overwrite=overwrite) as staging:
         for rank, part in enumerate(parts):
-            rank_dir = staging / f"rank_{rank}"
+            rank_dir = staging / rank_dir_name(rank)
             rank_dir.mkdir()
             result.report.add(fill_dir(rank_dir, part, view.file_of, progress, link=link))
             if mapping:

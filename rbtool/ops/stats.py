@@ -32,6 +32,7 @@ from rbtool.files.index import Index, read_index
 from rbtool.format import IndexCheck, check_json, escapes, not_a_file, trajectory_file_name
 from rbtool.passes.pool import Throughput, Timer, check_jobs
 from rbtool.passes.ranks import Journal, open_journal, ranked_pass, total_jobs
+from rbtool.progress import Progress
 
 if TYPE_CHECKING:
     import torch
@@ -45,7 +46,6 @@ CONCENTRATION_SAMPLE_SHARE = 0.05
 # Episode end causes, as codes in EpisodeTally.ended_by.
 TERMINATED, TRUNCATED, OTHER = 0, 1, 2
 
-Progress = Callable[[int], None]
 SIZES_STEP = 4096  # file sizes are reported to a progress callback this many at a time
 
 

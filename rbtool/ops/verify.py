@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import repeat
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from rbtool.errors import RbtoolError, UnsafePickleError
-from rbtool.files.dirs import checkpoint_dirs, rank_number
+from rbtool.files.dirs import checkpoint_dirs
 from rbtool.format import (
     ERROR,
     FORMATS,
@@ -44,10 +43,10 @@ from rbtool.format import (
     problem,
     trajectory_file_name,
 )
+from rbtool.format.ranknames import rank_dir_name, rank_number
 from rbtool.passes.pool import Timer, check_jobs
 from rbtool.passes.ranks import Journal, open_journal, ranked_pass, total_jobs
-
-Progress = Callable[[int], None]
+from rbtool.progress import Progress
 
 
 def _start_phase(progress: Progress | None, total: int, description: str) -> None:
@@ -656,7 +655,7 @@ def _with_missing_ranks(
             report.add(
                 "rank_misplaced",
                 f"{f.directory.name}: its metadata records rank {lay[0]} of world size {lay[1]}, not rank "
-                f"{number}; rename it rank_{lay[0]} or reshard the tree",
+                f"{number}; rename it {rank_dir_name(lay[0])} or reshard the tree",
             )
     expected = range(max(sizes))
     missing = [r for r in expected if r not in held]
@@ -667,7 +666,7 @@ def _with_missing_ranks(
     by_name = {rep.path.name: rep for rep in reports}
     extra = []
     for r in missing:
-        name = f"rank_{r}"
+        name = rank_dir_name(r)
         missing_report = by_name.get(name)  # a directory of that name holding another rank
         if missing_report is None:
             missing_report = CheckpointReport(root / name)

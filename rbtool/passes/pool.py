@@ -52,10 +52,10 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from rbtool.errors import RbtoolError, UsageError
+from rbtool.progress import Progress
 
 T = TypeVar("T")
 R = TypeVar("R")
-Progress = Callable[[int], None]
 
 IN_FLIGHT_PER_WORKER = 2  # tasks handed to the pool per worker at any time
 

@@ -64,24 +64,21 @@ from typing import Any, Generic, TypeVar
 
 import orjson
 
-from rbtool.errors import CheckpointError, RbtoolError, UsageError
+from rbtool.errors import CheckpointError, JournalError, RbtoolError, UsageError
 from rbtool.files.fsutil import fsync_dir
 from rbtool.format import read_json_bytes
-from rbtool.passes.pool import Progress, check_jobs, default_jobs, keep_freed_memory, run_pass
+from rbtool.format.ranknames import home_rank
+from rbtool.passes.pool import check_jobs, default_jobs, keep_freed_memory, run_pass
+from rbtool.progress import Progress
 
 T = TypeVar("T")
 R = TypeVar("R")
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 JOURNAL_VERSION = 2  # 2: identities with ctime and device, checked hashes
-_RANK_DIR = re.compile(r"rank_(\d+)$")
 # test-only: a rank whose number is RBTOOL_TEST_EXIT_RANK leaves (os._exit) once it has
 # journaled RBTOOL_TEST_EXIT_AFTER files, as a node lost in the middle of a pass would
 _EXIT_RANK, _EXIT_AFTER = "RBTOOL_TEST_EXIT_RANK", "RBTOOL_TEST_EXIT_AFTER"
-
-
-class JournalError(RbtoolError):
-    """A journal directory that belongs to another pass, or cannot be read or written."""
 
 
 # ------------------------------------------------------------------ the world
@@ -220,15 +217,6 @@ def on_leader(world: World, action: Callable[[], None]) -> None:
 
 
 # ------------------------------------------------------------------ the plan
-def home_rank(path: Path) -> int | None:
-    """The rank whose directory holds `path` (the nearest `rank_<r>` parent), or None."""
-    for parent in path.parents:
-        found = _RANK_DIR.fullmatch(parent.name)
-        if found:
-            return int(found.group(1))
-    return None
-
-
 def plan(weights: Sequence[int], world_size: int, homes: Sequence[int | None] | None = None) -> list[int]:
     """The rank of each task: byte-balanced, deterministic, and local where the balance allows.
 

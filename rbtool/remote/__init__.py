@@ -24,15 +24,26 @@ import re
 import shutil
 import stat
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rbtool.errors import CheckpointError, FileSystemError, OutputExistsError, RbtoolError, UsageError
+from rbtool.errors import (
+    CacheFullError,
+    CheckpointError,
+    FileSystemError,
+    OutputExistsError,
+    RbtoolError,
+    UnsafeKeyError,
+    UntrustedCacheError,
+    UsageError,
+)
 from rbtool.format import INDEX_FILE, LEGACY_INDEX_FILE, MERGE_MAP_FILE, METADATA_FILE, one_line
+from rbtool.format.ranknames import is_rank_name
+from rbtool.progress import Progress
 
 MARKER = "rbtool-upload-complete.json"  # written last: the upload is whole
 PENDING = "rbtool-upload-pending.json"  # written first: an upload is under way (or was killed)
@@ -46,7 +57,6 @@ _JSON_OBJECTS = (METADATA_FILE, INDEX_FILE, LEGACY_INDEX_FILE, MERGE_MAP_FILE)
 _CHUNK = 1 << 20
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 DEFAULT_CACHE_BYTES = 20 << 30
-Progress = Callable[[int], None]
 
 
 # ------------------------------------------------------------------ URLs and options
@@ -279,12 +289,7 @@ def _listing(remote: Remote) -> dict[str, dict[str, Any]]:
 
 
 # ------------------------------------------------------------------ object names
-_RANK_DIR = re.compile(r"rank_[0-9]+")
 _NAME_BYTES = 255  # the longest file name a local file system takes
-
-
-class UnsafeKeyError(CheckpointError):
-    """An object key under a checkpoint's prefix is not one safe name that a checkpoint uses."""
 
 
 def shown_key(rel: str) -> str:
@@ -318,7 +323,7 @@ def key_problem(rel: str, *, names: bool = True) -> str | None:
         return f"has a segment longer than {_NAME_BYTES} bytes"
     if not names:
         return None
-    if len(parts) == 2 and _RANK_DIR.fullmatch(parts[0]):
+    if len(parts) == 2 and is_rank_name(parts[0]):
         parts = parts[1:]
     name = parts[-1]
     if len(parts) == 1 and (
@@ -518,7 +523,7 @@ def _looks_like_checkpoint(listing: dict[str, Any]) -> bool:
 
     def part(rel: str) -> bool:
         parts = rel.split("/")
-        if len(parts) == 2 and re.fullmatch(r"rank_\d+", parts[0]):
+        if len(parts) == 2 and is_rank_name(parts[0]):
             parts = parts[1:]
         return len(parts) == 1 and (
             parts[0] in _JSON_OBJECTS or parse_trajectory_file_name(parts[0]) is not None
@@ -629,10 +634,6 @@ def cache_shared() -> bool:
     if text in ("1", "true", "yes", "on"):
         return True
     raise UsageError(f"RBTOOL_CACHE_SHARED={text!r}: expected 1 (a shared cache directory) or 0")
-
-
-class UntrustedCacheError(FileSystemError):
-    """The cache directory, an ancestor of it, or an entry in it is not the user's own."""
 
 
 _SHARED_FIX = "or, for a cache shared on purpose, make it sticky (chmod +t) and set RBTOOL_CACHE_SHARED=1"
@@ -1430,10 +1431,6 @@ def _open_lock(entry: Path) -> int:
             return fd
         os.close(fd)
     raise UntrustedCacheError(f"{path}: not a lock file of the rbtool cache and it comes back; remove it")
-
-
-class CacheFullError(CheckpointError):
-    """A data mirror does not fit the cache beside what other processes are reading."""
 
 
 class Pin:

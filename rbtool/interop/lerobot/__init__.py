@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from rbtool.errors import CheckpointError, RbtoolError, UsageError
+from rbtool.errors import CheckpointError, LeRobotFeatureError, RbtoolError, UsageError
 from rbtool.files import trajfile
 from rbtool.files.dirs import open_checkpoint, open_view
 from rbtool.files.fsutil import (
@@ -135,16 +135,6 @@ _TRAJECTORY_DTYPES = (
     "complex64", "complex128",
 )  # fmt: skip
 _MAX_ARRAY_DIMS = 5  # LeRobot's features go up to Array5D
-
-
-class LeRobotFeatureError(UsageError):
-    """A LeRobot feature that cannot become a buffer field as it is: it can be dropped, and
-    when only its place is the problem (`mappable`), mapped to another field."""
-
-    def __init__(self, message: str, feature: str, *, mappable: bool = False) -> None:
-        super().__init__(message)
-        self.feature = feature
-        self.mappable = mappable
 
 
 def _require_arrow() -> Any:
