@@ -450,6 +450,58 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
 
 
+# Every module of rbtool is imported by the tests of the quick tier (and of the full suite): a
+# run of a whole tier that leaves one out fails, naming it. Under pytest-xdist each worker
+# sends what it imported to the controller, which takes the union.
+_SEEN = pytest.StashKey[set[str]]()
+PACKAGE = Path(__file__).resolve().parents[1] / "rbtool"
+
+
+def package_modules() -> set[str]:
+    names = set()
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        names.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def _imported() -> set[str]:
+    return {name for name in sys.modules if name == "rbtool" or name.startswith("rbtool.")}
+
+
+def _whole_tier(config: pytest.Config) -> bool:
+    """True when the run is a whole tier that ran: no test paths, -k, --deselect, -x, --lf or --co."""
+    paths = {Path(a).resolve() for a in config.args}
+    return (
+        paths <= {Path(config.rootpath, p).resolve() for p in config.getini("testpaths")}
+        and not config.option.keyword
+        and not config.getoption("deselect", None)
+        and not config.option.exitfirst
+        and not config.getoption("lf", False)
+        and not config.option.collectonly
+    )
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    seen = node.config.stash.setdefault(_SEEN, set())
+    seen.update(getattr(node, "workeroutput", {}).get("rbtool_modules", ()))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    seen = _imported()
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker
+        workeroutput["rbtool_modules"] = sorted(seen)
+        return
+    missing = sorted(package_modules() - seen - session.config.stash.get(_SEEN, set()))
+    if missing and exitstatus == 0 and _whole_tier(session.config):
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"modules no test of this run imported: {', '.join(missing)}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 # ------------------------------------------------------------------ second local users
 OTHER_USER = "rbtool-other"  # the attacker (or victim) on the same machine
 
