@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -89,12 +90,12 @@ def _gather(
             cache_rows = torch.from_numpy(draw.global_indices.numpy()[covered] + cached.shift)
     every = np.arange(count)
     uncovered = every if covered is None else np.flatnonzero(~mask)
+    draws = _Draws(positions, local, draw.window_ids, view_of, raws_of, rowmap)
     groups: dict[str, _Group] = {}  # draws read view by view: all of them, or those not cached
 
     def group(key: str) -> _Group:
         if key not in groups:
-            selection = every if key == "every" else uncovered
-            groups[key] = _Group(selection, positions, local, draw.window_ids, view_of, raws_of, rowmap)
+            groups[key] = _Group(every if key == "every" else uncovered, draws)
         return groups[key]
 
     out: dict[FieldPath, torch.Tensor] = {}
@@ -116,36 +117,41 @@ def _gather(
     return nest({path: out[path] for path in schema})
 
 
+@dataclass
+class _Draws:
+    """A Draw as its readers take it: each draw's window position and stored row, and how the
+    drawn trajectories are reached (as views, as held bytes, through the row map)."""
+
+    positions: np.ndarray
+    local: np.ndarray
+    window_ids: Sequence[int]
+    view_of: Callable[[int], FlatView]
+    raws_of: Callable[[list[int]], list[RawTrajectory | None]] | None
+    rowmap: RowMap | None
+
+
 class _Group:
     """Draws (a selection of a Draw's rows) read trajectory by trajectory: those of small files
     held as bytes together (_RawRows), the others view by view (_ViewRows)."""
 
-    def __init__(
-        self,
-        selection: Any,
-        positions: Any,
-        local: Any,
-        window_ids: Sequence[int],
-        view_of: Callable[[int], FlatView],
-        raws_of: Callable[[list[int]], list[RawTrajectory | None]] | None,
-        rowmap: RowMap | None = None,
-    ) -> None:
+    def __init__(self, selection: Any, draws: _Draws) -> None:
         import numpy as np
 
         self.parts: list[_RawRows | _ViewRows] = []
-        if raws_of is not None and selection.size:
+        positions, local = draws.positions, draws.local
+        if draws.raws_of is not None and selection.size:
             unique, inverse = np.unique(positions[selection], return_inverse=True)
-            raws = raws_of(ids_at(window_ids, unique.tolist()))
+            raws = draws.raws_of(ids_at(draws.window_ids, unique.tolist()))
             held = np.array([r is not None for r in raws], dtype=bool)
             if held.any():
                 mask = held[inverse]
                 kept = [r for r in raws if r is not None]
                 slot = np.cumsum(held) - 1  # unique position -> index in kept
                 chosen = selection[mask]
-                self.parts.append(_RawRows(chosen, slot[inverse[mask]], local[chosen], kept, rowmap))
+                self.parts.append(_RawRows(chosen, slot[inverse[mask]], local[chosen], kept, draws.rowmap))
                 selection = selection[~mask]
         if selection.size:
-            self.parts.append(_ViewRows(selection, positions, local, window_ids, view_of))
+            self.parts.append(_ViewRows(selection, draws))
 
     def fill(self, path: FieldPath, target: Any) -> None:
         for part in self.parts:
@@ -355,23 +361,16 @@ class _RawRows:
 class _ViewRows:
     """Draws read view by view, grouped by trajectory."""
 
-    def __init__(
-        self,
-        selection: Any,
-        positions: Any,
-        local: Any,
-        window_ids: Sequence[int],
-        view_of: Callable[[int], FlatView],
-    ) -> None:
+    def __init__(self, selection: Any, draws: _Draws) -> None:
         import numpy as np
         import torch
 
-        order = np.argsort(positions[selection], kind="stable")
+        order = np.argsort(draws.positions[selection], kind="stable")
         self.dest = selection[order]
-        self.local = local[self.dest]
-        unique, starts, counts = np.unique(positions[self.dest], return_index=True, return_counts=True)
+        self.local = draws.local[self.dest]
+        unique, starts, counts = np.unique(draws.positions[self.dest], return_index=True, return_counts=True)
         self.counts = counts
-        self.views = [view_of(window_ids[k]) for k in unique.tolist()]
+        self.views = [draws.view_of(draws.window_ids[k]) for k in unique.tolist()]
         self.bounds = list(zip(starts.tolist(), (starts + counts).tolist(), strict=True))
         self.plain = [torch.from_numpy(self.local[a:z]) for a, z in self.bounds]
         self.dest_t = torch.from_numpy(self.dest)

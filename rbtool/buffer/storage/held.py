@@ -2,18 +2,26 @@
 
 A trajectory held as bytes has its drawn rows copied out by offset, no tensor built: what
 holding a file of a given header needs (raw_layout, header_extent) is worked out from the
-header alone, and a batch gathers from the blocks in place.
+header alone, once per header (HeldLayout), and a batch gathers from the blocks in place.
 """
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
 from typing import Any
 
-from rbtool.buffer.storage.ptfile import FileHandle, FileRows
-from rbtool.buffer.storage.view import FieldPath, sampled_items
-from rbtool.errors import TrajectoryFileError
+from rbtool.buffer.storage.ptfile import (
+    ROW_READ_MIN_BYTES,
+    FileHandle,
+    FileRows,
+    PinnedFile,
+    read_exactly,
+)
+from rbtool.buffer.storage.view import FieldPath, bootstrap_rows, check_shape, sampled_items
+from rbtool.errors import RbtoolError, TrajectoryFileError
 from rbtool.files.ptheader import TensorSpec, UnusualLayout, iter_specs
-from rbtool.format.layout import DONE_LIKE, describe, done_extra_rows
+from rbtool.format.layout import describe
 
 
 class RawTrajectory:
@@ -61,24 +69,16 @@ def raw_layout(header: dict[str, Any], where: str, t: int, b: int, extra_fields:
 
     Raises UnusualLayout for a sampled field that is not C-contiguous (left to a view).
     """
-    info = describe(header, where, TensorSpec)
-    if info.shape[:2] != (t, b):
-        raise TrajectoryFileError(
-            f"{where}: tensors are [T, B] = {list(info.shape[:2])} but the index says {[t, b]}"
-        )
+    check_shape(describe(header, where, TensorSpec), t, b, where)
     layout: RawLayout = []
     items, _ = sampled_items(header, extra_fields)
     for path, spec in items:
         if not spec.is_contiguous():
             raise UnusualLayout(f"field {'.'.join(path)!r} is not contiguous")
-        extra = 0
-        if len(path) == 1 and path[0] in DONE_LIKE:
-            try:
-                extra = done_extra_rows(spec.shape[0], t, spec.shape[1], b)
-            except ValueError as exc:
-                raise TrajectoryFileError(
-                    f"{where}: field {'.'.join(path)!r} has shape {list(spec.shape)}; {exc}"
-                ) from None
+        try:
+            extra = bootstrap_rows(path, spec.shape, t, b)
+        except RbtoolError as exc:
+            raise TrajectoryFileError(f"{where}: {exc}") from None
         layout.append((path, spec, extra))
     return layout
 
@@ -86,6 +86,68 @@ def raw_layout(header: dict[str, Any], where: str, t: int, b: int, extra_fields:
 def header_extent(header: dict[str, Any]) -> int:
     """How many bytes a file must hold for every tensor its header declares."""
     return max((spec.start + spec.nbytes for _, spec in iter_specs(header)), default=0)
+
+
+def _packing(layout: RawLayout) -> tuple[dict[FieldPath, tuple[int, int]], list[tuple[int, int]]]:
+    """The fields of `layout` packed one after the other: where each starts in the packed bytes
+    (and its E), and the bytes `[start, stop)` of the file each is copied from."""
+    fields: dict[FieldPath, tuple[int, int]] = {}
+    pieces: list[tuple[int, int]] = []
+    at = 0
+    for path, spec, extra in layout:
+        size = spec.numel() * spec.itemsize
+        pieces.append((spec.data_start, spec.data_start + size))
+        fields[path] = (at, extra)
+        at += size
+    return fields, pieces
+
+
+class HeldLayout:
+    """How the files of one header whose trajectories are [T, B] = [t, b] are held as bytes.
+
+    Headers are shared by files of one structure: so is what is derived from them, worked out
+    once, and so are the field tables (a batch looks each field up once per layout, not once
+    per drawn file). Never changed once made.
+    """
+
+    def __init__(self, header: dict[str, Any], where: str, t: int, b: int, extra_fields: bool) -> None:
+        self.header, self.t, self.b = header, t, b
+        layout = raw_layout(header, where, t, b, extra_fields)
+        self.extent = header_extent(header)
+        # a small file is held as its sampled fields packed one after the other
+        self.packed, self.pieces = _packing(layout)
+        # a larger one as its fields with small rows packed, the others left on disk; where each
+        # sampled field starts in the file, and its E (for mapping the file)
+        wide = [math.prod(spec.shape[2:]) * spec.itemsize >= ROW_READ_MIN_BYTES for _, spec, _ in layout]
+        self.disk = [field for field, on_disk in zip(layout, wide, strict=True) if on_disk]
+        self.small_packed, self.small_pieces = _packing(
+            [field for field, on_disk in zip(layout, wide, strict=True) if not on_disk]
+        )
+        self.table = {path: (spec.data_start, extra) for path, spec, extra in layout}
+
+    def hold(self, data: bytes, where: Path) -> RawTrajectory:
+        """A small file of this layout, read whole as `data`, held as its packed sampled fields."""
+        if len(data) < self.extent:
+            raise TrajectoryFileError(f"{where}: truncated (a tensor's data is cut short)")
+        return RawTrajectory(b"".join([data[a:z] for a, z in self.pieces]), self.t, self.b, self.packed)
+
+    def hold_large(self, tid: int, path: Path, pin: PinnedFile | None) -> RawTrajectory:
+        """A large file of this layout held: fields with small rows read and packed, the others
+        left on disk (FileRows); with what mapping the file needs."""
+        import torch
+
+        handle = FileHandle(path, pin)
+        disk: dict[FieldPath, tuple[FileRows, int]] = {}
+        for field_path, spec, extra in self.disk:
+            shape = (spec.shape[0] * spec.shape[1], *spec.shape[2:])
+            disk[field_path] = (FileRows(handle, spec.data_start, shape, getattr(torch, spec.dtype)), extra)
+        packed = bytearray(sum(stop - start for start, stop in self.small_pieces))
+        view = memoryview(packed)
+        for (start, stop), (at, _) in zip(self.small_pieces, self.small_packed.values(), strict=True):
+            read_exactly(handle, view[at : at + stop - start], start)
+        handle.close()
+        file = (tid, handle, self.extent, self.table)
+        return RawTrajectory(packed, self.t, self.b, self.small_packed, disk, file)
 
 
 # The held bytes are packed into blocks of this size (bytes larger than this get a block of

@@ -15,7 +15,7 @@ import os
 import resource
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +26,15 @@ from rbtool.format.layout import TrajectoryInfo, describe
 
 # Rows at least this large are read from the file on demand; smaller fields are read whole.
 ROW_READ_MIN_BYTES = 2048
-# File descriptors kept open across batches (least recently used closed first): a quarter
-# of the process's limit, at most 1024.
-MAX_OPEN_FDS = max(16, min(1024, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4))
+
+
+def _fd_budget() -> int:
+    """A quarter of the process's descriptor limit, at least 16 and at most 1024."""
+    return max(16, min(1024, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4))
+
+
+# File descriptors kept open across batches (least recently used closed first).
+MAX_OPEN_FDS = _fd_budget()
 _OPEN_FILES: OrderedDict[int, FileHandle] = OrderedDict()
 
 
@@ -57,17 +63,13 @@ class FileRows:
 
     def take(self, rows: Any, out: Any, dest: Any) -> None:
         """Read stored rows `rows` into rows `dest` of the contiguous tensor `out`."""
-        import torch
+        import numpy as np
 
-        size = self.row_bytes
-        if size == 0 or not len(rows):
-            return
-        buffer = memoryview(out.view(torch.uint8).numpy()).cast("B")
-        fd, base = self.owner.fd(), self.offset
-        for j, row in zip(dest.tolist(), rows.tolist(), strict=True):
-            got = os.preadv(fd, [buffer[j * size : (j + 1) * size]], base + row * size)
-            if got != size:
-                raise TrajectoryFileError(f"{self.owner.path}: truncated (row {row} of a field is cut short)")
+        stored = np.asarray(rows, dtype=np.int64)
+        if self.row_bytes and stored.size:  # no descriptor opened when there is nothing to read
+            fds = np.full(stored.size, self.owner.fd(), dtype=np.int64)
+            offsets = self.offset + stored * self.row_bytes
+            read_rows(fds, offsets, dest, self.row_bytes, out, lambda j: (self.owner.path, int(stored[j])))
 
 
 def files_read_together() -> int:
@@ -159,6 +161,12 @@ def read_rows(
         list(pool.map(run, [plan[i : i + step] for i in range(0, len(plan), step)]))
 
 
+def read_exactly(handle: FileHandle, buffer: Any, offset: int) -> None:
+    """Fill `buffer` with the file's bytes from `offset` on; a short read means the file is cut short."""
+    if len(buffer) and os.preadv(handle.fd(), [buffer], offset) != len(buffer):
+        raise TrajectoryFileError(f"{handle.path}: truncated (a tensor's data is cut short)")
+
+
 class FileTrajectory(FileHandle):
     """A `.pt` trajectory opened for sampling: small fields in memory, large rows left on disk.
 
@@ -172,7 +180,7 @@ class FileTrajectory(FileHandle):
     ) -> None:
         # A pinned file is read through its open descriptor: the name may be gone or replaced.
         super().__init__(path, pin)
-        read_path = pin.read_path if pin is not None else path
+        read_path = name_to_read(path, pin)
         whole: bytes | None = None
         if header is None:
             whole = read_small(read_path)
@@ -197,8 +205,7 @@ class FileTrajectory(FileHandle):
             data = bytearray(self._whole[spec.start : spec.start + spec.nbytes])
         else:
             data = bytearray(spec.nbytes)
-            if data and os.preadv(self.fd(), [data], spec.start) != len(data):
-                raise TrajectoryFileError(f"{self.path}: truncated (a tensor's data is cut short)")
+            read_exactly(self, data, spec.start)
         if len(data) != spec.nbytes:
             raise TrajectoryFileError(f"{self.path}: truncated (a tensor's data is cut short)")
         raw = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
@@ -236,10 +243,6 @@ def _map_specs(value: Any, fn: Any) -> Any:
     if isinstance(value, list):
         return [_map_specs(v, fn) for v in value]
     return value
-
-
-def _fd_budget() -> int:
-    return max(16, min(1024, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4))
 
 
 # Files pinned open so that a loaded checkpoint can be deleted or replaced (rotation)
@@ -297,36 +300,46 @@ class PinnedFile:
             self.close()
 
 
-def open_trajectory(path: Path, pin: PinnedFile | None = None) -> tuple[dict[str, Any], TrajectoryInfo]:
-    """A trajectory file's fields (large `.pt` rows left on disk where possible) and its info.
+def name_to_read(path: Path, pin: PinnedFile | None) -> Path:
+    """The name `path`'s file is read by: its pinned descriptor's when pinned (the name may be
+    gone or replaced since)."""
+    return path if pin is None else pin.read_path
 
-    Errors name the file, also when it is read through its pinned descriptor.
-    """
+
+@contextlib.contextmanager
+def naming(path: Path, pin: PinnedFile | None) -> Iterator[None]:
+    """File errors raised inside name `path`, also those of reading it through its pinned descriptor."""
     try:
-        return _open_trajectory(path, pin)
+        yield
     except TrajectoryFileError as exc:
         if pin is None:
             raise
         raise type(exc)(str(exc).replace(str(pin.read_path), str(path))) from None
 
 
-def _open_trajectory(path: Path, pin: PinnedFile | None) -> tuple[dict[str, Any], TrajectoryInfo]:
-    if path.suffix == ".pt":
-        try:
-            opened = FileTrajectory(path, pin)
-            return opened.data, opened.info
-        except UnusualLayout:
-            pass  # layouts the header reader does not know: torch's own loader decides
-    read_path = pin.read_path if pin is not None else path
-    traj = trajfile.load(read_path, mmap=True, suffix=path.suffix)
-    return traj, describe(traj, str(path))
+def open_trajectory(
+    path: Path, pin: PinnedFile | None = None, header: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], TrajectoryInfo]:
+    """A trajectory file's fields (large `.pt` rows left on disk where possible) and its info.
+
+    `header` is a `.pt` file's header when it was read already (its structure is not read
+    again). Errors name the file, also when it is read through its pinned descriptor.
+    """
+    with naming(path, pin):
+        if path.suffix == ".pt":
+            try:
+                opened = FileTrajectory(path, pin, header)
+                return opened.data, opened.info
+            except UnusualLayout:
+                pass  # layouts the header reader does not know: torch's own loader decides
+        traj = trajfile.load(name_to_read(path, pin), mmap=True, suffix=path.suffix)
+        info = describe(traj, str(path))
+    return traj, info
 
 
 def file_header(path: Path, pin: PinnedFile | None, data: bytes | None = None) -> dict[str, Any]:
     """The header of the `.pt` file `path` (`data`: its bytes, when read whole), read through its
     pinned descriptor when pinned; errors name `path`."""
-    read_path = pin.read_path if pin is not None else path
-    try:
-        return read_header(read_path, data)
-    except TrajectoryFileError as exc:
-        raise type(exc)(str(exc).replace(str(read_path), str(path))) from None
+    with naming(path, pin):
+        header = read_header(name_to_read(path, pin), data)
+    return header

@@ -9,7 +9,6 @@ header or the file opened, whichever is known first.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import threading
 from collections import OrderedDict
@@ -19,24 +18,20 @@ from typing import Any
 
 from rbtool.buffer.rowmap import RowMap
 from rbtool.buffer.rowmap import available as rowmap_available
-from rbtool.buffer.storage.held import HeldBlocks, RawLayout, RawTrajectory, header_extent, raw_layout
+from rbtool.buffer.storage.held import HeldBlocks, HeldLayout, RawTrajectory
 from rbtool.buffer.storage.ptfile import (
-    ROW_READ_MIN_BYTES,
-    FileHandle,
-    FileRows,
-    FileTrajectory,
     PinnedFile,
     close_open_files,
     file_header,
+    name_to_read,
     open_trajectory,
     read_small,
 )
-from rbtool.buffer.storage.view import FieldPath, FlatView, Schema
+from rbtool.buffer.storage.view import FlatView, Schema, check_shape
 from rbtool.buffer.storage.window import Signature, signature_of, view_signature
 from rbtool.errors import RbtoolError, TrajectoryFileError
 from rbtool.files import trajfile
 from rbtool.files.ptheader import UnusualLayout, iter_specs
-from rbtool.format.layout import TrajectoryInfo
 
 # Small files held as bytes for sampling, least recently used dropped first beyond this.
 RAW_CACHE_MAX_BYTES = 384 << 20
@@ -73,20 +68,8 @@ class TrajectoryStore:
         self.recorded: set[int] = set()  # ids whose signature came from the index's record
         self._signature_keys: dict[tuple[Any, ...], Signature] = {}
         self._by_header: dict[int, tuple[dict[str, Any], Signature]] = {}
-        # (header id, t, b) -> (header, its layout, the bytes it needs, RawTrajectory.fields)
-        self._raw_layouts: dict[
-            tuple[int, int, int],
-            tuple[
-                dict[str, Any],
-                RawLayout,
-                int,
-                dict[FieldPath, tuple[int, int]],
-                list[tuple[int, int]],
-                dict[FieldPath, tuple[int, int]],
-            ],
-        ] = {}
-        # id(layout) -> (layout, the packed-field table of a large file of that layout)
-        self._packed_tables: dict[int, tuple[RawLayout, dict[FieldPath, tuple[int, int]]]] = {}
+        # (header id, t, b) -> how files of that header are held as bytes
+        self._raw_layouts: dict[tuple[int, int, int], HeldLayout] = {}
         # small files held as bytes (RawTrajectory), and the ids known not to be held so
         self.raws: OrderedDict[int, RawTrajectory] = OrderedDict()
         self._raw_lock = threading.Lock()  # the held bytes are filled by several readers at once
@@ -184,11 +167,8 @@ class TrajectoryStore:
         if traj is None:
             if path is None:
                 raise RbtoolError(f"trajectory {tid} is neither in memory nor on disk")
-            traj, info = self._open(tid, path, pinned)
-            if info.shape[:2] != (t, b):
-                raise TrajectoryFileError(
-                    f"{path}: tensors are [T, B] = {list(info.shape[:2])} but the index says {[t, b]}"
-                )
+            traj, info = open_trajectory(path, pinned, self.headers.get(tid))
+            check_shape(info, t, b, path)
         try:
             view = FlatView(traj, t, b, extra_fields=self.extra_fields)
         except RbtoolError as exc:
@@ -198,18 +178,6 @@ class TrajectoryStore:
         while len(self.views) > self.max_open:
             self.views.popitem(last=False)
         return view
-
-    def _open(self, tid: int, path: Path, pinned: PinnedFile | None) -> tuple[dict[str, Any], TrajectoryInfo]:
-        header = self.headers.get(tid)
-        if header is None or path.suffix != ".pt":
-            return open_trajectory(path, pinned)
-        try:
-            opened = FileTrajectory(path, pinned, header)
-        except TrajectoryFileError as exc:
-            if pinned is None:
-                raise
-            raise type(exc)(str(exc).replace(str(pinned.read_path), str(path))) from None
-        return opened.data, opened.info
 
     def header(self, tid: int) -> dict[str, Any] | None:
         """The header of a held `.pt` file (read once, then kept); None when it has none to read."""
@@ -274,34 +242,19 @@ class TrajectoryStore:
                 # the trajectory's file is complete, and must not be overtaken by it
                 self.not_raw.add(tid)
                 return None
-        read_path = pinned.read_path if pinned is not None else path
+        read_path = name_to_read(path, pinned)
         try:
             data = read_small(read_path)
             header = self.headers.get(tid) or file_header(path, pinned, data)
             # headers are shared by files of one structure: so is what is derived from them
             known = self._raw_layouts.get((id(header), t, b))
-            if known is None or known[0] is not header:
+            if known is None or known.header is not header:
                 if len(self._raw_layouts) >= 4096:
                     self._raw_layouts.clear()
-                layout = raw_layout(header, str(path), t, b, self.extra_fields)
-                # a small file is held as its sampled fields packed one after the other: where
-                # each is in the file, and where it is in the packed bytes (shared, never changed)
-                pieces, fields, at = [], {}, 0
-                for field_path, spec, extra in layout:
-                    size = spec.numel() * spec.itemsize
-                    pieces.append((spec.data_start, spec.data_start + size))
-                    fields[field_path] = (at, extra)
-                    at += size
-                table = {field_path: (spec.data_start, extra) for field_path, spec, extra in layout}
-                known = (header, layout, header_extent(header), fields, pieces, table)
+                known = HeldLayout(header, str(path), t, b, self.extra_fields)
                 self._raw_layouts[(id(header), t, b)] = known
             self.check_recorded(tid, self._header_signature(header), path)
-            if data is not None:
-                if len(data) < known[2]:
-                    raise TrajectoryFileError(f"{path}: truncated (a tensor's data is cut short)")
-                raw = RawTrajectory(b"".join([data[a:z] for a, z in known[4]]), t, b, known[3])
-            else:
-                raw = self._packed(path, pinned, t, b, known[1], (tid, known[2], known[5]))
+            raw = known.hold(data, path) if data is not None else known.hold_large(tid, path, pinned)
         except UnusualLayout:
             self.not_raw.add(tid)
             return None
@@ -323,56 +276,6 @@ class TrajectoryStore:
                 self.raw_bytes -= dropped.data.size
                 self.held.free(dropped)
         return raw
-
-    def _packed(
-        self,
-        path: Path,
-        pinned: PinnedFile | None,
-        t: int,
-        b: int,
-        layout: RawLayout,
-        file: tuple[int, int, dict[FieldPath, tuple[int, int]]],
-    ) -> RawTrajectory:
-        """A large file as a RawTrajectory: fields with small rows read and packed, the others
-        left on disk. `file` is (trajectory id, the bytes the header needs, the field table), for
-        mapping it."""
-        import torch
-
-        handle = FileHandle(path, pinned)
-        small = []
-        disk: dict[FieldPath, tuple[FileRows, int]] = {}
-        for field_path, spec, extra in layout:
-            row_bytes = math.prod(spec.shape[2:]) * spec.itemsize
-            if row_bytes >= ROW_READ_MIN_BYTES:
-                rows = spec.shape[0] * spec.shape[1]
-                shape = (rows, *spec.shape[2:])
-                disk[field_path] = (
-                    FileRows(handle, spec.data_start, shape, getattr(torch, spec.dtype)),
-                    extra,
-                )
-            else:
-                small.append((field_path, spec, extra))
-        packed = bytearray(sum(spec.numel() * spec.itemsize for _, spec, _ in small))
-        view = memoryview(packed)
-        fields: dict[FieldPath, tuple[int, int]] = {}
-        at = 0
-        for field_path, spec, extra in small:
-            size = spec.numel() * spec.itemsize
-            if size and os.preadv(handle.fd(), [view[at : at + size]], spec.data_start) != size:
-                raise TrajectoryFileError(f"{path}: truncated (a tensor's data is cut short)")
-            fields[field_path] = (at, extra)
-            at += size
-        handle.close()
-        # the table follows from the layout alone: files of one layout share it, so a batch
-        # looks each field up once per layout, not once per drawn file
-        shared = self._packed_tables.get(id(layout))
-        if shared is not None and shared[0] is layout:
-            fields = shared[1]
-        else:
-            if len(self._packed_tables) >= 4096:
-                self._packed_tables.clear()
-            self._packed_tables[id(layout)] = (layout, fields)
-        return RawTrajectory(packed, t, b, fields, disk, (file[0], handle, file[1], file[2]))
 
     def read_headers(
         self, trajectories: Sequence[tuple[int, int, int]], progress: Callable[[int], None] | None = None

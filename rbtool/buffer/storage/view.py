@@ -7,16 +7,18 @@ holds, in which order, is decided here (sampled_items) for tensors and file head
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rbtool.buffer.storage.ptfile import FileRows
-from rbtool.errors import RbtoolError
+from rbtool.errors import RbtoolError, TrajectoryFileError
 from rbtool.files.ptheader import TensorSpec
 from rbtool.format.layout import (
     DONE_LIKE,
     NESTED_ORDER,
     SAMPLED_TOP_FIELDS,
+    TrajectoryInfo,
     done_extra_rows,
     drop_bootstrap_rows,
 )
@@ -43,6 +45,30 @@ class FlatField:
 
     rows: Any  # the stored tensor (or FileRows) reshaped to [(T + E) * B, ...]
     extra: int  # E: leading bootstrap rows of a done-like field (0 otherwise)
+
+    @property
+    def spec(self) -> tuple[Any, tuple[int, ...]]:
+        """The rows' (dtype, per-sample shape)."""
+        return self.rows.dtype, tuple(int(d) for d in self.rows.shape[1:])
+
+
+def bootstrap_rows(path: FieldPath, shape: Sequence[int], t: int, b: int) -> int:
+    """E, the leading bootstrap rows of field `path` stored with `shape` in a [T, B] = [t, b]
+    trajectory: 0 unless the field is done-like; RbtoolError when its shape fits no E."""
+    if len(path) != 1 or path[0] not in DONE_LIKE:
+        return 0
+    try:
+        return done_extra_rows(int(shape[0]), t, int(shape[1]), b)
+    except ValueError as exc:
+        raise RbtoolError(f"field {'.'.join(path)!r} has shape {list(shape)}; {exc}") from None
+
+
+def check_shape(info: TrajectoryInfo, t: int, b: int, where: object) -> None:
+    """A trajectory's tensors are [T, B] = [t, b], as its index entry says."""
+    if info.shape[:2] != (t, b):
+        raise TrajectoryFileError(
+            f"{where}: tensors are [T, B] = {list(info.shape[:2])} but the index says {[t, b]}"
+        )
 
 
 def _ordered_items(traj: dict[str, Any], top: bool) -> list[tuple[str, Any]]:
@@ -104,18 +130,11 @@ class FlatView:
         self.fields: dict[FieldPath, FlatField] = {}
         items, self.left_out = sampled_items(traj, extra_fields)
         for path, value in items:
-            extra = 0
-            if len(path) == 1 and path[0] in DONE_LIKE:
-                try:
-                    extra = done_extra_rows(int(value.shape[0]), t, int(value.shape[1]), b)
-                except ValueError as exc:
-                    raise RbtoolError(
-                        f"field {'.'.join(path)!r} has shape {list(value.shape)}; {exc}"
-                    ) from None
+            extra = bootstrap_rows(path, value.shape, t, b)
             self.fields[path] = FlatField(value.reshape(-1, *value.shape[2:]), extra)
 
     def schema(self) -> Schema:
-        return {p: (f.rows.dtype, tuple(f.rows.shape[1:])) for p, f in self.fields.items()}
+        return {p: f.spec for p, f in self.fields.items()}
 
     def rows(self, path: FieldPath, idx: Any, out: Any, dest: Any) -> None:
         """Copy stored rows `idx` of field `path` into rows `dest` of the contiguous tensor `out`."""

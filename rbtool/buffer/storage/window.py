@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rbtool.buffer.storage.view import FieldPath, FlatView, Schema, flat_rows, sampled_items
+from rbtool.buffer.storage.view import FieldPath, FlatView, Schema, flat_rows, nest, sampled_items
 from rbtool.files.ptheader import TensorSpec
 
 if TYPE_CHECKING:
@@ -44,22 +44,17 @@ def recorded_signature(fields: list[list[Any]], extra_fields: bool) -> Signature
     """The signature of a schema an index records (layout.field_schema), without the file."""
     import torch
 
-    skeleton: dict[str, Any] = {}
+    specs: dict[FieldPath, TensorSpec] = {}
     for path, dtype, rest, extra in fields:
-        node = skeleton
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
         itemsize = getattr(torch, dtype).itemsize if hasattr(torch, dtype) else 1
         shape = (1 + extra, 1, *rest)
-        node[path[-1]] = TensorSpec(dtype, itemsize, shape, shape, 0, 0, 0)
-    return signature_of(skeleton, extra_fields)
+        specs[tuple(path)] = TensorSpec(dtype, itemsize, shape, shape, 0, 0, 0)
+    return signature_of(nest(specs), extra_fields)
 
 
 def view_signature(view: FlatView) -> Signature:
-    fields = tuple(
-        (p, (f.rows.dtype, tuple(int(d) for d in f.rows.shape[1:]))) for p, f in view.fields.items()
-    )
-    return fields, tuple(view.left_out)
+    """The signature of a trajectory open as a FlatView."""
+    return tuple((p, f.spec) for p, f in view.fields.items()), tuple(view.left_out)
 
 
 class WindowSchema:
@@ -117,9 +112,7 @@ class WindowSchema:
         if self._shared is not None and self._shared[0] == key:
             return self._shared[1], self._shared[2]
         distinct = [dict(sig[0]) for sig in self.counts]
-        schema: Schema = {}
-        if self.first is not None:
-            schema = {p: spec for p, spec in self.first[0] if all(d.get(p) == spec for d in distinct)}
+        schema = shared_schema([dict(self.first[0]), *distinct] if self.first is not None else [])
         left_out: dict[str, None] = {}
         for sig in self.counts:
             left_out.update(dict.fromkeys(".".join(p) for p in sig[1]))
@@ -140,6 +133,11 @@ def shared_schema(schemas: Sequence[Schema]) -> Schema:
 WINDOW_CACHE_MAX_BYTES = 512 << 20
 
 
+def _row_bytes(specs: Iterable[tuple[Any, tuple[int, ...]]]) -> int:
+    """Bytes of one row of fields of these (dtype, per-sample shape)."""
+    return sum(math.prod(shape) * dtype.itemsize for dtype, shape in specs)
+
+
 def window_cache(
     window_ids: Sequence[int], schema: Schema, view_of: Callable[[int], FlatView]
 ) -> dict[FieldPath, torch.Tensor]:
@@ -152,8 +150,7 @@ def window_cache(
 
     views = [view_of(tid) for tid in window_ids]
     held = [p for p in schema if all(isinstance(v.fields[p].rows, torch.Tensor) for v in views)]
-    per_row = sum(math.prod(schema[p][1]) * schema[p][0].itemsize for p in held)
-    if per_row * sum(v.t * v.b for v in views) > WINDOW_CACHE_MAX_BYTES:
+    if _row_bytes(schema[p] for p in held) * sum(v.t * v.b for v in views) > WINDOW_CACHE_MAX_BYTES:
         return {}
     return {p: torch.cat([flat_rows(v, p) for v in views]) for p in held}
 
@@ -193,9 +190,6 @@ class RowCache:
         self.rows = 0
         self.full = False
 
-    def _row_bytes(self) -> int:
-        return sum(math.prod(shape) * dtype.itemsize for dtype, shape in self.specs.values())
-
     def append(self, position: int, base: int, view: FlatView) -> None:
         """Cache trajectory `position` (its first sample is cumulative sample `base`)."""
         import torch
@@ -205,7 +199,7 @@ class RowCache:
         if self.full:
             return
         fields = {p: f for p, f in view.fields.items() if isinstance(f.rows, torch.Tensor)}
-        specs = {p: (f.rows.dtype, tuple(f.rows.shape[1:])) for p, f in fields.items()}
+        specs = {p: f.spec for p, f in fields.items()}
         if self.lo == self.hi:
             self.specs = specs
             self.columns = {}
@@ -214,7 +208,7 @@ class RowCache:
                 del self.specs[path]
                 self.columns.pop(path, None)
         n = view.t * view.b
-        if (self.rows + n) * self._row_bytes() > self.max_bytes:
+        if (self.rows + n) * _row_bytes(self.specs.values()) > self.max_bytes:
             self.full = True
             return
         for path in self.specs:
