@@ -107,9 +107,7 @@ class TrajectoryStore:
             self.memory.pop(tid, None)
             self.files.pop(tid, None)
             self.views.pop(tid, None)
-            self.signatures.pop(tid, None)
-            self.recorded.discard(tid)
-            self.headers.pop(tid, None)
+            self.forget(tid)
             self._drop_raw(tid)
             if self.rowmap is not None:
                 self.rowmap.release(tid)
@@ -200,9 +198,13 @@ class TrajectoryStore:
         with self._raw_lock:
             raw = self.raws.pop(tid, None)
             if raw is not None:
-                self.raw_bytes -= raw.data.size
-                self.held.free(raw)
+                self._unhold(raw)
             self.not_raw.discard(tid)
+
+    def _unhold(self, raw: RawTrajectory) -> None:
+        """`raw` left the held bytes (called with the lock for held bytes taken)."""
+        self.raw_bytes -= raw.data.size
+        self.held.free(raw)
 
     def written(self, tid: int, path: Path) -> None:
         """A held trajectory's file is complete: read it from there and free the memory."""
@@ -272,9 +274,7 @@ class TrajectoryStore:
             self.raws[tid] = raw
             self.raw_bytes += raw.data.size
             while self.raw_bytes > RAW_CACHE_MAX_BYTES and len(self.raws) > 1:
-                _, dropped = self.raws.popitem(last=False)
-                self.raw_bytes -= dropped.data.size
-                self.held.free(dropped)
+                self._unhold(self.raws.popitem(last=False)[1])
         return raw
 
     def read_headers(
