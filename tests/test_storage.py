@@ -32,6 +32,7 @@ from rbtool.buffer.storage import (
     gather,
     nest,
     open_trajectory,
+    ptfile,
     sampled_items,
     shared_schema,
     window_cache,
@@ -67,7 +68,7 @@ def save_pt(path: Path, traj: dict[str, Any]) -> Path:
 def files_read_by_rows() -> Iterator[None]:
     """Files this small are normally read whole: here their wide rows stay on disk, as in large files."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(storage, "SMALL_FILE_BYTES", 0)
+        patch.setattr(ptfile, "SMALL_FILE_BYTES", 0)
         yield
 
 
@@ -196,13 +197,13 @@ FD_SCRIPT = textwrap.dedent(
     from pathlib import Path
     resource.setrlimit(resource.RLIMIT_NOFILE, (80, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     import numpy as np, torch
-    from rbtool.buffer import storage
+    from rbtool.buffer.storage import ptfile
     from rbtool.files import trajfile
     from rbtool.buffer.storage import FlatView, open_trajectory
-    storage.SMALL_FILE_BYTES = 0  # as in large files: wide rows stay on disk
+    ptfile.SMALL_FILE_BYTES = 0  # as in large files: wide rows stay on disk
 
     root = Path(sys.argv[1])
-    bound = storage.MAX_OPEN_FDS
+    bound = ptfile.MAX_OPEN_FDS
     assert bound == 20, bound  # a quarter of the soft limit
     img = torch.arange(2 * 4096.0).reshape(2, 1, 4096)
     traj = {"rewards": torch.zeros(2, 1, 1), "curr_obs": {"img": img}}

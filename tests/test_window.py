@@ -82,10 +82,10 @@ def varied_traj(rng: random.Random, seed: int, wide: bool = False) -> dict[str, 
 def test_batches_equal_a_from_scratch_gather_through_adds_loads_and_window_changes(
     tmp_path: Path, auto_save: bool, seed: int, large_files: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rbtool.buffer import storage
+    from rbtool.buffer.storage import ptfile
 
     if large_files:  # read as files too large to hold whole: small fields packed, wide ones on disk
-        monkeypatch.setattr(storage, "SMALL_FILE_BYTES", 0)
+        monkeypatch.setattr(ptfile, "SMALL_FILE_BYTES", 0)
     rng = random.Random(seed)
     buffer = TrajectoryReplayBuffer(
         seed=seed,
@@ -215,19 +215,19 @@ def test_checkpoints_rbtool_writes_record_each_trajectorys_field_schema(tmp_path
 def test_a_recorded_schema_spares_reading_the_window_s_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rbtool.buffer import storage
+    from rbtool.buffer.storage import ptfile
 
     buffer = TrajectoryReplayBuffer(sample_window_size=0)
     buffer.add_trajectories([make_traj(t=2, b=1, seed=i) for i in range(300)])
     buffer.save_checkpoint(tmp_path / "c")
     reads: list[Path] = []
-    real = storage.read_header
+    real = ptfile.read_header
 
     def counting(path: Path, data: bytes | None = None) -> dict[str, Any]:
         reads.append(path)
         return real(path, data)
 
-    monkeypatch.setattr(storage, "read_header", counting)
+    monkeypatch.setattr(ptfile, "read_header", counting)
     loaded = TrajectoryReplayBuffer(sample_window_size=0)
     loaded.load_checkpoint(tmp_path / "c")
     draw, _ = loaded.sample_with_draw(8)
@@ -320,16 +320,16 @@ def test_the_first_sample_of_a_foreign_checkpoint_reports_the_headers_it_reads(t
 def test_rows_read_by_threads_are_those_read_in_order(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rbtool.buffer import storage
+    from rbtool.buffer.storage import ptfile
 
-    monkeypatch.setattr(storage, "SMALL_FILE_BYTES", 0)  # image rows stay in their files
+    monkeypatch.setattr(ptfile, "SMALL_FILE_BYTES", 0)  # image rows stay in their files
     writer = TrajectoryReplayBuffer(sample_window_size=0)
     writer.add_trajectories([make_traj(t=3, b=2, seed=i, image=32) for i in range(12)])
     writer.save_checkpoint(tmp_path / "c")
     batches = []
     for parallel_min, slow in ((10**9, 1.0), (1, 0.0)):  # in order; then always on threads
-        monkeypatch.setattr(storage, "READ_PARALLEL_MIN", parallel_min)
-        monkeypatch.setattr(storage, "READ_SLOW_S", slow)
+        monkeypatch.setattr(ptfile, "READ_PARALLEL_MIN", parallel_min)
+        monkeypatch.setattr(ptfile, "READ_SLOW_S", slow)
         buffer = TrajectoryReplayBuffer(seed=7, sample_window_size=0)
         buffer.load_checkpoint(tmp_path / "c")
         batches.append([flat_batch(buffer.sample(200)) for _ in range(3)])
@@ -350,15 +350,13 @@ def test_held_bytes_spread_over_many_blocks_give_the_from_scratch_batches(
 ) -> None:
     """Small files held in blocks of a few files each, the oldest dropped past a budget of ten
     files (blocks emptied and let go, the rest moved) while batches read them in place."""
-    from rbtool.buffer import storage
-
     trajs = {i: make_traj(t=4, b=2, seed=i, image=4 + i % 2) for i in range(30)}
     writer = TrajectoryReplayBuffer(sample_window_size=0)
     writer.add_trajectories([trajs[i] for i in range(30)])
     writer.save_checkpoint(tmp_path / "c")
     one = max(p.stat().st_size for p in (tmp_path / "c").glob("*.pt"))
-    monkeypatch.setattr(storage, "HELD_BLOCK_BYTES", 3 * one)
-    monkeypatch.setattr(storage, "RAW_CACHE_MAX_BYTES", 10 * one)
+    monkeypatch.setattr("rbtool.buffer.storage.held.HELD_BLOCK_BYTES", 3 * one)
+    monkeypatch.setattr("rbtool.buffer.storage.store.RAW_CACHE_MAX_BYTES", 10 * one)
     buffer = TrajectoryReplayBuffer(seed=3, sample_window_size=20)
     buffer.load_checkpoint(tmp_path / "c")
     held = buffer._store.held
@@ -382,10 +380,10 @@ def test_a_batch_drawing_from_more_files_than_the_descriptor_cache_keeps_open(
     """auto_save on: files are read by name, through the bounded descriptor cache. A batch whose
     draws reach more large files than it keeps open reads each row from its own file (a
     descriptor closed by the cache, its number maybe reused, is never read)."""
-    from rbtool.buffer import storage
+    from rbtool.buffer.storage import ptfile
 
-    monkeypatch.setattr(storage, "MAX_OPEN_FDS", 16)
-    monkeypatch.setattr(storage, "SMALL_FILE_BYTES", 0)  # image rows stay in their files
+    monkeypatch.setattr(ptfile, "MAX_OPEN_FDS", 16)
+    monkeypatch.setattr(ptfile, "SMALL_FILE_BYTES", 0)  # image rows stay in their files
     trajs = {i: make_traj(t=3, b=2, seed=i, image=32) for i in range(60)}
     writer = TrajectoryReplayBuffer(sample_window_size=0)
     writer.add_trajectories([trajs[i] for i in range(60)])

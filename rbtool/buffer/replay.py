@@ -362,23 +362,20 @@ class TrajectoryReplayBuffer:
                 self._publish_now.clear()
 
     # -------------------------------------------------------------- sampling
+    def _shape(self, tid: int) -> tuple[int, int]:
+        """[T, B] of a trajectory, as its index entry records it."""
+        shape = self._index.entries[tid]["shape"]
+        return shape[0], shape[1]
+
     def _raws(self, tids: list[int]) -> list[RawTrajectory | None]:
-        entries = self._index.entries
-
-        def shape_of(tid: int) -> tuple[int, int]:
-            shape = entries[tid]["shape"]
-            return shape[0], shape[1]
-
-        return self._store.raw_many(tids, shape_of)
+        return self._store.raw_many(tids, self._shape)
 
     def _view(self, tid: int) -> FlatView:
-        shape = self._index.entries[tid]["shape"]
-        return self._store.view(tid, shape[0], shape[1])
+        return self._store.view(tid, *self._shape(tid))
 
     def _signature_at(self, position: int) -> Signature:
         tid = self._index.id_list[position]
         entry = self._index.entries[tid]
-        shape = entry["shape"]
         recorded = None
         digest = entry.get("schema")
         if digest is not None and tid not in self._store.memory:
@@ -386,7 +383,7 @@ class TrajectoryReplayBuffer:
             if recorded is None and digest in self._index.schemas:
                 fields = self._index.schemas[digest]
                 recorded = self._recorded[digest] = recorded_signature(fields, self.extra_fields)
-        return self._store.signature(tid, shape[0], shape[1], recorded)
+        return self._store.signature(tid, *self._shape(tid), recorded)
 
     def _left_window(self, position: int) -> None:
         self._store.forget(self._index.id_list[position])
@@ -405,7 +402,7 @@ class TrajectoryReplayBuffer:
         ]
         if len(unknown) > 64:
             start_phase(progress, len(unknown), "reading the window's trajectory headers")
-            shapes = [(tid, *entries[tid]["shape"][:2]) for tid in unknown]
+            shapes = [(tid, *self._shape(tid)) for tid in unknown]
             self._store.read_headers(shapes, progress)
         self._window_schema.track(self._generation, lo, hi, self._signature_at, self._left_window)
 
@@ -525,13 +522,14 @@ class TrajectoryReplayBuffer:
             self._batch_memory.clear()
 
     def _new_generation(self) -> None:
-        """The id list was replaced: window bookkeeping starts again from it."""
+        """The id list was replaced: window bookkeeping (reward scores too) starts again from it."""
         entries = self._index.entries
         self._generation = object()
         self._counts = SampleCounts(entries[i]["num_samples"] for i in self._index.id_list)
         self._window_schema = WindowSchema()
         end = len(self._index.id_list)
         self._rows.reset(end, self._counts.start(end))
+        self._rewards = None
 
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_path: str | Path) -> None:
@@ -605,7 +603,6 @@ class TrajectoryReplayBuffer:
             self._index = new
             self._unloaded_size = 0
             self._new_generation()
-            self._rewards = None
 
     def _adopt_files(self, new: Index, files: dict[int, Path]) -> dict[int, Path]:
         """auto_save on: bring the loaded files into the auto-save directory and publish its index."""
@@ -635,7 +632,6 @@ class TrajectoryReplayBuffer:
             self._store.clear()
             self._unloaded_size = 0
             self._new_generation()
-            self._rewards = None
             if self._writer is not None and self.auto_save_path is not None:
                 self._writer.publish(self._index)
                 for path in old_files:

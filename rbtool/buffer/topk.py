@@ -26,12 +26,18 @@ STRATEGIES = ("uniform", "topk")
 FILL_BATCH = 64
 
 
+def check_k(k: int) -> None:
+    """Refuse a k (how many top samples) that is not an integer >= 1."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise UsageError(f"k must be an integer >= 1, got {k!r}")
+
+
 def check_strategy(strategy: str, k: int | None, temperature: float) -> None:
     """Refuse an unknown strategy, a k below 1, a temperature that is not > 0, or topk without k."""
     if strategy not in STRATEGIES:
         raise UsageError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-        raise UsageError(f"k must be an integer >= 1, got {k!r}")
+    if k is not None:
+        check_k(k)
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
         raise UsageError(f"temperature must be a finite number > 0, got {temperature!r}")
     if strategy == "topk" and k is None:
@@ -186,8 +192,7 @@ class RewardIndex:
 
     def top_k(self, k: int, ids: Sequence[int] | None = None) -> Candidates:
         """The min(k, scored samples) highest-scoring samples of `ids`, no duplicates, best first."""
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise UsageError(f"k must be an integer >= 1, got {k!r}")
+        check_k(k)
         ranked = self.ranking(ids)
         return Candidates(ranked.trajectory_ids[:k], ranked.rows[:k], ranked.scores[:k])
 
@@ -196,8 +201,7 @@ class RewardIndex:
 
         `ids` gives the insertion order (a buffer passes its window); None uses the order added.
         """
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise UsageError(f"k must be an integer >= 1, got {k!r}")
+        check_k(k)
         chosen = self._selected(ids)
         taken: list[int] = []
         count = 0

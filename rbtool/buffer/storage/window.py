@@ -1,0 +1,244 @@
+"""What sampling knows of a window without its data, and the window's rows held in memory.
+
+Each trajectory's Signature (the fields a batch takes from it, from memory, the index's
+recorded schema or the file's header); WindowSchema, the fields the window's trajectories
+share, kept as the window moves; RowCache (and window_cache), the rows of fields held in
+memory concatenated over the window, so that a batch costs one index_select per field.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rbtool.buffer.storage.view import FieldPath, FlatView, Schema, flat_rows, nest, sampled_items
+from rbtool.files.ptheader import TensorSpec
+
+if TYPE_CHECKING:
+    import torch
+
+# What a batch takes from one trajectory: ((path, (dtype, row shape)), ...) in batch order, and
+# the paths of the >= 2-dim fields it leaves out. Equal signatures are shared (interned).
+Signature = tuple[tuple[tuple[FieldPath, tuple[Any, tuple[int, ...]]], ...], tuple[FieldPath, ...]]
+
+
+def _torch_dtype(dtype: Any) -> Any:
+    if isinstance(dtype, str):
+        import torch
+
+        return getattr(torch, dtype)
+    return dtype
+
+
+def signature_of(traj: dict[str, Any], extra_fields: bool) -> Signature:
+    """The signature of a trajectory dict, of tensors or of a header's TensorSpecs."""
+    items, left_out = sampled_items(traj, extra_fields)
+    fields = tuple((p, (_torch_dtype(v.dtype), tuple(int(d) for d in v.shape[2:]))) for p, v in items)
+    return fields, tuple(left_out)
+
+
+def recorded_signature(fields: list[list[Any]], extra_fields: bool) -> Signature:
+    """The signature of a schema an index records (layout.field_schema), without the file."""
+    import torch
+
+    specs: dict[FieldPath, TensorSpec] = {}
+    for path, dtype, rest, extra in fields:
+        itemsize = getattr(torch, dtype).itemsize if hasattr(torch, dtype) else 1
+        shape = (1 + extra, 1, *rest)
+        specs[tuple(path)] = TensorSpec(dtype, itemsize, shape, shape, 0, 0, 0)
+    return signature_of(nest(specs), extra_fields)
+
+
+def view_signature(view: FlatView) -> Signature:
+    """The signature of a trajectory open as a FlatView."""
+    return tuple((p, f.spec) for p, f in view.fields.items()), tuple(view.left_out)
+
+
+class WindowSchema:
+    """The fields a window's trajectories share (SPEC §3 step 6), kept as the window moves.
+
+    Counts each distinct signature over the window's positions `[lo, hi)`; when the window
+    only moves forward (ids added at the end, old ones leaving at the front) only what
+    entered and what left is looked at. The shared schema is worked out over the distinct
+    signatures, in the first trajectory's field order.
+    """
+
+    def __init__(self) -> None:
+        self.counts: dict[Signature, int] = {}
+        self.members: deque[Signature] = deque()  # the signature at each window position
+        self.generation: object = None
+        self.lo = self.hi = 0
+        self._shared: tuple[tuple[Any, ...], Schema, list[str]] | None = None
+
+    @property
+    def first(self) -> Signature | None:
+        return self.members[0] if self.members else None
+
+    def track(
+        self,
+        generation: object,
+        lo: int,
+        hi: int,
+        signature_at: Callable[[int], Signature],
+        left: Callable[[int], None] | None = None,
+    ) -> None:
+        """Bring the counts to positions `[lo, hi)`; `left(position)` for each that left."""
+        if generation is not self.generation or lo < self.lo or hi < self.hi or lo > self.hi:
+            if left is not None and generation is self.generation:
+                for position in range(self.lo, min(self.hi, lo)):
+                    left(position)
+            self.counts, self.members = {}, deque()
+            self.lo = self.hi = lo
+        counts, members = self.counts, self.members
+        for position in range(self.hi, hi):
+            sig = signature_at(position)
+            counts[sig] = counts.get(sig, 0) + 1
+            members.append(sig)
+        for position in range(self.lo, lo):
+            sig = members.popleft()
+            counts[sig] -= 1
+            if not counts[sig]:
+                del counts[sig]
+            if left is not None:
+                left(position)
+        self.generation, self.lo, self.hi = generation, lo, hi
+
+    def shared(self) -> tuple[Schema, list[str]]:
+        """The shared schema and the fields left out anywhere in the window (dotted names)."""
+        key = (self.first, *self.counts)
+        if self._shared is not None and self._shared[0] == key:
+            return self._shared[1], self._shared[2]
+        distinct = [dict(sig[0]) for sig in self.counts]
+        schema = shared_schema([dict(self.first[0]), *distinct] if self.first is not None else [])
+        left_out: dict[str, None] = {}
+        for sig in self.counts:
+            left_out.update(dict.fromkeys(".".join(p) for p in sig[1]))
+        self._shared = (key, schema, list(left_out))
+        return schema, list(left_out)
+
+
+def shared_schema(schemas: Sequence[Schema]) -> Schema:
+    """Fields present in every schema with the same dtype and per-sample shape (first's order)."""
+    if not schemas:
+        return {}
+    first, rest = schemas[0], schemas[1:]
+    return {p: spec for p, spec in first.items() if all(s.get(p) == spec for s in rest)}
+
+
+# Fields whose rows are held in memory are concatenated over the window when they total
+# at most this many bytes: then a batch costs one index_select per field.
+WINDOW_CACHE_MAX_BYTES = 512 << 20
+
+
+def _row_bytes(specs: Iterable[tuple[Any, tuple[int, ...]]]) -> int:
+    """Bytes of one row of fields of these (dtype, per-sample shape)."""
+    return sum(math.prod(shape) * dtype.itemsize for dtype, shape in specs)
+
+
+def window_cache(
+    window_ids: Sequence[int], schema: Schema, view_of: Callable[[int], FlatView]
+) -> dict[FieldPath, torch.Tensor]:
+    """The window's in-memory fields, each concatenated into one [window samples, ...] tensor.
+
+    Row `g` of each is the window's global sample `g`, so a draw's ids index it directly.
+    Fields left on disk in any trajectory, and windows over the byte budget, are left out.
+    """
+    import torch
+
+    views = [view_of(tid) for tid in window_ids]
+    held = [p for p in schema if all(isinstance(v.fields[p].rows, torch.Tensor) for v in views)]
+    if _row_bytes(schema[p] for p in held) * sum(v.t * v.b for v in views) > WINDOW_CACHE_MAX_BYTES:
+        return {}
+    return {p: torch.cat([flat_rows(v, p) for v in views]) for p in held}
+
+
+@dataclass
+class CachedRows:
+    """Rows of a run of the window's trajectories, already concatenated in memory.
+
+    Draws at window positions `[first, stop)` read row `global index + shift` of `columns`.
+    """
+
+    columns: dict[FieldPath, torch.Tensor]
+    first: int
+    stop: int
+    shift: int
+
+
+class RowCache:
+    """The sampled rows of trajectories added to a buffer, concatenated as they are added.
+
+    Covers a run of id-list positions `[lo, hi)`; row 0 is cumulative sample `base`. Adding
+    appends (amortised O(rows)); when the window has moved past more rows than it still
+    covers, the dead rows are dropped. A field that a newly added trajectory lacks (or holds
+    with another dtype or row shape) stops being cached. Bounded by `max_bytes`: past it,
+    trajectories are not cached and are read from their views.
+    """
+
+    def __init__(self, max_bytes: int = WINDOW_CACHE_MAX_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.reset(0, 0)
+
+    def reset(self, position: int, base: int) -> None:
+        self.columns: dict[FieldPath, torch.Tensor] = {}
+        self.specs: dict[FieldPath, tuple[Any, tuple[int, ...]]] = {}
+        self.lo = self.hi = position
+        self.base = base
+        self.rows = 0
+        self.full = False
+
+    def append(self, position: int, base: int, view: FlatView) -> None:
+        """Cache trajectory `position` (its first sample is cumulative sample `base`)."""
+        import torch
+
+        if position != self.hi or (self.full and self.lo == self.hi):
+            self.reset(position, base)
+        if self.full:
+            return
+        fields = {p: f for p, f in view.fields.items() if isinstance(f.rows, torch.Tensor)}
+        specs = {p: f.spec for p, f in fields.items()}
+        if self.lo == self.hi:
+            self.specs = specs
+            self.columns = {}
+        else:
+            for path in [p for p, spec in self.specs.items() if specs.get(p) != spec]:
+                del self.specs[path]
+                self.columns.pop(path, None)
+        n = view.t * view.b
+        if (self.rows + n) * _row_bytes(self.specs.values()) > self.max_bytes:
+            self.full = True
+            return
+        for path in self.specs:
+            rows = flat_rows(view, path)
+            column = self.columns.get(path)
+            if column is None or column.shape[0] < self.rows + n:
+                grown = torch.empty((max(2 * (self.rows + n), 64), *rows.shape[1:]), dtype=rows.dtype)
+                if column is not None:
+                    grown[: self.rows] = column[: self.rows]
+                column = self.columns[path] = grown
+            column[self.rows : self.rows + n] = rows
+        self.rows += n
+        self.hi += 1
+
+    def trim(self, lo: int, base: int) -> None:
+        """The window now starts at position `lo` (cumulative sample `base`): drop dead rows."""
+        if lo >= self.hi:
+            if self.lo != self.hi or self.full:
+                self.reset(lo, base)
+            return
+        dead = base - self.base
+        if lo > self.lo and dead > self.rows - dead:
+            self.columns = {p: c[dead : self.rows].clone() for p, c in self.columns.items()}
+            self.rows -= dead
+            self.lo, self.base = lo, base
+
+    def covering(self, lo: int, hi: int, window_base: int) -> CachedRows | None:
+        """What this cache holds of the window `[lo, hi)` whose first sample is `window_base`."""
+        first, stop = max(self.lo, lo), min(self.hi, hi)
+        if first >= stop or not self.columns:
+            return None
+        columns = {p: c[: self.rows] for p, c in self.columns.items()}
+        return CachedRows(columns, first - lo, stop - lo, window_base - self.base)
