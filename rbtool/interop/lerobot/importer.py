@@ -43,6 +43,14 @@ def count_units(
     return int(dataset.info.get("total_episodes") or 0)
 
 
+def _check_target(directory: Path, trajectory_format: str | None) -> None:
+    """Refuse a trajectory format other than pt or pkl, and a buffer path that is not a directory."""
+    if trajectory_format is not None and trajectory_format not in ("pt", "pkl"):
+        raise UsageError(f"format must be 'pt' or 'pkl', got {trajectory_format!r}")
+    if directory.exists() and not directory.is_dir():
+        raise UsageError(f"{directory}: exists and is not a directory; choose a directory path")
+
+
 @contextlib.contextmanager
 def _target(
     directory: Path, trajectory_format: str | None, on_wait: Callable[[str], None] | None
@@ -52,10 +60,7 @@ def _target(
     A directory this call created is removed again if the call fails (interrupted, only if
     nothing was published).
     """
-    if trajectory_format is not None and trajectory_format not in ("pt", "pkl"):
-        raise UsageError(f"format must be 'pt' or 'pkl', got {trajectory_format!r}")
-    if directory.exists() and not directory.is_dir():
-        raise UsageError(f"{directory}: exists and is not a directory; choose a directory path")
+    _check_target(directory, trajectory_format)
     created = None
     for path in (directory, *directory.parents):
         if path.exists():
@@ -92,10 +97,7 @@ class _NoWriter:
 @contextlib.contextmanager
 def _dry_target(directory: Path, trajectory_format: str | None) -> Iterator[tuple[Any, Index, bool]]:
     """_target without creating, locking or writing anything: (a writer that writes nothing, index, new)."""
-    if trajectory_format is not None and trajectory_format not in ("pt", "pkl"):
-        raise UsageError(f"format must be 'pt' or 'pkl', got {trajectory_format!r}")
-    if directory.exists() and not directory.is_dir():
-        raise UsageError(f"{directory}: exists and is not a directory; choose a directory path")
+    _check_target(directory, trajectory_format)
     refuse_file_parent(directory)
     if is_checkpoint_dir(directory):
         _, index = open_checkpoint(directory, strict=True)
