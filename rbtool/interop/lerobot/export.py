@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from rbtool.errors import CheckpointError, UsageError
+from rbtool.errors import CheckpointError, OutputExistsError, UsageError
 from rbtool.files.dirs import open_view
 from rbtool.files.fsutil import fsync_dir, new_staging_dir, refuse_file_parent
 from rbtool.interop.lerobot.assembly import Assembly
@@ -34,30 +34,31 @@ from rbtool.interop.lerobot.results import ExportResult
 from rbtool.passes import ranks
 
 
+def _check_replaceable(out: Path, overwrite: bool) -> None:
+    """Refuse to replace the existing `out` without `overwrite`, and with it anything but an empty
+    directory or an earlier dataset."""
+    if not overwrite:
+        raise OutputExistsError(f"{out}: already exists")
+    if not out.is_dir() or not (not any(out.iterdir()) or (out / INFO_FILE).is_file()):
+        raise CheckpointError(f"{out}: exists and is not a LeRobot dataset; refusing to replace it")
+
+
 def _check_dataset_target(out: Path, overwrite: bool) -> None:
     """Refuse, creating nothing, what publishing a dataset at `out` would refuse (a dry run's check)."""
-    from rbtool.errors import OutputExistsError
-
     refuse_file_parent(out)
     if out.exists() or out.is_symlink():
-        if not overwrite:
-            raise OutputExistsError(f"{out}: already exists")
-        if not out.is_dir() or not (not any(out.iterdir()) or (out / INFO_FILE).is_file()):
-            raise CheckpointError(f"{out}: exists and is not a LeRobot dataset; refusing to replace it")
+        _check_replaceable(out, overwrite)
 
 
 def _publish_dataset(staging: Path, out: Path, overwrite: bool) -> None:
     """Rename a finished dataset into place; replace only an empty directory or an earlier dataset."""
-    from rbtool.errors import OutputExistsError
-
     fsync_dir(staging)
     if out.exists() or out.is_symlink():
-        if not overwrite:
+        try:
+            _check_replaceable(out, overwrite)
+        except CheckpointError:
             shutil.rmtree(staging, ignore_errors=True)
-            raise OutputExistsError(f"{out}: already exists")
-        if not out.is_dir() or not (not any(out.iterdir()) or (out / INFO_FILE).is_file()):
-            shutil.rmtree(staging, ignore_errors=True)
-            raise CheckpointError(f"{out}: exists and is not a LeRobot dataset; refusing to replace it")
+            raise
         old = out.parent / f".{out.name}.rbtool-old-{uuid.uuid4().hex[:12]}"
         os.rename(out, old)
         os.rename(staging, out)
