@@ -23,6 +23,7 @@ from rbtool.interop.lerobot.layout import (
     STATS_FILE,
     TASKS_FILE,
     VIDEO_PATH,
+    next_file,
 )
 from rbtool.interop.lerobot.plan import Write
 from rbtool.interop.lerobot.results import ExportResult
@@ -96,10 +97,7 @@ class _RollingParquet:
             self.schema = table.schema
         if self.file_rows and self._size() + est_bytes >= self.limit:
             self.close_file()
-            if self.file == self.chunks_size - 1:
-                self.chunk, self.file = self.chunk + 1, 0
-            else:
-                self.file += 1
+            self.chunk, self.file = next_file(self.chunk, self.file, self.chunks_size)
             self.file_rows = 0
         self.pending.append(table)
         self.pending_bytes += est_bytes
@@ -312,18 +310,18 @@ def _write_episodes(
                 value = ep_stats.get(name, {}).get(key)
                 row[f"stats/{name}/{key}"] = None if value is None else value.tolist()
         rows.append(row)
-    writer = _RollingParquet(root, EPISODES_PATH, limit_mb * (1 << 20), chunks_size)
     if not rows:
         return 0
     table = pa.Table.from_pylist(rows)
     per_row = table.nbytes / len(rows)
+    limit = limit_mb * (1 << 20)
     # Where each episode's metadata row goes is known only as rows are placed: place them
     # first, then write each file's rows with its own chunk and file index columns.
     placed: list[tuple[int, int]] = []
     size, chunk, file = 0.0, 0, 0
     for _ in rows:
-        if size and size + per_row >= writer.limit:
-            chunk, file = (chunk + 1, 0) if file == chunks_size - 1 else (chunk, file + 1)
+        if size and size + per_row >= limit:
+            chunk, file = next_file(chunk, file, chunks_size)
             size = 0.0
         placed.append((chunk, file))
         size += per_row

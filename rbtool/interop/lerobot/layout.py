@@ -1,5 +1,6 @@
 """LeRobot v3.0's dataset layout: the metadata file names, the path templates of data, episode
-and video files, their default sizes, and the features every frame carries.
+and video files, their default sizes, the rule by which files follow one another in chunks,
+and the features every frame carries.
 """
 
 from __future__ import annotations
@@ -22,3 +23,8 @@ FRAME_FEATURES = {
     "index": "int64",
     "task_index": "int64",
 }
+
+
+def next_file(chunk: int, file: int, chunks_size: int) -> tuple[int, int]:
+    """The (chunk, file) index after this one: a chunk holds `chunks_size` files."""
+    return (chunk + 1, 0) if file == chunks_size - 1 else (chunk, file + 1)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from rbtool.errors import CheckpointError
 from rbtool.interop.lerobot.extras import require_av
-from rbtool.interop.lerobot.layout import VIDEO_PATH
+from rbtool.interop.lerobot.layout import VIDEO_PATH, next_file
 
 if TYPE_CHECKING:
     import numpy as np
@@ -69,14 +69,7 @@ class RollingVideo:
         av = require_av()
         if self.container is not None and self.muxed >= self.limit:
             self.close_file()
-            self.chunk, self.file = (
-                (self.chunk + 1, 0)
-                if self.file == self.chunks_size - 1
-                else (
-                    self.chunk,
-                    self.file + 1,
-                )
-            )
+            self.chunk, self.file = next_file(self.chunk, self.file, self.chunks_size)
             self.frames = self.muxed = 0
         if self.container is None:
             self._open(int(frames.shape[1]), int(frames.shape[2]))
