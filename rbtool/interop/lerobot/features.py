@@ -109,17 +109,14 @@ class Column:
 
     def names(self) -> list[str]:
         """The LeRobot features this field is stored as (one per view for a multi-view field)."""
-        return [f"{self.feature}-{i}" for i in range(self.views)] if self.views else [self.feature]
+        return view_names(self.feature, self.views)
 
     def specs(self, fps: int = 0) -> dict[str, dict[str, Any]]:
         return {name: self.spec(fps) for name in self.names()}
 
     def fields(self) -> dict[str, str]:
         """Feature name -> the buffer field (`path[i]` for view i) it holds."""
-        dotted = field_name(self.path)
-        if not self.views:
-            return {self.feature: dotted}
-        return {name: f"{dotted}[{i}]" for i, name in enumerate(self.names())}
+        return view_fields(self.feature, self.path, self.views)
 
     def split(self, frames: np.ndarray) -> dict[str, np.ndarray]:
         """Per-frame values `[n, *shape]` as the values of each feature."""
@@ -151,6 +148,19 @@ def hf_feature(spec: dict[str, Any]) -> dict[str, Any]:
 
 def field_name(path: Sequence[str]) -> str:
     return ".".join(path)
+
+
+def view_names(feature: str, views: int) -> list[str]:
+    """The LeRobot features a field is stored as: `feature`, or `feature-<i>` for each of its views."""
+    return [f"{feature}-{i}" for i in range(views)] if views else [feature]
+
+
+def view_fields(feature: str, path: Sequence[str], views: int) -> dict[str, str]:
+    """Feature name -> the buffer field (`path[i]` for view i) it holds."""
+    dotted = field_name(path)
+    if not views:
+        return {feature: dotted}
+    return {name: f"{dotted}[{i}]" for i, name in enumerate(view_names(feature, views))}
 
 
 class Registry:

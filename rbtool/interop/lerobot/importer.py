@@ -23,6 +23,7 @@ from rbtool.format import check_weights_id, is_checkpoint_dir
 from rbtool.format.layout import with_stored_defaults
 from rbtool.interop.lerobot.episodes import episodes_as_trajectories
 from rbtool.interop.lerobot.extras import require_arrow
+from rbtool.interop.lerobot.features import view_fields
 from rbtool.interop.lerobot.limits import ID_LIMIT
 from rbtool.interop.lerobot.reader import LeRobotSource
 from rbtool.interop.lerobot.rebuild import rebuild
@@ -144,12 +145,7 @@ def import_lerobot(
     if sidecar is not None:
         items = rebuild(dataset, sidecar)
         for name, c in sidecar["columns"].items():
-            dotted = ".".join(c["path"])
-            views = int(c.get("views") or 0)
-            if views:
-                result.fields.update({f"{name}-{v}": f"{dotted}[{v}]" for v in range(views)})
-            else:
-                result.fields[name] = dotted
+            result.fields.update(view_fields(name, c["path"], int(c.get("views") or 0)))
     else:
         items = episodes_as_trajectories(dataset, episodes, field_map or {}, drop, model_weights_id, result)
     before = None if dry_run else _BufferState.capture(directory)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from rbtool.errors import CheckpointError, RbtoolError
 from rbtool.interop.lerobot.columns import column_numpy
 from rbtool.interop.lerobot.extras import require_arrow
-from rbtool.interop.lerobot.features import RB_ENV, RB_T, RB_TRAJECTORY_ID
+from rbtool.interop.lerobot.features import RB_ENV, RB_T, RB_TRAJECTORY_ID, view_names
 from rbtool.interop.lerobot.limits import within_budget
 from rbtool.interop.lerobot.reader import LeRobotSource
 from rbtool.interop.lerobot.sidecar import SIDECAR_FILE, SIDECAR_TENSORS, decode_value, trajectory_digest
@@ -56,8 +56,7 @@ def rebuild(
     features = dataset.features
 
     def stored_as(base: str) -> list[str]:
-        views = int(columns[base].get("views") or 0)
-        return [f"{base}-{v}" for v in range(views)] if views else [base]
+        return view_names(base, int(columns[base].get("views") or 0))
 
     # Video features are not decoded: the sidecar holds their exact rows.
     in_video = {base for base in columns if columns[base].get("video")}

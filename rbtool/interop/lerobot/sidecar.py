@@ -17,6 +17,7 @@ import orjson
 
 from rbtool.errors import CheckpointError
 from rbtool.interop.lerobot.extras import require_arrow
+from rbtool.interop.lerobot.features import view_names
 from rbtool.interop.lerobot.limits import ID_LIMIT, check_index, is_int, relative_parts, within_budget
 from rbtool.interop.lerobot.tensors import TRAJECTORY_DTYPES, dtype_name, np_dtype, raw_bytes
 
@@ -221,7 +222,7 @@ def check_sidecar(
         if not isinstance(column.get("video", False), bool):
             raise bad(f"column {name!r} video is not true or false")
         if not column.get("video"):
-            for stored in [f"{name}-{v}" for v in range(views)] if views else [name]:
+            for stored in view_names(name, views):
                 if stored not in features:
                     raise bad(f"column {name!r} is stored as feature {stored!r}, which meta/info.json lacks")
     sizes: list[tuple[int, int]] = []  # per schema: (bytes per sample of its per-frame nodes, values)
