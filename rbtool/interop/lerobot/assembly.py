@@ -27,9 +27,15 @@ from rbtool.interop.lerobot.layout import (
 )
 from rbtool.interop.lerobot.plan import Write
 from rbtool.interop.lerobot.results import ExportResult
-from rbtool.interop.lerobot.sidecar import SIDECAR_FILE, SIDECAR_TENSORS, SIDECAR_VERSION, blob_schema
+from rbtool.interop.lerobot.sidecar import (
+    SIDECAR_FILE,
+    SIDECAR_TENSORS,
+    SIDECAR_VERSION,
+    blob_schema,
+    blob_tensor,
+)
 from rbtool.interop.lerobot.stats import QUANTILES, aggregate, stats_json
-from rbtool.interop.lerobot.tensors import from_raw, to_numpy
+from rbtool.interop.lerobot.tensors import to_numpy
 from rbtool.interop.lerobot.video import RollingVideo, video_columns
 
 if TYPE_CHECKING:
@@ -169,7 +175,7 @@ class Assembly:
         by_path = {c.path: c for c in self.columns}
         for row in blobs.filter(pc.equal(blobs.column("kind"), "frames")).to_pylist():
             col = by_path[tuple(nodes[row["node"]]["path"])]
-            arr = to_numpy(from_raw(row["data"], row["dtype"], row["shape"])).reshape(t, b, *col.frame_shape)
+            arr = to_numpy(blob_tensor(row)).reshape(t, b, *col.frame_shape)
             frames[col.feature] = arr.swapaxes(0, 1).reshape(t * b, *col.frame_shape)
         return frames
 

@@ -14,8 +14,14 @@ from rbtool.interop.lerobot.extras import require_arrow
 from rbtool.interop.lerobot.features import RB_ENV, RB_T, RB_TRAJECTORY_ID, view_names
 from rbtool.interop.lerobot.limits import within_budget
 from rbtool.interop.lerobot.reader import LeRobotSource
-from rbtool.interop.lerobot.sidecar import SIDECAR_FILE, SIDECAR_TENSORS, decode_value, trajectory_digest
-from rbtool.interop.lerobot.tensors import AS_BITS, from_numpy, from_raw, np_dtype
+from rbtool.interop.lerobot.sidecar import (
+    SIDECAR_FILE,
+    SIDECAR_TENSORS,
+    blob_tensor,
+    decode_value,
+    trajectory_digest,
+)
+from rbtool.interop.lerobot.tensors import AS_BITS, from_numpy, np_dtype
 
 if TYPE_CHECKING:
     import numpy as np
@@ -71,6 +77,7 @@ def rebuild(
     def build(record: dict[str, Any]) -> tuple[dict[str, Any], int]:
         pending = pending_box[0]
         tid, t, b = int(record["trajectory_id"]), int(record["T"]), int(record["B"])
+        where = f"{blob_path}: trajectory {tid}"
         nodes = schemas[int(record["schema"])]
         first, count = record.get("episodes", [0, 0])
         parts = [part for _, part in dataset.frames(all_episodes[first : first + count], names)]
@@ -117,15 +124,9 @@ def rebuild(
                 parent[path[-1]] = decode_value(next(values))
                 continue
             if kind == "tensor":
-                blob = need(own, i)
-                tensor = from_raw(
-                    blob["data"], blob["dtype"], blob["shape"], f"{blob_path}: trajectory {tid}"
-                )
+                tensor = blob_tensor(need(own, i), where)
             elif kind == "column" and node["feature"] in in_video:
-                blob = need(exact, i)
-                tensor = from_raw(
-                    blob["data"], blob["dtype"], blob["shape"], f"{blob_path}: trajectory {tid}"
-                )
+                tensor = blob_tensor(need(exact, i), where)
             elif kind == "column":
                 feature = node["feature"]
                 stored = stored_as(feature) if feature in columns else [feature]
@@ -143,10 +144,7 @@ def rebuild(
                 tensor = from_numpy(out, dtype).reshape(t, b, *shape)
                 extra = int(node.get("extra_rows") or 0)
                 if extra:
-                    boot = need(own, i)
-                    boot_rows = from_raw(
-                        boot["data"], boot["dtype"], boot["shape"], f"{blob_path}: trajectory {tid}"
-                    )
+                    boot_rows = blob_tensor(need(own, i), where)
                     per = t // extra
                     pieces = []
                     for e in range(extra):
@@ -160,7 +158,7 @@ def rebuild(
                 if t > 1:
                     tensor[:-1] = src[1:]
                 blob = need(nxt, i)
-                fixes = from_raw(blob["data"], blob["dtype"], blob["shape"], f"{blob_path}: trajectory {tid}")
+                fixes = blob_tensor(blob, where)
                 if blob["t"]:
                     tensor[list(blob["t"]), list(blob["b"])] = fixes
             built[path] = tensor

@@ -19,7 +19,7 @@ from rbtool.errors import CheckpointError
 from rbtool.interop.lerobot.extras import require_arrow
 from rbtool.interop.lerobot.features import view_names
 from rbtool.interop.lerobot.limits import ID_LIMIT, check_index, is_int, relative_parts, within_budget
-from rbtool.interop.lerobot.tensors import TRAJECTORY_DTYPES, dtype_name, np_dtype, raw_bytes
+from rbtool.interop.lerobot.tensors import TRAJECTORY_DTYPES, dtype_name, from_raw, np_dtype, raw_bytes
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -115,6 +115,11 @@ def blob_row(
         "shape": [int(d) for d in tensor.shape],
         "data": raw_bytes(tensor),
     }
+
+
+def blob_tensor(row: dict[str, Any], where: str = "") -> torch.Tensor:
+    """The tensor a sidecar row holds, once its dtype, shape and size are ones a trajectory file holds."""
+    return from_raw(row["data"], row["dtype"], row["shape"], where)
 
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
