@@ -35,7 +35,6 @@ from rbtool.interop.lerobot.sidecar import (
     blob_tensor,
 )
 from rbtool.interop.lerobot.stats import QUANTILES, aggregate, stats_json
-from rbtool.interop.lerobot.tensors import to_numpy
 from rbtool.interop.lerobot.video import RollingVideo, video_columns
 
 if TYPE_CHECKING:
@@ -175,8 +174,7 @@ class Assembly:
         by_path = {c.path: c for c in self.columns}
         for row in blobs.filter(pc.equal(blobs.column("kind"), "frames")).to_pylist():
             col = by_path[tuple(nodes[row["node"]]["path"])]
-            arr = to_numpy(blob_tensor(row)).reshape(t, b, *col.frame_shape)
-            frames[col.feature] = arr.swapaxes(0, 1).reshape(t * b, *col.frame_shape)
+            frames[col.feature] = col.in_frame_order(blob_tensor(row), t, b)
         return frames
 
     def add(self, position: int, job: Write, meta: dict[str, Any], table: Any, blobs: Any) -> None:

@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 from rbtool.errors import CheckpointError, UsageError
 from rbtool.interop.lerobot.layout import FRAME_FEATURES
-from rbtool.interop.lerobot.tensors import AS_BITS
+from rbtool.interop.lerobot.tensors import AS_BITS, to_numpy
 from rbtool.interop.lerobot.video import VIDEO_CODEC, VIDEO_PIX_FMT
 
 if TYPE_CHECKING:
     import numpy as np
+    import torch
 
 # The per-frame columns that say where a frame came from in the buffer.
 RB_TRAJECTORY_ID = "rb.trajectory_id"
@@ -117,6 +118,12 @@ class Column:
     def fields(self) -> dict[str, str]:
         """Feature name -> the buffer field (`path[i]` for view i) it holds."""
         return view_fields(self.feature, self.path, self.views)
+
+    def in_frame_order(self, tensor: torch.Tensor, t: int, b: int) -> np.ndarray:
+        """The field's `[T, B, ...]` rows as per-frame values `[T * B, *frame_shape]`, one env column
+        after another (the export's frame order)."""
+        rows = to_numpy(tensor).reshape(t, b, *self.frame_shape)
+        return rows.swapaxes(0, 1).reshape(t * b, *self.frame_shape)
 
     def split(self, frames: np.ndarray) -> dict[str, np.ndarray]:
         """Per-frame values `[n, *shape]` as the values of each feature."""

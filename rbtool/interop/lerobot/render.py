@@ -21,7 +21,6 @@ from rbtool.interop.lerobot.features import (
 from rbtool.interop.lerobot.plan import Write
 from rbtool.interop.lerobot.sidecar import blob_row, blob_schema, trajectory_digest, trajectory_entries
 from rbtool.interop.lerobot.stats import frame_stats
-from rbtool.interop.lerobot.tensors import to_numpy
 
 if TYPE_CHECKING:
     import numpy as np
@@ -74,8 +73,7 @@ class Render:
                 col = self.by_path[npath]
                 if col.video:  # the exact rows: the video is lossy
                     blob_rows.append(blob_row(tid, i, "frames", tensor, [], []))
-                arr = to_numpy(tensor).reshape(t, b, *col.frame_shape)
-                frame_cols[col.feature] = arr.swapaxes(0, 1).reshape(n, *col.frame_shape)
+                frame_cols[col.feature] = col.in_frame_order(tensor, t, b)
             elif kind == "derived":
                 nxt, cur = tensors[npath], tensors[tuple(node["source"])]
                 same = _rows_equal(nxt[:-1], cur[1:])
