@@ -289,8 +289,13 @@ class Assembly:
         write_bytes_atomic(staging / SIDECAR_FILE, _json(sidecar), sync_dir=False)
         result.data_files = self.data.files
         result.video_files = sum(writer.files for writer in self.videos.values())
-        result.bytes = sum(p.stat().st_size for p in staging.rglob("*") if p.is_file())
+        result.bytes = tree_bytes(staging)
         result.sidecar_fields = sorted(self.sidecar_fields)
+
+
+def tree_bytes(root: Path) -> int:
+    """The bytes of the files under `root` (what an export reports it wrote)."""
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
 def _mb(value: float) -> float | int:

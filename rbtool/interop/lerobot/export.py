@@ -16,7 +16,7 @@ import orjson
 from rbtool.errors import CheckpointError, OutputExistsError, UsageError
 from rbtool.files.dirs import open_view
 from rbtool.files.fsutil import fsync_dir, new_staging_dir, refuse_file_parent
-from rbtool.interop.lerobot.assembly import Assembly
+from rbtool.interop.lerobot.assembly import Assembly, tree_bytes
 from rbtool.interop.lerobot.columns import arrow_type
 from rbtool.interop.lerobot.extras import require_arrow, require_av, require_pil
 from rbtool.interop.lerobot.features import RB_FEATURES, Registry, hf_feature
@@ -277,7 +277,7 @@ def export_lerobot(
             assembly.add(position, job, meta, read_ipc(data_path), read_ipc(blob_path))
         assembly.finish(result)
         shutil.rmtree(parts)
-        result.bytes = sum(p.stat().st_size for p in staging.rglob("*") if p.is_file())
+        result.bytes = tree_bytes(staging)  # the rows the ranks wrote are gone
         _publish_dataset(staging, out, overwrite)
         if journal is None:
             shutil.rmtree(journal_dir, ignore_errors=True)
