@@ -9,14 +9,18 @@ from typing import Any
 from rbtool.errors import UsageError
 
 
+def _missing(what: str, package: str) -> UsageError:
+    return UsageError(
+        f"LeRobot {what} need {package}, which is not installed (pip install 'rbtool[lerobot]')"
+    )
+
+
 def require_arrow() -> Any:
     try:
         import pyarrow
         import pyarrow.parquet
     except ImportError:
-        raise UsageError(
-            "LeRobot datasets need pyarrow, which is not installed (pip install 'rbtool[lerobot]')"
-        ) from None
+        raise _missing("datasets", "pyarrow") from None
     return pyarrow
 
 
@@ -24,9 +28,7 @@ def require_av() -> Any:
     try:
         import av
     except ImportError:
-        raise UsageError(
-            "LeRobot video features need PyAV, which is not installed (pip install 'rbtool[lerobot]')"
-        ) from None
+        raise _missing("video features", "PyAV") from None
     return av
 
 
@@ -34,7 +36,5 @@ def require_pil() -> Any:
     try:
         from PIL import Image
     except ImportError:
-        raise UsageError(
-            "LeRobot image features need Pillow, which is not installed (pip install 'rbtool[lerobot]')"
-        ) from None
+        raise _missing("image features", "Pillow") from None
     return Image
