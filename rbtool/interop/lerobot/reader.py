@@ -374,18 +374,25 @@ class LeRobotSource:
         """Everything `frames` would refuse before decoding, refused now (before a buffer is touched):
         each data file a regular file inside the dataset whose read fits the budget, each
         episode's decoded frames within it, each video file inside the dataset."""
-        per_frame = sum(self.frame_bytes.get(c, 0) for c in dict.fromkeys(columns))
+        per_frame = self._bytes_per_frame(columns)
         files: set[Path] = set()
         for episode in episodes:
-            within_budget(
-                episode.length * per_frame, f"{self.root}: episode {episode.index} ({episode.length} frames)"
-            )
+            self._within_episode_budget(episode, per_frame)
             if episode.file not in files:
                 files.add(episode.file)
                 self._data_file(episode)
             for name in columns:
                 if self.features.get(name, {}).get("dtype") == "video" and name in episode.videos:
                     self._file(self._video_rel(name, episode), f"video of feature {name!r}")
+
+    def _bytes_per_frame(self, columns: Sequence[str]) -> int:
+        """The bytes one frame of `columns` takes decoded, as meta/info.json declares them."""
+        return sum(self.frame_bytes.get(c, 0) for c in dict.fromkeys(columns))
+
+    def _within_episode_budget(self, episode: Episode, per_frame: int) -> None:
+        within_budget(
+            episode.length * per_frame, f"{self.root}: episode {episode.index} ({episode.length} frames)"
+        )
 
     def _data_file(self, episode: Episode) -> Path:
         rel = episode.file.relative_to(self.root).as_posix()
@@ -405,7 +412,7 @@ class LeRobotSource:
 
         pa = require_arrow()
         video = [c for c in columns if self.features.get(c, {}).get("dtype") == "video"]
-        per_frame = sum(self.frame_bytes.get(c, 0) for c in dict.fromkeys(columns))
+        per_frame = self._bytes_per_frame(columns)
         columns = [c for c in columns if c not in video]
         if video:
             columns = [*columns, "timestamp"]
@@ -413,10 +420,7 @@ class LeRobotSource:
         readers: dict[str, VideoReader] = {}
         try:
             for episode in episodes:
-                within_budget(
-                    episode.length * per_frame,
-                    f"{self.root}: episode {episode.index} ({episode.length} frames)",
-                )
+                self._within_episode_budget(episode, per_frame)
                 if cached is None or cached[0] != episode.file:
                     cached = None
                     path = self._data_file(episode)
