@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, TypeGuard
 
 from rbtool.errors import CheckpointError, UsageError
 
@@ -51,7 +51,7 @@ def within_budget(need: int, what: str) -> None:
         )
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -136,11 +136,7 @@ class LeRobotSource:
             path = self._file(SIDECAR_FILE, "the rbtool sidecar")
             self._sidecar = read_json_file(path)  # bounded like checkpoint JSON
             version = self._sidecar.get("rbtool_sidecar") if isinstance(self._sidecar, dict) else None
-            if (
-                not isinstance(version, int)
-                or isinstance(version, bool)
-                or not 1 <= version <= SIDECAR_VERSION
-            ):
+            if not is_int(version) or not 1 <= version <= SIDECAR_VERSION:
                 raise CheckpointError(
                     f"{path}: sidecar version {str(version)[:40]!r} is not one rbtool reads"
                 )
