@@ -1,7 +1,8 @@
 """Buffer fields as LeRobot features and back: the names RLinf's writer gives them, the
 per-frame `rb.*` columns, `Column` (a field stored as one or more per-frame features, with its
 LeRobot and Hugging Face specs), the registry that decides each field's feature from the first
-trajectory that has it, and the buffer field a feature of any dataset becomes on import.
+trajectory that has it, the `NAME=VALUE` mappings that rename them, the (height, width,
+channels) of an image feature, and the buffer field a feature of any dataset becomes on import.
 """
 
 from __future__ import annotations
