@@ -28,7 +28,7 @@ from rbtool.errors import (
     UsageError,
 )
 from rbtool.files.dirs import checkpoint_dirs, open_view
-from rbtool.files.index import Index, read_index
+from rbtool.files.index import Index, read_index, window_start
 from rbtool.format import IndexCheck, check_json, escapes, not_a_file, trajectory_file_name
 from rbtool.passes.pool import Throughput, Timer, check_jobs
 from rbtool.passes.ranks import Journal, open_journal, ranked_pass, total_jobs
@@ -229,11 +229,8 @@ def read_table(directory: Path) -> tuple[IndexHeader, IndexTable]:
 
 def window_mask(present: np.ndarray, window: int) -> np.ndarray:
     """The last `window` present trajectories in list order (all when 0 or fewer are present)."""
-    if window < 0:
-        raise UsageError(f"window must be >= 0, got {window}")
     positions = np.flatnonzero(present)
-    if 0 < window < positions.size:
-        positions = positions[positions.size - window :]
+    positions = positions[window_start(positions.size, window, "window") :]
     mask = np.zeros(present.size, dtype=bool)
     mask[positions] = True
     return mask
