@@ -30,8 +30,9 @@ from rbtool.errors import (
 from rbtool.files.dirs import checkpoint_dirs, open_view
 from rbtool.files.index import Index, read_index, window_start
 from rbtool.format import IndexCheck, check_json, escapes, not_a_file, trajectory_file_name
+from rbtool.passes.journal import Journal, open_journal
 from rbtool.passes.pool import Throughput, Timer, check_jobs
-from rbtool.passes.ranks import Journal, open_journal, ranked_pass, total_jobs
+from rbtool.passes.ranks import ranked_pass, total_jobs
 from rbtool.progress import Progress
 
 if TYPE_CHECKING:

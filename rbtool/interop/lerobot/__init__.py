@@ -50,6 +50,7 @@ from rbtool.files.writer import BufferWriter, WriteReport, new_entry
 from rbtool.format import check_weights_id, is_checkpoint_dir, read_json_bytes, read_json_file
 from rbtool.format.layout import DONE_LIKE, done_extra_rows, drop_bootstrap_rows, with_stored_defaults
 from rbtool.passes import ranks
+from rbtool.passes.journal import open_journal
 
 if TYPE_CHECKING:
     import numpy as np
@@ -1112,7 +1113,7 @@ def export_lerobot(
         "chunks_size": chunks_size,
     }
     ranks.on_leader(world, lambda: parts.mkdir(parents=True, exist_ok=True))
-    resumed = ranks.open_journal(journal_dir, identity)
+    resumed = open_journal(journal_dir, identity)
     metas = ranks.ranked_pass(
         _RenderPart(render, parts),
         [_Part(i, job) for i, job in enumerate(tasks)],
