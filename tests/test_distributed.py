@@ -1,9 +1,10 @@
-"""Deep passes over torchrun ranks, and the journals they resume from (rbtool.passes.ranks).
+"""Deep passes over torchrun ranks (rbtool.passes.ranks), and the journals they resume from
+(rbtool.passes.journal).
 
 The end-to-end tests start real `torchrun --standalone --nproc_per_node=2` runs (gloo on CPU)
-and compare their report with one process's; a rank is lost mid-run through the test-only
-RBTOOL_TEST_EXIT_RANK / RBTOOL_TEST_EXIT_AFTER hook (the rank leaves once it has journaled
-that many files), and the rerun from the journal must give the same report.
+and compare their report with one process's; a rank is lost mid-run by running the command
+through tests/lose_rank.py (the rank leaves once it has journaled that many files), and the
+rerun from the journal must give the same report.
 """
 
 from __future__ import annotations
@@ -23,21 +24,16 @@ from conftest import FIXTURES, make_traj, run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rbtool.errors import JournalError
 from rbtool.format import Problem
 from rbtool.ops.stats import EpisodeTally, FieldRow, TrajectoryData
 from rbtool.passes import ranks
-from rbtool.passes.ranks import (
-    Journal,
-    JournalError,
-    home_rank,
-    input_journal,
-    open_journal,
-    plan,
-    ranked_pass,
-)
+from rbtool.passes.journal import Journal, _decode, _encode, input_journal, open_journal
+from rbtool.passes.ranks import home_rank, plan, ranked_pass
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
+LOSE_RANK = Path(__file__).with_name("lose_rank.py")  # rbtool, with one rank lost mid-pass
 needs_torchrun = pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed")
 TIMING_KEYS = ("seconds", "bytes_per_second", "jobs", "journal")  # "journal": how many were reused
 
@@ -61,9 +57,12 @@ def single(*args: str | Path) -> Single:
     return Single(*args)
 
 
-def torchrun(*args: str | Path, **extra: str) -> subprocess.CompletedProcess[str]:
-    """The same command on two ranks."""
-    argv = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "-m", "rbtool", *map(str, args)]
+def torchrun(*args: str | Path, lose: tuple[int, int] | None = None) -> subprocess.CompletedProcess[str]:
+    """The same command on two ranks; with `lose=(rank, n)`, that rank leaves once it has
+    journaled n files, as a node lost in the middle of the pass would (tests/lose_rank.py)."""
+    entry = ["-m", "rbtool"] if lose is None else [str(LOSE_RANK)]
+    extra = {} if lose is None else {"LOSE_RANK": str(lose[0]), "LOSE_AFTER": str(lose[1])}
+    argv = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", *entry, *map(str, args)]
     return subprocess.run(argv, capture_output=True, text=True, env=_env(**extra), timeout=180)
 
 
@@ -160,11 +159,11 @@ def test_results_round_trip_through_the_journal_encoding() -> None:
         np.float64(0.5),
     )
     for original in (data, value):
-        back = ranks._decode(orjson_round(ranks._encode(original, types)), types)
+        back = _decode(orjson_round(_encode(original, types)), types)
         assert repr(back) == repr(original)
     assert back[3].dtype == np.float64
     with pytest.raises(JournalError):
-        ranks._encode(object(), types)
+        _encode(object(), types)
 
 
 def orjson_round(doc: Any) -> Any:
@@ -418,8 +417,7 @@ def test_stats_resumes_from_the_journal_after_a_lost_rank(ckpt200: Path, tmp_pat
     journal = tmp_path / "journal"
     one = single("stats", ckpt200, "--json")
     lost = torchrun(
-        "stats", ckpt200, "--json", "--jobs", "1", "--journal", journal,
-        RBTOOL_TEST_EXIT_RANK="1", RBTOOL_TEST_EXIT_AFTER="40",
+        "stats", ckpt200, "--json", "--jobs", "1", "--journal", journal, lose=(1, 40),
     )  # fmt: skip
     assert lost.returncode != 0 and lost.stdout == ""
     recorded = journal_lines(journal)
@@ -435,8 +433,7 @@ def test_verify_resumes_from_the_journal_after_a_lost_rank(ckpt200: Path, tmp_pa
     journal = tmp_path / "journal"
     one = single("verify", ckpt200, "--deep", "--json")
     lost = torchrun(
-        "verify", ckpt200, "--deep", "--json", "--jobs", "1", "--journal", journal,
-        RBTOOL_TEST_EXIT_RANK="0", RBTOOL_TEST_EXIT_AFTER="25",
+        "verify", ckpt200, "--deep", "--json", "--jobs", "1", "--journal", journal, lose=(0, 25),
     )  # fmt: skip
     assert lost.returncode != 0 and lost.stdout == ""
     assert 25 <= journal_lines(journal) < 200
@@ -452,8 +449,7 @@ def test_convert_over_two_ranks_resumes_and_publishes_once(ckpt200: Path, tmp_pa
     one = single("convert", ckpt200, "--out", one_out, "--format", "pkl", "--json")
     assert one.returncode == 0, one.stderr
     lost = torchrun(
-        "convert", ckpt200, "--out", out, "--format", "pkl", "--json", "--jobs", "1",
-        RBTOOL_TEST_EXIT_RANK="1", RBTOOL_TEST_EXIT_AFTER="30",
+        "convert", ckpt200, "--out", out, "--format", "pkl", "--json", "--jobs", "1", lose=(1, 30),
     )  # fmt: skip
     assert lost.returncode != 0 and lost.stdout == ""
     assert not out.exists()  # nothing half-written where OUT goes
@@ -559,7 +555,7 @@ def test_export_over_two_ranks_resumes_from_its_journal(ckpt40: Path, tmp_path: 
     one = single("export", ckpt40, tmp_path / "one", *EXPORT)
     assert one.returncode == 0, one.stderr
     out = tmp_path / "two"
-    lost = torchrun("export", ckpt40, out, *EXPORT, RBTOOL_TEST_EXIT_RANK="1", RBTOOL_TEST_EXIT_AFTER="5")
+    lost = torchrun("export", ckpt40, out, *EXPORT, lose=(1, 5))
     assert lost.returncode != 0 and lost.stdout == ""
     assert not out.exists()  # nothing half-written where OUT goes
     staging, journal = tmp_path / ".two.rbtool-resume-staging", tmp_path / ".two.rbtool-resume-journal"

@@ -13,7 +13,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rbtool.errors import CheckpointError, UsageError
-from rbtool.files.index import Index, init_buffer_dir, rank_bounds, read_index, window_of, write_index
+from rbtool.files.index import (
+    Index,
+    init_buffer_dir,
+    rank_bounds,
+    read_index,
+    window_of,
+    window_start,
+    write_index,
+)
 from rbtool.format import FORMAT_VERSION, LEGACY_INDEX_FILE
 
 
@@ -58,6 +66,15 @@ def test_windows() -> None:
     assert window_of(ids, 0) == ids and window_of(ids, 9) == ids and window_of(ids, 2) == [7, 9]
     with pytest.raises(UsageError):
         window_of(ids, -1)
+
+
+def test_the_window_starts_where_its_last_items_begin() -> None:
+    assert [window_start(4, w) for w in (0, 1, 3, 4, 9)] == [0, 3, 1, 0, 0]
+    assert window_start(0, 0) == window_start(0, 5) == 0
+    with pytest.raises(UsageError, match="window size must be >= 0, got -1"):
+        window_start(4, -1)
+    with pytest.raises(UsageError, match="sample_window_size must be >= 0, got -2"):
+        window_start(4, -2, "sample_window_size")
 
 
 def test_rank_block_counts_and_counter() -> None:

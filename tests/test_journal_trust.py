@@ -1,4 +1,4 @@
-"""A journal never turns damage into OK (rbtool.passes.ranks, SPEC §7).
+"""A journal never turns damage into OK (rbtool.passes.journal, SPEC §7).
 
 A journaled result is bound to its file's content: size, mtime, inode, device and ctime (which
 no user can set back), and, where the index records a sha256, the hash the pass computed when
@@ -29,9 +29,11 @@ import pytest
 from conftest import OTHER_USER, as_other, assert_one_error, local_user, make_traj, run, shared_area
 
 from rbtool.passes import ranks
+from rbtool.passes.journal import file_identity
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
+LOSE_RANK = Path(__file__).with_name("lose_rank.py")  # rbtool, with one rank lost mid-pass
 OTHER = OTHER_USER
 FILES = 6
 DAMAGED = 2  # the position (in id order) of the file the tampering cases damage
@@ -165,12 +167,8 @@ def first_run(name: str, ckpt: Path, journal: Path) -> None:
     since a finished convert publishes its staging directory and has nothing left to resume)."""
     if name == "convert":
         env = {k: v for k, v in os.environ.items() if k not in ranks.TORCHRUN_VARS}
-        env |= {
-            "PYTHONPATH": str(ROOT),
-            "RBTOOL_TEST_EXIT_RANK": "0",
-            "RBTOOL_TEST_EXIT_AFTER": str(FILES - 1),
-        }
-        argv = [sys.executable, "-m", "rbtool", *rerun_args("convert", ckpt, journal)]
+        env |= {"PYTHONPATH": str(ROOT), "LOSE_RANK": "0", "LOSE_AFTER": str(FILES - 1)}
+        argv = [sys.executable, LOSE_RANK, *rerun_args("convert", ckpt, journal)]
         done = subprocess.run([str(a) for a in argv], env=env, timeout=120)
         assert done.returncode == 17  # left as a lost process would, FILES - 1 files journaled
         return
@@ -252,7 +250,7 @@ def write_rows(path: Path, head: bytes, rows: list[dict[str, Any]]) -> None:
 def forge(journal: Path, target: Path, how: Callable[[list[Any]], list[Any]]) -> None:
     """Rewrite the identity of `target`'s line (its result, OK, kept) with `how(identity now)`."""
     path, head, rows = journal_rows(journal)
-    now = ranks.file_identity(target)
+    now = file_identity(target)
     assert now is not None
     for row in rows:
         if row["key"].startswith(f"{os.path.abspath(target)}#"):

@@ -31,7 +31,7 @@ from rbtool.buffer.storage import (
 from rbtool.errors import BufferClosedError, CheckpointError, EmptyBufferError, UsageError
 from rbtool.files import trajfile
 from rbtool.files.dirs import CheckpointView, open_view, warn_layout
-from rbtool.files.index import Index, init_buffer_dir, read_index, window_of
+from rbtool.files.index import Index, init_buffer_dir, read_index, window_of, window_start
 from rbtool.files.writer import (
     AutoSaveWriter,
     Progress,
@@ -197,7 +197,7 @@ class TrajectoryReplayBuffer:
         """
         ids = self._index.id_list
         n = len(ids)
-        want = min(self.sample_window_size or n, n)
+        want = n - window_start(n, self.sample_window_size, "sample_window_size")
         if self.auto_save:
             return n - want, n
         held = len(self._store.memory) + len(self._store.files)

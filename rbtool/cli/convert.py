@@ -136,6 +136,6 @@ def convert(
             markup=False,
         )
         if result.journal is not None:
-            from rbtool.passes.ranks import journal_note
+            from rbtool.passes.journal import journal_note
 
             out.print(journal_note(result.journal), markup=False)

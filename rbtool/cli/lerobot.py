@@ -233,7 +233,7 @@ def export(
                 )
             )
         if result.journal is not None:
-            from rbtool.passes.ranks import journal_note
+            from rbtool.passes.journal import journal_note
 
             rows.append(("journal", journal_note(result.journal, "trajectories")))
         verb = "would export" if dry_run else "export"

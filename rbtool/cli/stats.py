@@ -170,7 +170,7 @@ def stats(
         draws = DrawRequest(sample_draws, strategy.value, k, temperature, seed)
     enabled = show_progress(json or jsonl) and not index_only
 
-    from rbtool.passes.ranks import input_journal
+    from rbtool.passes.journal import input_journal
 
     @contextmanager
     def one(path: str) -> Iterator[dict[str, Any]]:
@@ -360,7 +360,7 @@ def render(doc: dict[str, Any], con: Console, every: bool = False, wide: bool = 
     if data is not None and data["trajectories_read"]:
         con.print(data_table(data, wide))
         if doc.get("journal") is not None:
-            from rbtool.passes.ranks import journal_note
+            from rbtool.passes.journal import journal_note
 
             con.print(journal_note(doc["journal"]), markup=False)
         con.print(episode_line(data))

@@ -173,7 +173,7 @@ def verify(
         )
     from rbtool.errors import CheckpointError, RbtoolError, UsageError
     from rbtool.ops.verify import verify as run_verify
-    from rbtool.passes.ranks import input_journal, journal_note
+    from rbtool.passes.journal import input_journal, journal_note
 
     enabled = show_progress(json or jsonl)
     single = len(paths) == 1

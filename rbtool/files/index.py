@@ -78,13 +78,20 @@ def _closest(prefix: Sequence[int], world_size: int, target: int) -> int:
     return k
 
 
+def window_start(count: int, window_size: int, name: str = "window size") -> int:
+    """Where the sample window (SPEC §6) of a list of `count` begins: its last `window_size`
+    items, all of them (0) when `window_size` is 0 or the list is shorter. `name` is what the
+    error calls a negative `window_size`."""
+    if window_size < 0:
+        raise UsageError(f"{name} must be >= 0, got {window_size}")
+    if window_size == 0 or window_size >= count:
+        return 0
+    return count - window_size
+
+
 def window_of(id_list: Sequence[int], window_size: int) -> list[int]:
     """The last `window_size` ids of the list; all of them when 0 or the list is shorter."""
-    if window_size < 0:
-        raise UsageError(f"window size must be >= 0, got {window_size}")
-    if window_size == 0 or window_size >= len(id_list):
-        return list(id_list)
-    return list(id_list[len(id_list) - window_size :])
+    return list(id_list[window_start(len(id_list), window_size) :])
 
 
 @dataclass
@@ -243,5 +250,6 @@ __all__ = [
     "rank_bounds",
     "read_index",
     "window_of",
+    "window_start",
     "write_index",
 ]

@@ -22,6 +22,7 @@ from rbtool.files.index import Index, write_index
 from rbtool.files.writer import WriteReport, copied_entries, place_trajectory, start_phase
 from rbtool.format import FORMATS, MERGE_MAP_FILE
 from rbtool.passes import ranks
+from rbtool.passes.journal import Journal, open_journal
 from rbtool.passes.pool import Throughput, Timer, check_jobs, default_jobs
 from rbtool.progress import Progress
 
@@ -144,7 +145,7 @@ def convert(
             "link": link,
         }
         ranks.on_leader(world, lambda: _make_dir(staging))
-        resumed = ranks.open_journal(journal_dir, identity)
+        resumed = open_journal(journal_dir, identity)
         _convert_into(staging, opened, tree, result, progress, jobs, link, resumed, world)
         result.journal = None if resumed is None else resumed.counts()
 
@@ -173,7 +174,7 @@ def _convert_into(
     progress: Progress | None,
     jobs: int | None,
     link: bool,
-    journal: ranks.Journal | None,
+    journal: Journal | None,
     world: ranks.World,
 ) -> None:
     """Place every file of `opened` under `staging` (this rank's share), then (rank 0) the JSON files."""

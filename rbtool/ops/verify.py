@@ -44,8 +44,9 @@ from rbtool.format import (
     trajectory_file_name,
 )
 from rbtool.format.ranknames import rank_dir_name, rank_number
+from rbtool.passes.journal import Journal, open_journal
 from rbtool.passes.pool import Timer, check_jobs
-from rbtool.passes.ranks import Journal, open_journal, ranked_pass, total_jobs
+from rbtool.passes.ranks import ranked_pass, total_jobs
 from rbtool.progress import Progress
 
 

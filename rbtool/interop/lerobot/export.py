@@ -32,6 +32,7 @@ from rbtool.interop.lerobot.plan import Probe, Write, probe, schema_from
 from rbtool.interop.lerobot.render import Render
 from rbtool.interop.lerobot.results import ExportResult
 from rbtool.passes import ranks
+from rbtool.passes.journal import open_journal
 
 
 def _check_replaceable(out: Path, overwrite: bool) -> None:
@@ -254,7 +255,7 @@ def export_lerobot(
         "chunks_size": chunks_size,
     }
     ranks.on_leader(world, lambda: parts.mkdir(parents=True, exist_ok=True))
-    resumed = ranks.open_journal(journal_dir, identity)
+    resumed = open_journal(journal_dir, identity)
     metas = ranks.ranked_pass(
         RenderPart(render, parts),
         [Part(i, job) for i, job in enumerate(tasks)],
