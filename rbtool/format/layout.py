@@ -40,6 +40,12 @@ SHAPE_FIELDS = ("prev_logprobs", "rewards")
 Rows = TypeVar("Rows")
 
 
+def is_done_like(path: tuple[str, ...] | list[str]) -> bool:
+    """True for a done-like field (`dones`, `terminations`, `truncations` at the top level):
+    the fields stored `[T + E, B, ...]`, E bootstrap rows ahead of the T steps."""
+    return len(path) == 1 and path[0] in DONE_LIKE
+
+
 def done_extra_rows(rows: int, t: int, b_rows: int, b: int) -> int:
     """E for a done-like field whose leading dims are `[rows, b_rows]` in a `[T, B]` trajectory.
 
@@ -62,6 +68,21 @@ def drop_bootstrap_rows(values: Rows, t: int) -> Rows:
         return values
     epochs = values.reshape(extra, shape[0] // extra, *shape[1:])  # type: ignore[attr-defined]
     return epochs[:, 1:].reshape(t, *shape[1:])  # type: ignore[no-any-return]
+
+
+def episode_ends(
+    dones: np.ndarray | None, terminations: np.ndarray | None, truncations: np.ndarray | None
+) -> np.ndarray | None:
+    """Where episodes end, from a trajectory's `[T, B]` done flags (numpy bool arrays, bootstrap
+    rows dropped): `dones` where it has them, else `terminations | truncations` (those present),
+    None without any. RLinf's collector writes `dones = terminations | truncations`; a file
+    with only one of the two still ends its episodes there."""
+    if dones is not None:
+        return dones
+    present = [f for f in (terminations, truncations) if f is not None]
+    if not present:
+        return None
+    return present[0] if len(present) == 1 else present[0] | present[1]
 
 
 def done_rows(local: np.ndarray, t: np.ndarray, b: np.ndarray, extra: np.ndarray) -> np.ndarray:
@@ -133,7 +154,7 @@ def describe(traj: dict[str, Any], where: str, kind: type | None = None) -> Traj
             continue
         name = ".".join(path)
         lead = (int(tensor.shape[0]), int(tensor.shape[1]))
-        if len(path) == 1 and path[0] in DONE_LIKE:
+        if is_done_like(path):
             try:
                 done_extra_rows(lead[0], t, lead[1], b)
             except ValueError as exc:
@@ -167,7 +188,7 @@ def field_schema(traj: dict[str, Any], t: int, kind: type | None = None) -> list
         if tensor.dim() < 2:
             continue
         shape = [int(d) for d in tensor.shape]
-        extra = shape[0] - t if len(path) == 1 and path[0] in DONE_LIKE else 0
+        extra = shape[0] - t if is_done_like(path) else 0
         dtype = tensor.dtype if isinstance(tensor.dtype, str) else str(tensor.dtype).removeprefix("torch.")
         fields.append([list(path), dtype, shape[2:], extra])
     return fields

@@ -15,12 +15,12 @@ from rbtool.buffer.storage.ptfile import FileRows
 from rbtool.errors import RbtoolError, TrajectoryFileError
 from rbtool.files.ptheader import TensorSpec
 from rbtool.format.layout import (
-    DONE_LIKE,
     NESTED_ORDER,
     SAMPLED_TOP_FIELDS,
     TrajectoryInfo,
     done_extra_rows,
     drop_bootstrap_rows,
+    is_done_like,
 )
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ class FlatField:
 def bootstrap_rows(path: FieldPath, shape: Sequence[int], t: int, b: int) -> int:
     """E, the leading bootstrap rows of field `path` stored with `shape` in a [T, B] = [t, b]
     trajectory: 0 unless the field is done-like; RbtoolError when its shape fits no E."""
-    if len(path) != 1 or path[0] not in DONE_LIKE:
+    if not is_done_like(path):
         return 0
     try:
         return done_extra_rows(int(shape[0]), t, int(shape[1]), b)

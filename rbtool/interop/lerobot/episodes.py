@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rbtool.errors import CheckpointError, LeRobotFeatureError, UsageError
-from rbtool.format.layout import DONE_LIKE
+from rbtool.format.layout import is_done_like
 from rbtool.interop.lerobot.columns import column_numpy
 from rbtool.interop.lerobot.features import default_field
 from rbtool.interop.lerobot.reader import Episode, LeRobotSource
@@ -127,7 +127,7 @@ def episodes_as_trajectories(
         for name, target in mapping.items():
             arr = column_numpy(_column(table, name, episode), features[name], name)
             tensor = torch.from_numpy(np.array(arr)).reshape(t, 1, *arr.shape[1:])
-            if target[0] in DONE_LIKE and len(target) == 1:
+            if is_done_like(target):
                 flags = tensor if tensor.dtype == torch.bool else tensor != 0
                 tensor = torch.cat([torch.zeros((1, *flags.shape[1:]), dtype=torch.bool), flags])
             fields[target] = tensor

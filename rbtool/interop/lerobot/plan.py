@@ -10,7 +10,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rbtool.files import trajfile
-from rbtool.format.layout import DONE_LIKE, done_extra_rows, drop_bootstrap_rows, with_stored_defaults
+from rbtool.format.layout import (
+    done_extra_rows,
+    drop_bootstrap_rows,
+    episode_ends,
+    is_done_like,
+    with_stored_defaults,
+)
 from rbtool.interop.lerobot.features import Registry
 from rbtool.interop.lerobot.sidecar import encode_value, trajectory_entries
 from rbtool.interop.lerobot.tensors import AS_BITS, NATIVE, dtype_name
@@ -30,7 +36,7 @@ def _column_ok(tensor: torch.Tensor, path: tuple[str, ...], t: int, b: int) -> i
     rows, cols = int(tensor.shape[0]), int(tensor.shape[1])
     if any(int(d) == 0 for d in tensor.shape[2:]):
         return None
-    if len(path) == 1 and path[0] in DONE_LIKE:
+    if is_done_like(path):
         try:
             return done_extra_rows(rows, t, cols, b)
         except ValueError:
@@ -54,12 +60,8 @@ def _episode_ends(traj: dict[str, Any], t: int, b: int) -> np.ndarray:
         rows = drop_bootstrap_rows(value, t).reshape(t, b, -1)
         return (rows != 0).any(dim=2).numpy()
 
-    ends = flags("dones")
-    if ends is None:
-        term, trunc = flags("terminations"), flags("truncations")
-        present = [f for f in (term, trunc) if f is not None]
-        ends = np.logical_or.reduce(present) if present else np.zeros((t, b), dtype=bool)
-    return ends
+    ends = episode_ends(flags("dones"), flags("terminations"), flags("truncations"))
+    return np.zeros((t, b), dtype=bool) if ends is None else ends
 
 
 def _episode_bounds(ends: np.ndarray, t: int, b: int) -> list[tuple[int, int]]:

@@ -72,7 +72,7 @@ def read_trajectory(path: Path, t: int, b: int) -> TrajectoryData:
             ".".join(p),
             _dtype_name(v),
             tuple(int(d) for d in v.shape[2:]) if v.dim() >= 2 else None,
-            int(v.shape[0]) - t if (len(p) == 1 and p[0] in layout.DONE_LIKE and v.dim() >= 2) else 0,
+            int(v.shape[0]) - t if (layout.is_done_like(p) and v.dim() >= 2) else 0,
             v.numel() * v.element_size(),
         )
         for p, v in layout.iter_tensors(traj)
@@ -104,8 +104,7 @@ def read_trajectory(path: Path, t: int, b: int) -> TrajectoryData:
     if raw_rewards is not None:
         rewards = _leading(raw_rewards, t, b).to(torch.float64).sum(dim=2).numpy()
     dones, terms, truncs = per_step("dones"), per_step("terminations"), per_step("truncations")
-    if dones is None and (terms is not None or truncs is not None):
-        dones = np.logical_or(terms if terms is not None else False, truncs if truncs is not None else False)
+    dones = layout.episode_ends(dones, terms, truncs)
     episodes = None if dones is None else find_episodes(dones, rewards, terms, truncs)
     raw_versions = take("versions")
     versions = None
