@@ -107,6 +107,15 @@ def test_reshard_equals_shard_of_merge(tmp_path: Path, m: int, colliding: bool) 
     assert tree_digest(tree) == before
 
 
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_shard_is_reshards_count_split(tmp_path: Path, n: int) -> None:
+    """shard of a rank tree whose ids collide writes what reshard by count writes, merge maps too."""
+    shard(FIXTURES / "ranks", n, tmp_path / "shard")
+    reshard(FIXTURES / "ranks", n, tmp_path / "reshard", split="count")
+    assert tree_digest(tmp_path / "shard") == tree_digest(tmp_path / "reshard")
+    assert all((tmp_path / "shard" / f"rank_{r}" / MERGE_MAP_FILE).is_file() for r in range(n))
+
+
 def test_reshard_records_the_layout_and_the_mapping(tmp_path: Path) -> None:
     out = tmp_path / "out"
     reshard(FIXTURES / "ranks", 3, out, split="samples")

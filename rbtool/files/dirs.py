@@ -203,6 +203,11 @@ class CheckpointView:
             for new, (n, old) in ((i, self.origin[i]) for i in self.index.id_list)
         ]
 
+    def merge_map(self) -> dict[int, dict[str, Any]] | None:
+        """`mapping()` by new id when ids were renumbered, else None: what writers record."""
+        mapping = self.mapping()
+        return {m["new_id"]: m for m in mapping} if mapping else None
+
     def renumbered_ids(self) -> int:
         """How many merged ids differ from the id their trajectory has in its own directory."""
         if not self.renumbered or self.origin is None:

@@ -9,16 +9,17 @@ through here, holding the directory's lock.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rbtool.errors import RbtoolError
+from rbtool.errors import RbtoolError, UsageError
 from rbtool.files import trajfile
 from rbtool.files.fsutil import DirLock, check_target, link_or_copy, staged_dir, write_bytes_atomic
-from rbtool.files.index import Index, write_index
+from rbtool.files.index import Index, balanced_blocks, dumps, rank_bounds, write_index
+from rbtool.format import MERGE_MAP_FILE
 from rbtool.format.layout import TrajectoryInfo, schema_digest
 from rbtool.format.ranknames import rank_dir_name
 from rbtool.progress import Progress
@@ -120,11 +121,55 @@ def fill_dir(
     return report
 
 
+@dataclass(frozen=True)
+class OutputDir:
+    """One checkpoint directory of an output: where it goes (`.`, the output itself, or a rank
+    directory), the index it lists, and where each listed trajectory comes from."""
+
+    rel: str
+    index: Index
+    source_of: Callable[[int], Source]
+
+
+def write_output(
+    out: Path,
+    dirs: Sequence[OutputDir],
+    *,
+    renumbered: Mapping[int, dict[str, Any]] | None = None,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+    link: bool | Callable[[int], bool] = True,
+    dry_run: bool = False,
+) -> WriteReport:
+    """The library writers' one way out: every directory of `dirs` filled (fill_dir) in a staging
+    directory published at `out` at once, or, with `dry_run`, nothing written and `out` only
+    checked as publishing would check it (the report is empty).
+
+    With `renumbered` (the merge map of a rank tree whose ids were renumbered, by new id) each
+    directory records its ids' part of it in `merge_map.json` (SPEC §4).
+    """
+    report = WriteReport()
+    if dry_run:
+        check_target(out, overwrite=overwrite)
+        return report
+    start_phase(progress, sum(d.index.size for d in dirs), "placing trajectory files")
+    with staged_dir(out, overwrite=overwrite) as staging:
+        for d in dirs:
+            directory = staging / d.rel
+            directory.mkdir(exist_ok=True)
+            report.add(fill_dir(directory, d.index, d.source_of, progress, link=link))
+            if renumbered is not None:
+                part = [renumbered[i] for i in d.index.id_list]
+                write_bytes_atomic(directory / MERGE_MAP_FILE, dumps({"renumbered": part}))
+    return report
+
+
 def write_checkpoint(
     out: Path,
     index: Index,
     source_of: Callable[[int], Source],
     *,
+    renumbered: Mapping[int, dict[str, Any]] | None = None,
     overwrite: bool = False,
     progress: Progress | None = None,
     link: bool | Callable[[int], bool] = True,
@@ -134,15 +179,13 @@ def write_checkpoint(
 
     `source_of(id)` gives the trajectory's current file or its dict. Entries are updated
     in place with each written file's size and hash, so pass a copy you may change. With
-    `link` False no file is a hard link of its source. With `dry_run` nothing is written:
-    `out` is only checked as publishing would check it, and the report is empty.
+    `link` False no file is a hard link of its source; `renumbered` and `dry_run` as for
+    write_output.
     """
-    if dry_run:
-        check_target(out, overwrite=overwrite)
-        return WriteReport()
-    start_phase(progress, index.size, "placing trajectory files")
-    with staged_dir(out, overwrite=overwrite) as staging:
-        return fill_dir(staging, index, source_of, progress, link=link)
+    dirs = [OutputDir(".", index, source_of)]
+    return write_output(
+        out, dirs, renumbered=renumbered, overwrite=overwrite, progress=progress, link=link, dry_run=dry_run
+    )
 
 
 def rank_layout(
@@ -169,29 +212,52 @@ def rank_parts(index: Index, blocks: list[tuple[int, int]]) -> list[Index]:
     return parts
 
 
+SPLITS = ("count", "samples")
+
+
+def check_split(world_size: int, split: str = "count") -> None:
+    """UsageError unless `world_size` is an integer >= 1 and `split` one of SPLITS."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise UsageError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if split not in SPLITS:
+        raise UsageError(f"split must be 'count' or 'samples', got {split!r}")
+
+
+def split_blocks(index: Index, world_size: int, split: str = "count") -> list[tuple[int, int]]:
+    """[start, end) of each rank's block of the list: by count (a distributed load's) or by samples."""
+    check_split(world_size, split)
+    if split == "count":
+        return [rank_bounds(index.size, world_size, r) for r in range(world_size)]
+    entries = index.entries
+    return balanced_blocks([entries[i]["num_samples"] for i in index.id_list], world_size)
+
+
+def split_ranks(index: Index, world_size: int, split: str, source_world_size: int) -> list[Index]:
+    """Each output rank's index of `index` (a checkpoint, or a rank tree's merge of
+    `source_world_size` ranks) cut into `world_size` blocks, each recording its layout in `shard`."""
+    parts = rank_parts(index, split_blocks(index, world_size, split))
+    for rank, part in enumerate(parts):
+        part.extra_metadata = {"shard": rank_layout(rank, world_size, split, index, source_world_size)}
+    return parts
+
+
 def write_ranks(
     out: Path,
     parts: list[Index],
     source_of: Callable[[int], Source],
     *,
+    renumbered: Mapping[int, dict[str, Any]] | None = None,
     overwrite: bool = False,
     progress: Progress | None = None,
     link: bool = True,
     dry_run: bool = False,
 ) -> WriteReport:
-    """Write `out/rank_r` for each part, the whole tree published at once (`link` as for fill_dir;
-    `dry_run` as for write_checkpoint)."""
-    report = WriteReport()
-    if dry_run:
-        check_target(out, overwrite=overwrite)
-        return report
-    start_phase(progress, sum(part.size for part in parts), "placing trajectory files")
-    with staged_dir(out, overwrite=overwrite) as staging:
-        for rank, part in enumerate(parts):
-            rank_dir = staging / rank_dir_name(rank)
-            rank_dir.mkdir()
-            report.add(fill_dir(rank_dir, part, source_of, progress, link=link))
-    return report
+    """Write `out/rank_r` for each part, the whole tree published at once (`renumbered`, `link`
+    and `dry_run` as for write_output)."""
+    dirs = [OutputDir(rank_dir_name(rank), part, source_of) for rank, part in enumerate(parts)]
+    return write_output(
+        out, dirs, renumbered=renumbered, overwrite=overwrite, progress=progress, link=link, dry_run=dry_run
+    )
 
 
 def copied_entries(index: Index) -> Index:

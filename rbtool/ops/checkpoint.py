@@ -17,8 +17,7 @@ from typing import Any
 
 from rbtool.errors import UsageError
 from rbtool.files.dirs import CheckpointView, open_view, shard_counter, warn_layout
-from rbtool.files.fsutil import check_target, staged_dir, write_bytes_atomic
-from rbtool.files.index import Index, dumps, rank_bounds, window_of
+from rbtool.files.index import Index, window_of
 
 # Re-exported: the writer side and the sources moved to their own modules.
 from rbtool.files.sources import Checked as Checked
@@ -29,11 +28,11 @@ from rbtool.files.writer import (
     Progress,
     Source,
     WriteReport,
+    check_split,
     fill_dir,
     new_entry,
-    rank_layout,
-    rank_parts,
     record_schema,
+    split_ranks,
     start_phase,
     write_checkpoint,
     write_ranks,
@@ -204,17 +203,23 @@ def shard(
     link: bool = True,
     dry_run: bool = False,
 ) -> tuple[list[Index], WriteReport]:
-    """Write `out/rank_r` for each rank: exactly what a distributed load by rank r yields."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise UsageError(f"world_size must be an integer >= 1, got {world_size!r}")
+    """Write `out/rank_r` for each rank: exactly what a distributed load by rank r yields.
+
+    reshard's count split: a rank tree given as `ckpt` is read merged, and when its ids were
+    renumbered each rank directory records its part of the mapping in `merge_map.json`.
+    """
+    check_split(world_size)
     view = open_view(ckpt, strict=strict)
-    index = view.index
-    blocks = [rank_bounds(index.size, world_size, r) for r in range(world_size)]
-    shards = rank_parts(index, blocks)
-    for rank, part in enumerate(shards):
-        part.extra_metadata = {"shard": rank_layout(rank, world_size, "count", index, len(view.dirs))}
+    shards = split_ranks(view.index, world_size, "count", len(view.dirs))
     report = write_ranks(
-        Path(out), shards, view.file_of, overwrite=overwrite, progress=progress, link=link, dry_run=dry_run
+        Path(out),
+        shards,
+        view.file_of,
+        renumbered=view.merge_map(),
+        overwrite=overwrite,
+        progress=progress,
+        link=link,
+        dry_run=dry_run,
     )
     return shards, report
 
@@ -256,16 +261,17 @@ def merge(
     renumber = view.renumbered
     if not renumber:  # the counter a sharded source had, so ids keep continuing from it
         merged.trajectory_counter = max(merged.trajectory_counter, *map(shard_counter, view.indexes))
-    mapping = view.mapping()
-    result = MergeResult(merged, renumber, mapping)
-    if dry_run:
-        check_target(Path(out), overwrite=overwrite)
-        return result
-    start_phase(progress, merged.size, "placing trajectory files")
-    with staged_dir(Path(out), overwrite=overwrite) as staging:
-        result.report = fill_dir(staging, merged, view.file_of, progress, link=link)
-        if renumber:
-            write_bytes_atomic(staging / MERGE_MAP_FILE, dumps({"renumbered": mapping}))
+    result = MergeResult(merged, renumber, view.mapping())
+    result.report = write_checkpoint(
+        Path(out),
+        merged,
+        view.file_of,
+        renumbered=view.merge_map() if renumber else None,
+        overwrite=overwrite,
+        progress=progress,
+        link=link,
+        dry_run=dry_run,
+    )
     return result
 
 

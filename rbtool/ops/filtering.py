@@ -16,10 +16,8 @@ from typing import Any
 from rbtool.errors import CheckpointError, UsageError
 from rbtool.files import trajfile
 from rbtool.files.dirs import CheckpointView, open_view
-from rbtool.files.fsutil import check_target, staged_dir, write_bytes_atomic
-from rbtool.files.index import Index, dumps
-from rbtool.files.writer import WriteReport, copied_entries, fill_dir, start_phase
-from rbtool.format import MERGE_MAP_FILE
+from rbtool.files.index import Index
+from rbtool.files.writer import WriteReport, copied_entries, start_phase, write_checkpoint
 from rbtool.progress import Progress
 
 
@@ -154,15 +152,18 @@ def filter_checkpoint(
     keep = set(kept)
     dropped = [i for i in view.index.id_list if i not in keep]
     result = FilterResult(view, index, dropped, versions, dry_run)
-    if dry_run:
-        check_target(Path(out), overwrite=overwrite)  # fails where publishing would
-        return result
-    mapping = [m for m in view.mapping() if m["new_id"] in keep]
-    start_phase(progress, index.size, "placing trajectory files")
-    with staged_dir(Path(out), overwrite=overwrite) as staging:
-        result.report = fill_dir(staging, index, view.file_of, progress, link=link)
-        if mapping:
-            write_bytes_atomic(staging / MERGE_MAP_FILE, dumps({"renumbered": mapping}))
+    merge_map = view.merge_map()
+    kept_map = {i: m for i, m in merge_map.items() if i in keep} if merge_map else None
+    result.report = write_checkpoint(
+        Path(out),
+        index,
+        view.file_of,
+        renumbered=kept_map or None,
+        overwrite=overwrite,
+        progress=progress,
+        link=link,
+        dry_run=dry_run,
+    )
     return result
 
 

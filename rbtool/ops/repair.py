@@ -17,9 +17,8 @@ from typing import Any
 from rbtool.errors import InvalidTrajectoryError, RbtoolError, UsageError
 from rbtool.files import trajfile
 from rbtool.files.dirs import checkpoint_dirs
-from rbtool.files.fsutil import check_target, staged_dir
 from rbtool.files.index import Index
-from rbtool.files.writer import WriteReport, fill_dir, new_entry, start_phase
+from rbtool.files.writer import OutputDir, WriteReport, new_entry, start_phase, write_output
 from rbtool.format import (
     FORMATS,
     METADATA_FILE,
@@ -351,14 +350,8 @@ def repair(
     plans = [planner.plan(progress, workers) for planner in planners]
     throughput = Throughput(workers, sum(p.bytes_read for p in planners), sum(p.seconds for p in planners))
     result = RepairResult(source, target, plans, throughput=throughput)
-    if dry_run:
-        check_target(target, overwrite=overwrite)
-        return result
-    with staged_dir(target, overwrite=overwrite) as staging:
-        for plan in plans:
-            directory = staging if single else staging / plan.source.name
-            directory.mkdir(exist_ok=True)
-            result.report.add(fill_dir(directory, plan.index, plan.sources.__getitem__, None, link=link))
+    outputs = [OutputDir("." if single else p.source.name, p.index, p.sources.__getitem__) for p in plans]
+    result.report = write_output(target, outputs, overwrite=overwrite, link=link, dry_run=dry_run)
     return result
 
 

@@ -12,16 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rbtool.errors import UsageError
 from rbtool.files.dirs import CheckpointView, open_view
-from rbtool.files.fsutil import check_target, staged_dir, write_bytes_atomic
-from rbtool.files.index import Index, balanced_blocks, dumps, rank_bounds
-from rbtool.files.writer import WriteReport, fill_dir, rank_layout, rank_parts, start_phase
-from rbtool.format import MERGE_MAP_FILE
-from rbtool.format.ranknames import rank_dir_name
+from rbtool.files.index import Index
+from rbtool.files.writer import SPLITS, WriteReport, check_split, split_blocks, split_ranks, write_ranks
 from rbtool.progress import Progress
-
-SPLITS = ("count", "samples")
 
 
 @dataclass
@@ -48,16 +42,6 @@ class ReshardResult:
     report: WriteReport = field(default_factory=WriteReport)
 
 
-def split_blocks(index: Index, world_size: int, split: str = "count") -> list[tuple[int, int]]:
-    """[start, end) of each rank's block of the list: by count (a distributed load's) or by samples."""
-    if split not in SPLITS:
-        raise UsageError(f"split must be 'count' or 'samples', got {split!r}")
-    if split == "count":
-        return [rank_bounds(index.size, world_size, r) for r in range(world_size)]
-    entries = index.entries
-    return balanced_blocks([entries[i]["num_samples"] for i in index.id_list], world_size)
-
-
 def _size(path: Path) -> int:
     try:
         return path.stat().st_size
@@ -69,15 +53,9 @@ def plan(
     source: str | os.PathLike[str], world_size: int, *, split: str = "count", strict: bool = True
 ) -> tuple[CheckpointView, list[Index]]:
     """The source's view and each output rank's index (with its layout in `shard`)."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise UsageError(f"world_size must be an integer >= 1, got {world_size!r}")
-    if split not in SPLITS:
-        raise UsageError(f"split must be 'count' or 'samples', got {split!r}")
+    check_split(world_size, split)
     view = open_view(source, strict=strict)
-    parts = rank_parts(view.index, split_blocks(view.index, world_size, split))
-    for rank, part in enumerate(parts):
-        part.extra_metadata = {"shard": rank_layout(rank, world_size, split, view.index, len(view.dirs))}
-    return view, parts
+    return view, split_ranks(view.index, world_size, split, len(view.dirs))
 
 
 def reshard(
@@ -101,19 +79,16 @@ def reshard(
     view, parts = plan(source, world_size, split=split, strict=strict)
     ranks = [RankPlan(r, p, sum(_size(view.file_of(i)) for i in p.id_list)) for r, p in enumerate(parts)]
     result = ReshardResult(view, world_size, split, ranks, dry_run)
-    if dry_run:
-        check_target(Path(out), overwrite=overwrite)  # fails where publishing would
-        return result
-    mapping = {m["new_id"]: m for m in view.mapping()}
-    start_phase(progress, sum(part.size for part in parts), "placing trajectory files")
-    with staged_dir(Path(out), overwrite=overwrite) as staging:
-        for rank, part in enumerate(parts):
-            rank_dir = staging / rank_dir_name(rank)
-            rank_dir.mkdir()
-            result.report.add(fill_dir(rank_dir, part, view.file_of, progress, link=link))
-            if mapping:
-                renumbered = [mapping[i] for i in part.id_list]
-                write_bytes_atomic(rank_dir / MERGE_MAP_FILE, dumps({"renumbered": renumbered}))
+    result.report = write_ranks(
+        Path(out),
+        parts,
+        view.file_of,
+        renumbered=view.merge_map(),
+        overwrite=overwrite,
+        progress=progress,
+        link=link,
+        dry_run=dry_run,
+    )
     return result
 
 
