@@ -2,8 +2,9 @@
 
 `names` (file names), `schema` (keys, FORMAT_VERSION, ranges), `problems` (every problem
 code), `bounded` (bounded JSON), `decode` (the index decoders), `entries` and `metadata`
-(the rules on each file), `check` (`check_json`), `layout` (a trajectory's fields),
-`ranknames` (rank directories). Importing it imports neither torch nor numpy.
+(the rules on each file), `check` (`check_json`), `content` (the rules on what a
+trajectory file holds once loaded), `layout` (a trajectory's fields), `ranknames` (rank
+directories). Importing it imports neither torch nor numpy.
 """
 
 from rbtool.format.bounded import (
