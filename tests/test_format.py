@@ -21,6 +21,7 @@ from rbtool import format as fmt
 from rbtool.errors import CheckpointError
 from rbtool.files.index import Index, read_index, write_index
 from rbtool.format import ERROR, PROBLEM_CODES, check_json, entry_problems
+from rbtool.format import check as format_check
 from rbtool.ops.stats import read_table
 from rbtool.ops.verify import verify_checkpoint
 
@@ -184,7 +185,7 @@ def test_typed_and_exact_paths_report_the_same(tmp_path: Path, monkeypatch: pyte
         raw = mutate(rng, meta, index)
         cases.append(write_docs(tmp_path / f"c{case}", meta, index, raw_index=raw))
     fast = [[(p.code, p.message) for p in check_json(d).problems] for d in cases]
-    monkeypatch.setattr(fmt, "_decode_typed", lambda data: None)
+    monkeypatch.setattr(format_check, "decode_typed", lambda data: None)
     slow = [[(p.code, p.message) for p in check_json(d).problems] for d in cases]
     assert fast == slow
 

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from rbtool import format as fmt
 from rbtool.errors import CheckpointError
+from rbtool.format import bounded
 
 RBTOOL = [sys.executable, "-m", "rbtool"]
 DEEP = {"deep1100": 1_100, "deep100000": 100_000}
@@ -243,13 +244,13 @@ _TOKEN = st.one_of(
 @given(tokens=st.lists(_TOKEN, max_size=40), chunk=st.sampled_from([1, 2, 3, 7, 1 << 22]))
 def test_the_depth_scan_counts_what_a_decoder_reaches(tokens: list[bytes], chunk: int) -> None:
     data = b"".join(tokens)
-    old = fmt._SCAN_CHUNK
-    fmt._SCAN_CHUNK = chunk
+    old = bounded._SCAN_CHUNK
+    bounded._SCAN_CHUNK = chunk
     try:
         deepest = _reference_depth(data)
         assert (fmt.json_depth_problem(data, 3) is None) == (deepest <= 3)
     finally:
-        fmt._SCAN_CHUNK = old
+        bounded._SCAN_CHUNK = old
 
 
 # --------------------------------------------------- memory: child processes

@@ -15,8 +15,8 @@ import orjson
 import pytest
 from conftest import FIXTURES, RLINF_DIRS, make_traj, tree_digest
 
-from rbtool import format as format_module
 from rbtool.files.index import Index, read_index, write_index
+from rbtool.format import check as format_check
 from rbtool.ops.verify import PROBLEM_CODES, verify, verify_checkpoint
 
 NOSAVE = [rel for rel in RLINF_DIRS if "nosave_window2" in rel]
@@ -406,7 +406,7 @@ def test_typed_and_general_paths_agree(rlinf_copy: Any, monkeypatch: pytest.Monk
     big.trajectory_counter = 2000
     write_index(ckpt, big)
     fast = verify_checkpoint(ckpt)
-    monkeypatch.setattr(format_module, "_decode_typed", lambda data: None)
+    monkeypatch.setattr(format_check, "decode_typed", lambda data: None)
     slow = verify_checkpoint(ckpt)
     assert fast.problems == slow.problems
     assert codes(fast) == Counter({"file_missing": 1995, "file_size_mismatch": 5})

@@ -10,11 +10,11 @@ read instead of the whole file, and without importing torch.
 
 Every spec passes the checks `trajfile.check_loaded` makes on a loaded tensor (supported dtype,
 storage holding the whole view, no stride-0 or overlapping dims, a storage record of exactly the
-declared size), and the dict the checks on its contents (string keys, bounded nesting, no
-cycles, ints in int64). Whatever this reader does not know (another tensor rebuild, a dtype
-without a legacy storage class, a legacy non-zip file) raises UnusualLayout: the caller then
-loads the file with torch, whose loader decides. Hostile bytes raise TrajectoryFileError or
-UnsafePickleError, as torch's path would.
+declared size), and the dict the same rules on its contents (rbtool.format.content: string
+keys, bounded nesting, no cycles, ints in int64). Whatever this reader does not know (another
+tensor rebuild, a dtype without a legacy storage class, a legacy non-zip file) raises
+UnusualLayout: the caller then loads the file with torch, whose loader decides. Hostile bytes
+raise TrajectoryFileError or UnsafePickleError, as torch's path would.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from rbtool.errors import RbtoolError, TrajectoryFileError, UnusualLayout
+from rbtool.format.content import MAX_DEPTH, checked_content, view_problem
 
 # torch's legacy storage classes: the dtype each stands for, and its size in bytes.
 STORAGE_DTYPES = {
@@ -47,11 +48,9 @@ STORAGE_DTYPES = {
     "ComplexFloatStorage": ("complex64", 8),
     "ComplexDoubleStorage": ("complex128", 16),
 }
-MAX_DEPTH = 32  # as trajfile.MAX_DEPTH: nesting of dicts and lists
 _KNOWN_VERSIONS = {b"1", b"2", b"3"}  # the zip `version` records of files torch.save writes
 MAX_PICKLE_BYTES = 64 << 20  # a trajectory's structure; tensors' bytes are in other records
 SMALL_FILE_BYTES = 256 << 10  # files up to this size are read whole, in one read
-_INT64 = (-(1 << 63), 1 << 63)
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., file name length, extra length
 
 
@@ -95,6 +94,11 @@ _TENSOR = object()
 
 def _is_storage(value: Any) -> bool:
     return type(value) is tuple and len(value) == 5 and value[0] is _STORAGE
+
+
+def _is_placeholder(value: Any) -> bool:
+    """A tensor placeholder, or a storage one (which only a tensor may hold)."""
+    return type(value) is tuple and len(value) == 5 and (value[0] is _TENSOR or value[0] is _STORAGE)
 
 
 def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> Any:
@@ -149,17 +153,7 @@ def _tensor_problem(size: tuple[int, ...], stride: tuple[int, ...], offset: int,
     """trajfile._tensor_problem for a tensor described by its header."""
     if any(d < 0 for d in size) or any(s < 0 for s in stride) or offset < 0:
         return "has a negative size, stride or offset"
-    if math.prod(size) == 0:
-        return None
-    needed = offset + 1 + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
-    if needed > held:
-        return f"views {needed} elements but its storage holds {held}"
-    extent = 1
-    for s, n in sorted((s, n) for n, s in zip(size, stride, strict=True) if n > 1):
-        if s < extent:
-            return "has a stride-0 or overlapping dim (an expanded view)"
-        extent = s * n
-    return None
+    return view_problem(size, stride, offset, held)
 
 
 _EOCD = struct.Struct("<4s4xHHIIH")  # signature, entries on disk, entries, cd size, cd offset, comment
@@ -313,33 +307,12 @@ def _build(path: Path, archive: _Archive, value: Any) -> Any:
             raise TrajectoryFileError(f"{where} {problem}")
         return TensorSpec(dtype, itemsize, size, stride, offset, start, nbytes)
 
-    def walk(item: Any, field: str, depth: int, ancestors: frozenset[int]) -> Any:
-        where = f"{path}: field {field!r}" if field else str(path)
-        if type(item) is tuple and len(item) == 5 and item[0] is _TENSOR:
-            return spec(where, item)
-        if type(item) in (str, float, bool) or item is None:
-            return item
-        if type(item) is int:
-            if not _INT64[0] <= item < _INT64[1]:
-                raise TrajectoryFileError(f"{where} holds an integer outside int64")
-            return item
-        if not isinstance(item, (dict, list, tuple)) or _is_storage(item):
+    def tensor(where: str, item: tuple[Any, ...]) -> TensorSpec:
+        if _is_storage(item):  # a storage outside a tensor: refused as the tuple it is
             raise TrajectoryFileError(f"{where} holds a {type(item).__name__}")
-        if id(item) in ancestors:
-            raise TrajectoryFileError(f"{where} contains itself (a cycle)")
-        if depth >= MAX_DEPTH:
-            raise TrajectoryFileError(f"{where} nests deeper than {MAX_DEPTH} levels")
-        inner = ancestors | {id(item)}
-        if isinstance(item, dict):
-            out: dict[str, Any] = {}
-            for key, sub in item.items():
-                if type(key) is not str:
-                    raise TrajectoryFileError(f"{where} has a key that is not a string: {key!r:.60}")
-                out[key] = walk(sub, f"{field}.{key}" if field else key, depth + 1, inner)
-            return out
-        return [walk(sub, f"{field}[{i}]", depth + 1, inner) for i, sub in enumerate(item)]
+        return spec(where, item)
 
-    return walk(value, "", 0, frozenset())
+    return checked_content(value, str(path), _is_placeholder, tensor)
 
 
 def _parse(path: Path, read: Any, size: int, whole: bytes | None = None) -> dict[str, Any]:

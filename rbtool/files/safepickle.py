@@ -15,6 +15,7 @@ from collections import OrderedDict
 from typing import Any
 
 from rbtool.errors import RbtoolError, TrajectoryFileError, UnsafePickleError
+from rbtool.format.content import view_elements
 
 __all__ = ["dump_pickle_trajectory", "load_pickle_trajectory", "refuse_opcodes"]
 
@@ -157,7 +158,7 @@ def _check_rebuild_args(args: tuple[Any, ...]) -> str:
     if all(size):
         itemsize = torch._utils._element_size(storage.dtype)
         available = storage._untyped_storage.nbytes() // itemsize
-        needed = offset + 1 + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
+        needed = view_elements(offset, size, stride)
         if needed > available:
             return f"view needs {needed} elements but its storage holds {available}"
     return ""

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from rbtool.errors import InvalidTrajectoryError, RbtoolError, TrajectoryFileError, UnsafePickleError
+from rbtool.format.content import checked_content, view_problem
 from rbtool.format.layout import TrajectoryInfo, describe
 
 
@@ -100,8 +101,6 @@ def to_bytes(traj: dict[str, Any], fmt: str) -> bytes:
 # The oldest torch whose weights_only loading has no known bypass (CVE-2025-32434 was fixed
 # in 2.6.0, CVE-2026-24747 in 2.10.0).
 MIN_TORCH = (2, 10)
-MAX_DEPTH = 32  # nesting of dicts (and lists) in a trajectory
-_INT64 = (-(1 << 63), 1 << 63)
 
 
 @functools.cache
@@ -148,57 +147,29 @@ def _tensor_problem(t: Any) -> str | None:
         return "has a negative size or stride"
     if t.numel() == 0:
         return None
-    itemsize = t.element_size()
-    needed = t.storage_offset() + 1 + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
-    held = t.untyped_storage().nbytes() // itemsize
-    if needed > held:
-        return f"views {needed} elements but its storage holds {held}"
-    extent = 1  # dims ordered by stride: each must step past everything the smaller ones cover
-    for s, n in sorted((s, n) for n, s in zip(size, stride, strict=True) if n > 1):
-        if s < extent:
-            return "has a stride-0 or overlapping dim (an expanded view)"
-        extent = s * n
-    return None
+    held = t.untyped_storage().nbytes() // t.element_size()
+    return view_problem(size, stride, t.storage_offset(), held)
 
 
 def check_loaded(obj: Any, name: str) -> None:
     """Refuse a loaded trajectory whose contents are unsafe or unusable, naming the field.
 
     Raises TrajectoryFileError (one line) for non-string keys, nesting deeper than MAX_DEPTH,
-    cycles, ints outside int64, values of other types, and any tensor _tensor_problem refuses.
+    cycles, ints outside int64, values of other types (the rules of rbtool.format.content),
+    and any tensor _tensor_problem refuses.
     """
     torch = require_torch()
 
-    def walk(value: Any, path: str, depth: int, ancestors: frozenset[int]) -> None:
-        where = f"{name}: field {path!r}" if path else name
-        if isinstance(value, torch.Tensor):
-            problem = _tensor_problem(value)
-            if problem is not None:
-                raise TrajectoryFileError(f"{where} {problem}")
-            return
-        if type(value) in (str, float, bool) or value is None:
-            return
-        if type(value) is int:
-            if not _INT64[0] <= value < _INT64[1]:
-                raise TrajectoryFileError(f"{where} holds an integer outside int64")
-            return
-        if not isinstance(value, (dict, list, tuple)):
-            raise TrajectoryFileError(f"{where} holds a {type(value).__name__}")
-        if id(value) in ancestors:
-            raise TrajectoryFileError(f"{where} contains itself (a cycle)")
-        if depth >= MAX_DEPTH:
-            raise TrajectoryFileError(f"{where} nests deeper than {MAX_DEPTH} levels")
-        inner = ancestors | {id(value)}
-        if isinstance(value, dict):
-            for key, item in value.items():
-                if type(key) is not str:
-                    raise TrajectoryFileError(f"{where} has a key that is not a string: {key!r:.60}")
-                walk(item, f"{path}.{key}" if path else key, depth + 1, inner)
-        else:
-            for i, item in enumerate(value):
-                walk(item, f"{path}[{i}]", depth + 1, inner)
+    def is_tensor(value: Any) -> bool:
+        return isinstance(value, torch.Tensor)
 
-    walk(obj, "", 0, frozenset())
+    def tensor(where: str, value: Any) -> Any:
+        problem = _tensor_problem(value)
+        if problem is not None:
+            raise TrajectoryFileError(f"{where} {problem}")
+        return value
+
+    checked_content(obj, name, is_tensor, tensor)
 
 
 def _open_regular(path: Path) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from rbtool.errors import CheckpointError, InvalidTrajectoryError
-from rbtool.format import check_weights_id, parse_trajectory_file_name
+from rbtool.format.names import check_weights_id, parse_trajectory_file_name
 
 if TYPE_CHECKING:
     import numpy as np
