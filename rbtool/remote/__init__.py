@@ -517,22 +517,6 @@ def check_target(remote: Remote, *, overwrite: bool) -> None:
         raise OutputExistsError(f"{remote.url}: already holds a checkpoint")
 
 
-def _looks_like_checkpoint(listing: dict[str, Any]) -> bool:
-    """True if every object is a checkpoint's file, here or in `rank_<r>/` (another tool's upload)."""
-    from rbtool.format import parse_trajectory_file_name
-
-    def part(rel: str) -> bool:
-        parts = rel.split("/")
-        if len(parts) == 2 and is_rank_name(parts[0]):
-            parts = parts[1:]
-        return len(parts) == 1 and (
-            parts[0] in _JSON_OBJECTS or parse_trajectory_file_name(parts[0]) is not None
-        )
-
-    names = [rel for rel in listing if rel not in _CONTROL]
-    return bool(names) and all(part(rel) for rel in names)
-
-
 def upload_dir(
     local: Path,
     remote: Remote,
@@ -1130,18 +1114,8 @@ def _standin(dst: Path, size: int) -> None:
 _STATE = ".rbtool-mirror.json"  # in a mirror: its URL and the digests it was fetched for; never trusted
 
 
-def _mirror_state(mirror: Path) -> dict[str, Any]:
-    """What a mirror's state file says (empty when missing or not a regular file). Informative only:
-    a reused copy is trusted through its hash and the marker, never through this file."""
-    data = _read_private(mirror / _STATE, 64 << 20)
-    try:
-        return dict(_bounded_json(data, str(mirror / _STATE))) if data else {}
-    except (CheckpointError, ValueError, TypeError):
-        return {}
-
-
 def _bounded_json(data: bytes, what: str) -> Any:
-    """A marker or state file through rbtool's bounded JSON reader (it grows with the objects
+    """A completion marker through rbtool's bounded JSON reader (it grows with the objects
     listed, so it is bounded like an index: by the memory decoding it would take)."""
     from rbtool.format import index_size_problem, read_json_bytes
 
