@@ -118,6 +118,11 @@ class Remote:
         return Remote(f"{self.url.rstrip('/')}/{name}", self.fs, self.key(name))
 
 
+def _workers(jobs: int | None) -> int:
+    """How many objects move to or from a store at once: `jobs`, else four per CPU, at most 16."""
+    return jobs or min(16, (os.cpu_count() or 1) * 4)
+
+
 def open_remote(url: str, options: dict[str, Any] | None = None) -> Remote:
     """The fsspec filesystem for `url`, with `options` on top of the environment's configuration."""
     try:
@@ -347,13 +352,6 @@ def _check_names(remote: Remote, listing: dict[str, Any], *, names: bool = True)
             )
 
 
-def _start(progress: Progress | None, total: int, description: str) -> None:
-    """Tell a progress callback with a `start(total, description)` method that a counted phase begins."""
-    start = getattr(progress, "start", None)
-    if start is not None:
-        start(total, description)
-
-
 # ------------------------------------------------------------------ hashes
 @dataclass(frozen=True)
 class Digest:
@@ -538,14 +536,16 @@ def upload_dir(
 def _upload(
     local: Path, remote: Remote, *, overwrite: bool, jobs: int | None, progress: Progress | None
 ) -> dict[str, int]:
+    from rbtool.files.writer import start_phase
+
     check_target(remote, overwrite=overwrite)
     files = sorted(
         str(p.relative_to(local)) for p in local.rglob("*") if p.is_file() and p.name not in _CONTROL
     )
-    workers = jobs or min(16, (os.cpu_count() or 1) * 4)
+    workers = _workers(jobs)
     with ThreadPoolExecutor(workers) as pool:
         digests = dict(zip(files, pool.map(lambda rel: digest_file(local / rel), files), strict=True))
-    _start(progress, len(files), "uploading")
+    start_phase(progress, len(files), "uploading")
     listing = _listing(remote)
     if MARKER in listing:  # replacing a complete checkpoint: from now on it is incomplete
         remote.fs.rm_file(remote.key(MARKER))
@@ -1064,7 +1064,7 @@ class IndexMirror:
         def get(rel: str) -> None:
             _fetch(self.checkpoint, rel, self.path / rel, in_place=True)
 
-        with ThreadPoolExecutor(self.jobs or min(16, (os.cpu_count() or 1) * 4)) as pool:
+        with ThreadPoolExecutor(_workers(self.jobs)) as pool:
             list(pool.map(get, todo))
         done.update(todo)
         self.fetched += len(todo)
@@ -1139,19 +1139,7 @@ def _held(entry: Path) -> int:
 
 def _entries(root: Path) -> list[tuple[Path, os.stat_result]]:
     """The directories directly in the cache (links and files among them are never followed)."""
-    found = []
-    try:
-        scan = list(os.scandir(root))
-    except OSError:
-        return []
-    for item in scan:
-        try:
-            info = item.stat(follow_symlinks=False)
-        except OSError:
-            continue
-        if stat.S_ISDIR(info.st_mode):
-            found.append((Path(item.path), info))
-    return found
+    return [(path, info) for path, info in _scan(root) if stat.S_ISDIR(info.st_mode)]
 
 
 def _make_room(root: Path, keep: Path, needed: int, limit: int) -> int:
@@ -1256,22 +1244,29 @@ def _own_file(info: os.stat_result) -> bool:
     return stat.S_ISREG(info.st_mode) and info.st_nlink == 1 and info.st_uid == os.geteuid()
 
 
+def _scan(directory: Path) -> Iterator[tuple[Path, os.stat_result]]:
+    """The entries directly in `directory`, each with its lstat (a link is never followed); what
+    cannot be read (removed meanwhile) is left out."""
+    try:
+        scan = list(os.scandir(directory))
+    except OSError:
+        return
+    for item in scan:
+        try:
+            info = item.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        yield Path(item.path), info
+
+
 def _tree(top: Path) -> Iterator[tuple[Path, os.stat_result]]:
     """Every entry below the directory `top`, with its lstat; a link or a file is never descended into."""
     pending = [top]
     while pending:
-        try:
-            scan = list(os.scandir(pending.pop()))
-        except OSError:
-            continue
-        for item in scan:
-            try:
-                info = item.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            yield Path(item.path), info
+        for path, info in _scan(pending.pop()):
+            yield path, info
             if stat.S_ISDIR(info.st_mode):
-                pending.append(Path(item.path))
+                pending.append(path)
 
 
 def _update_mirror(
@@ -1285,8 +1280,10 @@ def _update_mirror(
 ) -> Path:
     """Bring `mirror` up to date with `ckpt`, under the exclusive lock if anything changes; returns its
     checkpoint directory, with `pin` held shared."""
+    from rbtool.files.writer import start_phase
+
     root = mirror.parent
-    workers = jobs or min(16, (os.cpu_count() or 1) * 4)
+    workers = _workers(jobs)
     data = mirror / "ckpt"
 
     def plan() -> tuple[list[str], list[Path]]:
@@ -1339,7 +1336,7 @@ def _update_mirror(
         return data
     pin.exclusive()  # other readers of this mirror finish first
     todo, stale = plan()
-    _start(progress, len(todo), f"fetching {url}")
+    start_phase(progress, len(todo), f"fetching {url}")
     needed = sum(ckpt.sizes.values())
     with _cache_lock(root):
         used = _make_room(root, mirror, needed, limit)
@@ -1456,18 +1453,13 @@ def _allocated(path: Path) -> int:
 
     Other processes add and remove files meanwhile: what vanishes while it is walked counts nothing.
     """
-    total = 0
     if not os.path.isdir(path) or os.path.islink(path):
         return 0  # a link in the cache leads nowhere
-    for parent, _, names in os.walk(path):
-        for name in names:
-            try:
-                info = os.lstat(os.path.join(parent, name))
-            except OSError:
-                continue
-            if not os.path.islink(os.path.join(parent, name)):
-                total += min(info.st_size, info.st_blocks * 512)
-    return total
+    return sum(
+        min(info.st_size, info.st_blocks * 512)
+        for _, info in _tree(path)
+        if not stat.S_ISDIR(info.st_mode) and not stat.S_ISLNK(info.st_mode)
+    )
 
 
 class StreamMirror:
@@ -1531,7 +1523,7 @@ class StreamMirror:
 
         self.held += need
         self.peak = max(self.peak, self.held)
-        with ThreadPoolExecutor(min(len(todo), self.jobs or min(16, (os.cpu_count() or 1) * 4))) as pool:
+        with ThreadPoolExecutor(min(len(todo), _workers(self.jobs))) as pool:
             list(pool.map(get, todo))
         self._here.update(todo)
         self.fetched += len(todo)
