@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from rbtool.buffer.sampling import Draw
     from rbtool.files.dirs import CheckpointView
     from rbtool.files.ptheader import ZipRecord
-    from rbtool.remote import IndexMirror
+    from rbtool.remote.mirror import IndexMirror
 
 # Missing ranges of one object closer than this are fetched in one request (the gap too).
 COALESCE_GAP = 16 << 10
@@ -83,7 +83,7 @@ class RangeCache:
     """
 
     def __init__(self, mirror: IndexMirror, *, limit: int | None = None, jobs: int | None = None) -> None:
-        from rbtool.remote import cache_bytes
+        from rbtool.remote.cache import cache_bytes
 
         self.mirror = mirror
         self.limit = cache_bytes() if limit is None else limit
@@ -126,7 +126,7 @@ class RangeCache:
                 list(pool.map(lambda job: self._get(*job), jobs))
 
     def _get(self, rel: str, start: int, end: int) -> None:
-        from rbtool.remote import store_errors
+        from rbtool.remote.urls import store_errors
 
         remote = self.mirror.checkpoint.remote
         where, options = f"{remote.url}/{rel}", remote.fs.storage_options
