@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rbtool.errors import RbtoolError, UsageError
 from rbtool.files import trajfile
@@ -23,6 +23,9 @@ from rbtool.format import MERGE_MAP_FILE
 from rbtool.format.layout import TrajectoryInfo, schema_digest
 from rbtool.format.ranknames import rank_dir_name
 from rbtool.progress import Progress
+
+if TYPE_CHECKING:
+    from rbtool.files.dirs import CheckpointView
 
 Source = Path | dict[str, Any]
 
@@ -244,17 +247,18 @@ def split_ranks(index: Index, world_size: int, split: str, source_world_size: in
 def write_ranks(
     out: Path,
     parts: list[Index],
-    source_of: Callable[[int], Source],
+    view: CheckpointView,
     *,
-    renumbered: Mapping[int, dict[str, Any]] | None = None,
     overwrite: bool = False,
     progress: Progress | None = None,
     link: bool = True,
     dry_run: bool = False,
 ) -> WriteReport:
-    """Write `out/rank_r` for each part, the whole tree published at once (`renumbered`, `link`
-    and `dry_run` as for write_output)."""
-    dirs = [OutputDir(rank_dir_name(rank), part, source_of) for rank, part in enumerate(parts)]
+    """Write `out/rank_r` for each part of `view`'s index, the whole tree published at once, each
+    rank recording its part of the merge map when the view's ids were renumbered (`link` and
+    `dry_run` as for write_output)."""
+    dirs = [OutputDir(rank_dir_name(rank), part, view.file_of) for rank, part in enumerate(parts)]
+    renumbered = view.merge_map()
     return write_output(
         out, dirs, renumbered=renumbered, overwrite=overwrite, progress=progress, link=link, dry_run=dry_run
     )

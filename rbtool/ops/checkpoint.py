@@ -214,8 +214,7 @@ def shard(
     report = write_ranks(
         Path(out),
         shards,
-        view.file_of,
-        renumbered=view.merge_map(),
+        view,
         overwrite=overwrite,
         progress=progress,
         link=link,

@@ -203,21 +203,24 @@ def _recorded_size_problems(
     ea: dict[str, Any], eb: dict[str, Any], sa: int | None, sb: int | None
 ) -> list[str]:
     """`A records file_bytes N, M on disk` for each side whose recorded size disagrees with its file."""
-    found = []
-    for side, entry, actual in (("A", ea, sa), ("B", eb, sb)):
-        recorded = entry.get("file_bytes")
-        if isinstance(recorded, int) and actual is not None and recorded != actual:
-            found.append(f"{side} records file_bytes {recorded}, {actual} on disk")
-    return found
+    return _record_problems("file_bytes", int, ea, eb, sa, sb, "{side} records file_bytes {r}, {a} on disk")
 
 
 def _hash_problems(ea: dict[str, Any], eb: dict[str, Any], ha: str | None, hb: str | None) -> list[str]:
     """`B's recorded sha256 ... is not its file's ...` for each side whose recorded hash disagrees."""
+    shown = "{side} records sha256 {r:.12}..., its file has {a:.12}..."
+    return _record_problems("sha256", str, ea, eb, ha, hb, shown)
+
+
+def _record_problems(
+    key: str, kind: type, ea: dict[str, Any], eb: dict[str, Any], a: Any, b: Any, shown: str
+) -> list[str]:
+    """`shown` for each side whose entry records `key` (of type `kind`) other than its file's value."""
     found = []
-    for side, entry, actual in (("A", ea, ha), ("B", eb, hb)):
-        recorded = entry.get("sha256")
-        if isinstance(recorded, str) and actual is not None and recorded != actual:
-            found.append(f"{side} records sha256 {recorded[:12]}..., its file has {actual[:12]}...")
+    for side, entry, actual in (("A", ea, a), ("B", eb, b)):
+        recorded = entry.get(key)
+        if isinstance(recorded, kind) and actual is not None and recorded != actual:
+            found.append(shown.format(side=side, r=recorded, a=actual))
     return found
 
 

@@ -172,6 +172,15 @@ def _admit(
     return tid
 
 
+def _target_index(directory: Path, trajectory_format: str | None) -> Index:
+    """The index an ingest adds to: the buffer directory's, in its own format, or a new one's."""
+    if not is_checkpoint_dir(directory):
+        return Index(trajectory_format=trajectory_format or "pt")
+    _, index = open_checkpoint(directory, strict=True)
+    _refuse_other_format(directory, index, trajectory_format)
+    return index
+
+
 def _plan(
     sources: Sequence[str | os.PathLike[str]],
     directory: Path,
@@ -182,11 +191,7 @@ def _plan(
 ) -> IngestResult:
     """What an ingest would add, every source checked as a real one checks it; nothing is written."""
     refuse_file_parent(directory)
-    if is_checkpoint_dir(directory):
-        _, index = open_checkpoint(directory, strict=True)
-        _refuse_other_format(directory, index, trajectory_format)
-    else:
-        index = Index(trajectory_format=trajectory_format or "pt")
+    index = _target_index(directory, trajectory_format)
     result = IngestResult(directory, index=index)
     collected = collect_sources(sources, recursive=recursive, exclude=[Path(os.path.realpath(directory))])
     result.skipped.extend(collected.skipped)
@@ -275,11 +280,7 @@ def ingest(
         BufferWriter(directory, wait=True, on_wait=on_wait) as writer,
         _remove_if_failed_new(directory, created),
     ):
-        if is_checkpoint_dir(directory):
-            _, index = open_checkpoint(directory, strict=True)
-            _refuse_other_format(directory, index, trajectory_format)
-        else:
-            index = Index(trajectory_format=trajectory_format or "pt")
+        index = _target_index(directory, trajectory_format)
         result = IngestResult(directory, index=index)
         result.removed_leftovers = remove_uncommitted(directory, index)
 

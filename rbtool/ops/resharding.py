@@ -82,8 +82,7 @@ def reshard(
     result.report = write_ranks(
         Path(out),
         parts,
-        view.file_of,
-        renumbered=view.merge_map(),
+        view,
         overwrite=overwrite,
         progress=progress,
         link=link,
