@@ -259,6 +259,25 @@ def remove_dead_leftovers(parent: Path) -> list[str]:
     return removed
 
 
+def make_private_dirs(path: Path) -> list[Path]:
+    """Make `path` and its missing parents, each 0700 (this user's alone), and return the ones
+    made, top first. One that appears meanwhile (another process made it) is not in the list:
+    the caller checks it like any directory that was there."""
+    missing = []
+    for part in (path, *path.parents):
+        if os.path.lexists(part):
+            break
+        missing.append(part)
+    made = []
+    for part in reversed(missing):
+        try:
+            os.mkdir(part, 0o700)
+        except FileExistsError:
+            continue
+        made.append(part)
+    return made
+
+
 def make_parents(target: Path) -> None:
     """Create the missing parents of `target` (every writer's rule); a parent that is a file is refused.
 

@@ -31,7 +31,6 @@ A journal never turns damage into OK:
 from __future__ import annotations
 
 import base64
-import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -47,7 +46,7 @@ from typing import Any
 import orjson
 
 from rbtool.errors import CheckpointError, JournalError, UsageError
-from rbtool.files.fsutil import fsync_dir
+from rbtool.files.fsutil import fsync_dir, make_private_dirs
 from rbtool.format import read_json_bytes
 
 JOURNAL_VERSION = 2  # 2: identities with ctime and device, checked hashes
@@ -404,18 +403,6 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def _make_private_dir(path: Path) -> None:
-    """`path` and the missing directories above it, each made 0700 (this user's alone)."""
-    missing = []
-    for part in (path, *path.parents):
-        if os.path.lexists(part):
-            break
-        missing.append(part)
-    for part in reversed(missing):
-        with contextlib.suppress(FileExistsError):  # made meanwhile: checked like any existing one
-            os.mkdir(part, 0o700)
-
-
 def open_journal(directory: str | os.PathLike[str] | None, identity: dict[str, Any]) -> Journal | None:
     """The journal in `directory` (made 0700 if needed) for the pass `identity`, or None without a
     directory. A directory another user owns, or that group or others can write, is refused."""
@@ -428,7 +415,7 @@ def open_journal(directory: str | os.PathLike[str] | None, identity: dict[str, A
             f"{path}: a journal is never written into its input {source}; choose another directory"
         )
     try:
-        _make_private_dir(path)
+        make_private_dirs(path)
         info = path.stat()
     except OSError as exc:
         raise JournalError(f"{path}: cannot make the journal directory: {exc.strerror or exc}") from None

@@ -18,6 +18,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from rbtool.errors import FileSystemError, UntrustedCacheError, UsageError
+from rbtool.files.fsutil import make_private_dirs
 
 DEFAULT_CACHE_BYTES = 20 << 30
 
@@ -146,18 +147,13 @@ def _check_cache_dir(path: Path, shared: bool) -> None:
 
 def _make_dirs(path: Path) -> None:
     """Make the missing directories of `path`, each 0700 whatever the umask."""
-    missing = []
-    for p in (path, *path.parents):
-        if os.path.lexists(p):
-            break
-        missing.append(p)
-    for p in reversed(missing):
-        try:
-            os.mkdir(p, 0o700)
-        except FileExistsError:
-            continue  # made meanwhile, by this user's other run or someone else: checked next
-        except OSError as exc:
-            raise FileSystemError(f"{p}: cannot make the rbtool cache directory ({exc.strerror})") from None
+    try:
+        made = make_private_dirs(path)
+    except OSError as exc:
+        raise FileSystemError(
+            f"{exc.filename}: cannot make the rbtool cache directory ({exc.strerror})"
+        ) from None
+    for p in made:
         _chmod_dir(p)
 
 
