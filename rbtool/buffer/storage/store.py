@@ -32,6 +32,7 @@ from rbtool.buffer.storage.window import Signature, signature_of, view_signature
 from rbtool.errors import RbtoolError, TrajectoryFileError
 from rbtool.files import trajfile
 from rbtool.files.ptheader import UnusualLayout, iter_specs
+from rbtool.progress import Progress
 
 # Small files held as bytes for sampling, least recently used dropped first beyond this.
 RAW_CACHE_MAX_BYTES = 384 << 20
@@ -278,7 +279,7 @@ class TrajectoryStore:
         return raw
 
     def read_headers(
-        self, trajectories: Sequence[tuple[int, int, int]], progress: Callable[[int], None] | None = None
+        self, trajectories: Sequence[tuple[int, int, int]], progress: Progress | None = None
     ) -> None:
         """Read the headers of many held files (tid, T, B) at once, on a few threads.
 

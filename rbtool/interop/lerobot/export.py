@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ from rbtool.interop.lerobot.render import Render
 from rbtool.interop.lerobot.results import ExportResult
 from rbtool.passes import ranks
 from rbtool.passes.journal import open_journal
+from rbtool.progress import Progress
 
 
 def _check_replaceable(out: Path, overwrite: bool) -> None:
@@ -97,7 +97,7 @@ def export_lerobot(
     video_file_size_mb: float = DEFAULT_VIDEO_FILE_SIZE_MB,
     chunks_size: int = DEFAULT_CHUNK_SIZE,
     overwrite: bool = False,
-    progress: Callable[[int], None] | None = None,
+    progress: Progress | None = None,
     dry_run: bool = False,
     journal: str | os.PathLike[str] | None = None,
 ) -> ExportResult:

@@ -29,6 +29,7 @@ from rbtool.interop.lerobot.reader import LeRobotSource
 from rbtool.interop.lerobot.rebuild import rebuild
 from rbtool.interop.lerobot.results import ImportResult
 from rbtool.interop.lerobot.sidecar import trajectory_digest
+from rbtool.progress import Progress
 
 
 def count_units(
@@ -119,7 +120,7 @@ def import_lerobot(
     trajectory_format: str | None = None,
     batch_size: int = 64,
     on_wait: Callable[[str], None] | None = None,
-    progress: Callable[[int], None] | None = None,
+    progress: Progress | None = None,
     on_published: Callable[[list[int]], None] | None = None,
     dry_run: bool = False,
 ) -> ImportResult:
@@ -244,7 +245,7 @@ def _import_items(
     batch: list[int],
     result: ImportResult,
     *,
-    progress: Callable[[int], None] | None,
+    progress: Progress | None,
     on_published: Callable[[list[int]], None] | None,
     dry_run: bool,
     batch_size: int,
