@@ -506,30 +506,41 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 OTHER_USER = "rbtool-other"  # the attacker (or victim) on the same machine
 
 
+def _admin(*argv: str) -> subprocess.CompletedProcess[str]:
+    """Run a user-database command (useradd, groupadd, usermod), again while another test (a
+    pytest-xdist worker beside this one) holds the database's lock; its result at the last try."""
+    import time
+
+    for _ in range(50):
+        done = subprocess.run(argv, capture_output=True, text=True)
+        if done.returncode == 0 or "lock" not in done.stderr.lower():
+            return done
+        time.sleep(0.1)
+    return done
+
+
 def local_user(name: str, group: str | None = None) -> int:
     """The uid of local user `name`, made with useradd (and put in `group`, made with groupadd)
     if it is not there yet; the test is skipped when not run as root."""
+    import grp
     import pwd
-    import subprocess
 
     if os.geteuid() != 0:
         pytest.skip("a second local user can only be made as root")
     if group is not None:
-        subprocess.run(["groupadd", "-f", group], capture_output=True, check=True)
+        made = _admin("groupadd", "-f", group)
+        assert made.returncode == 0, made.stderr
     try:
         pwd.getpwnam(name)
     except KeyError:
-        made = subprocess.run(
-            ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-            capture_output=True,
-            text=True,
-        )
+        made = _admin("useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name)
         try:
             pwd.getpwnam(name)  # made here, or by a test running beside this one
         except KeyError:
             pytest.fail(f"useradd {name} failed: {made.stderr}")
-    if group is not None:
-        subprocess.run(["usermod", "-aG", group, name], capture_output=True, check=True)
+    if group is not None and name not in grp.getgrnam(group).gr_mem:
+        made = _admin("usermod", "-aG", group, name)
+        assert made.returncode == 0, made.stderr
     return pwd.getpwnam(name).pw_uid
 
 
