@@ -5,13 +5,13 @@ PY := .venv/bin/python
 .PHONY: venv test quick lint format bench
 
 venv:
-	python3 -m venv .venv && .venv/bin/pip install -q --upgrade pip && .venv/bin/pip install -q torch==2.13.0 && .venv/bin/pip install -q -e '.[test]' && .venv/bin/pip check
+	python3 -m venv .venv && .venv/bin/pip install -q --upgrade pip && .venv/bin/pip install -q torch==2.13.0 -c constraints.txt && .venv/bin/pip install -q -e '.[test]' -c constraints.txt && .venv/bin/pip check
 
 test: lint  # the whole suite, as CI runs it
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto
 
 quick:  # the quick tier: every module, no S3 servers, torchrun, fuzzing, kills or benchmarks
-	$(PY) -m pytest -m "not slow" -q
+	$(PY) -m pytest -m "not slow" -n auto -q
 
 lint:
 	.venv/bin/ruff check rbtool tests benchmarks

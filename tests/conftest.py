@@ -419,25 +419,44 @@ def sigint_default() -> None:
 
 # ------------------------------------------------------------------ the quick tier
 # `pytest -m "not slow"` (make quick) leaves out what starts real components or runs long:
-# the S3 servers, torchrun process groups, fuzzing, kills and crashes, the benchmarks'
-# smoke runs, and the snapshots at widths other than 80 columns. Every module keeps tests
-# in the quick tier; the full suite (.ci/run) runs everything.
+# the S3 servers, torchrun process groups, fuzzing, kills and crashes, races between
+# processes, the benchmarks' smoke runs, real terminals (pty), second local users, Ctrl-C
+# sent to a running command, children under a memory limit, and the snapshots at widths
+# other than 80 columns; of a parametrized test it runs the first QUICK_CASES cases. Every
+# module keeps tests in the quick tier (a whole run checks it, below); the full suite
+# (.ci/run) runs everything.
+QUICK_CASES = 2
 SLOW_FIXTURES = {"s3_server", "bucket"}
 SLOW_MODULES = {
     "test_benchmarks_smoke",
+    "test_cli_examples",
+    "test_concurrency",
     "test_crash",
     "test_distributed",
     "test_fuzz",
     "test_lerobot_video",
 }
+_SLOW_CALLS = re.compile(r"\b(at_terminal|local_user|as_other|shared_area|setrlimit|RLIMIT_AS|SIGINT)\b")
 
 
-def _is_slow(item: pytest.Item) -> bool:
+def _calls_slow_parts(item: pytest.Item) -> bool:
+    import inspect
+
+    function = getattr(item, "function", None)
+    try:
+        return function is not None and _SLOW_CALLS.search(inspect.getsource(function)) is not None
+    except (OSError, TypeError):
+        return False
+
+
+def _is_slow(item: pytest.Item, case: int) -> bool:
     if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
         return True
     if item.module is not None and item.module.__name__ in SLOW_MODULES:  # type: ignore[attr-defined]
         return True
     if any("torchrun" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")):
+        return True
+    if case >= QUICK_CASES or _calls_slow_parts(item):
         return True
     callspec = getattr(item, "callspec", None)
     mode = callspec.params.get("mode") if callspec is not None else None
@@ -445,8 +464,12 @@ def _is_slow(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    cases: dict[tuple[str, str], int] = {}
     for item in items:
-        if _is_slow(item):
+        key = (item.nodeid.split("::", 1)[0], getattr(item, "originalname", item.name))
+        case = cases.get(key, 0)
+        cases[key] = case + 1
+        if _is_slow(item, case):
             item.add_marker(pytest.mark.slow)
 
 
