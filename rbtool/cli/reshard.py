@@ -34,7 +34,6 @@ from rbtool.cli._common import (
     upload_note,
 )
 from rbtool.cli._writing import DryRunOpt, dry_run_note, read_and_write, trajectories
-from rbtool.format.ranknames import rank_dir_name
 
 
 class Balance(str, enum.Enum):
@@ -74,6 +73,7 @@ def reshard(
     )
     with opening as ([src], dst):
         source, target = src.local, dst.local
+        from rbtool.format.ranknames import rank_dir_name
         from rbtool.ops import resharding
 
         with progress_bar("resharding", None, show_progress(json) and not dry_run) as advance:

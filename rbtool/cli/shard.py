@@ -28,7 +28,6 @@ from rbtool.cli._common import (
     upload_note,
 )
 from rbtool.cli._writing import DryRunOpt, dry_run_note, read_and_write, trajectories
-from rbtool.format.ranknames import rank_dir_name
 
 
 def shard(
@@ -53,6 +52,7 @@ def shard(
     opening = read_and_write([ckpt_arg], target_arg, storage_option, json=json, force=force, dry_run=dry_run)
     with opening as ([src], dst):
         ckpt, target = src.local, dst.local
+        from rbtool.format.ranknames import rank_dir_name
         from rbtool.ops import checkpoint
 
         with progress_bar("sharding", None, show_progress(json) and not dry_run) as advance:
