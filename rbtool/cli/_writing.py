@@ -1,4 +1,4 @@
-"""What every writing command shares: --dry-run, and the line that says what a dry run would write.
+"""What every writing command shares: its opening, and the line that says what a dry run would write.
 
 The rules every writer follows (docs/cli.md, "Writing"): missing parents of the output are
 created; a parent that is a file is refused; an existing output is refused without --force;
@@ -12,19 +12,11 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Annotated
 
-import typer
-
-from rbtool.cli._common import Place, count, out, reading, refuse_overlap, show_progress, writing
-
-DryRunOpt = Annotated[
-    bool,
-    typer.Option(
-        "--dry-run",
-        help="Check the inputs and the output path, show what would be written, and write nothing.",
-    ),
-]
+from rbtool.cli._consoles import out
+from rbtool.cli._output import count
+from rbtool.cli._places import Place, reading, refuse_overlap, writing
+from rbtool.cli._progress import show_progress
 
 
 def dry_run_note(target: Path | str, what: str) -> None:

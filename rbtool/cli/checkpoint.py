@@ -9,41 +9,30 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from rbtool.cli._common import (
+from rbtool.cli._app import Command, Group
+from rbtool.cli._consoles import out
+from rbtool.cli._json import bound, bound_state, print_json, print_jsonl
+from rbtool.cli._options import (
     SUMMARY_ITEMS,
     AllOpt,
-    Command,
     CopyOpt,
+    DryRunOpt,
     ForceOpt,
     FormatOpt,
-    Group,
     JsonlOpt,
     JsonOpt,
-    Place,
     PrettyOpt,
     StorageOpt,
     StrictOpt,
     TrajectoryFormat,
-    bound,
-    bound_state,
-    count,
-    files_line,
-    format_ids,
-    local_path_arg,
-    out,
-    print_json,
-    print_jsonl,
-    progress_bar,
-    reading,
     refuse_output_mix,
-    refuse_overlap,
-    show_progress,
-    state_table,
     summary_limit,
-    upload_note,
 )
+from rbtool.cli._output import count, files_line, format_ids, state_table
+from rbtool.cli._places import Place, local_path_arg, reading, refuse_overlap, upload_note
+from rbtool.cli._progress import progress_bar, show_progress
 from rbtool.cli._window import DEFAULT_WINDOW, window_line
-from rbtool.cli._writing import DryRunOpt, dry_run_note, read_and_write, trajectories
+from rbtool.cli._writing import dry_run_note, read_and_write, trajectories
 
 if TYPE_CHECKING:
     from rbtool.files.index import Index

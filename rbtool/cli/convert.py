@@ -6,10 +6,13 @@ from typing import Annotated, Any
 
 import typer
 
-from rbtool.cli._common import (
+from rbtool.cli._consoles import out
+from rbtool.cli._json import bound_state, print_json
+from rbtool.cli._options import (
     SUMMARY_ITEMS,
     AllOpt,
     CopyOpt,
+    DryRunOpt,
     JobsOpt,
     JournalOpt,
     JsonOpt,
@@ -18,21 +21,13 @@ from rbtool.cli._common import (
     StorageOpt,
     StrictOpt,
     TrajectoryFormat,
-    bound_state,
-    count,
-    files_line,
-    is_url,
-    out,
-    print_json,
-    progress_bar,
     refuse_output_mix,
-    show_progress,
-    size,
-    state_table,
     summary_limit,
-    upload_note,
 )
-from rbtool.cli._writing import DryRunOpt, dry_run_note, read_and_write, trajectories
+from rbtool.cli._output import count, files_line, size, state_table
+from rbtool.cli._places import is_url, upload_note
+from rbtool.cli._progress import progress_bar, show_progress
+from rbtool.cli._writing import dry_run_note, read_and_write, trajectories
 
 
 def convert(

@@ -6,27 +6,21 @@ from typing import Annotated, Any
 
 import typer
 
-from rbtool.cli._common import (
+from rbtool.cli._consoles import err, out
+from rbtool.cli._json import bound, print_json
+from rbtool.cli._options import (
     SUMMARY_ITEMS,
     AllOpt,
-    Column,
-    Fitted,
     JsonOpt,
     PrettyOpt,
     StorageOpt,
     StrictOpt,
-    bound,
-    count,
-    err,
-    format_ids,
-    out,
-    print_json,
-    progress_bar,
-    reading,
     refuse_output_mix,
-    show_progress,
     summary_limit,
 )
+from rbtool.cli._output import Column, Fitted, count, format_ids
+from rbtool.cli._places import reading
+from rbtool.cli._progress import progress_bar, show_progress
 
 
 def diff(

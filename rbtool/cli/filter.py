@@ -6,30 +6,26 @@ from typing import Annotated, Any
 
 import typer
 
-from rbtool.cli._common import (
+from rbtool.cli._consoles import out
+from rbtool.cli._json import bound, bound_state, print_json
+from rbtool.cli._options import (
     SUMMARY_ITEMS,
     AllOpt,
     CopyOpt,
+    DryRunOpt,
     ForceOpt,
     JsonOpt,
     PrettyOpt,
     SourceArg,
     StorageOpt,
     StrictOpt,
-    bound,
-    bound_state,
-    files_line,
-    format_ids,
-    out,
-    print_json,
-    progress_bar,
     refuse_output_mix,
-    show_progress,
-    state_table,
     summary_limit,
-    upload_note,
 )
-from rbtool.cli._writing import DryRunOpt, dry_run_note, read_and_write, trajectories
+from rbtool.cli._output import files_line, format_ids, state_table
+from rbtool.cli._places import upload_note
+from rbtool.cli._progress import progress_bar, show_progress
+from rbtool.cli._writing import dry_run_note, read_and_write, trajectories
 
 
 def filter_(

@@ -8,28 +8,21 @@ from typing import Annotated, Any
 
 import typer
 
-from rbtool.cli._common import (
+from rbtool.cli._consoles import note, out, progress_line
+from rbtool.cli._json import print_json
+from rbtool.cli._options import (
     CopyOpt,
+    DryRunOpt,
     FormatOpt,
     JsonOpt,
     PrettyOpt,
     StorageOpt,
-    files_line,
-    format_ids,
-    is_url,
-    key_values,
-    local_dir,
-    note,
-    out,
-    print_json,
-    progress_bar,
-    progress_line,
-    reading,
     refuse_output_mix,
-    show_progress,
-    shown_in,
 )
-from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
+from rbtool.cli._output import files_line, format_ids, key_values
+from rbtool.cli._places import is_url, local_dir, reading, shown_in
+from rbtool.cli._progress import progress_bar, show_progress
+from rbtool.cli._writing import dry_run_note, trajectories
 
 
 def id_range(ids: list[int]) -> str:

@@ -9,34 +9,24 @@ from typing import Annotated, Any
 import typer
 from rich.text import Text
 
-from rbtool.cli._common import (
-    Column,
-    Command,
-    Fitted,
+from rbtool.cli._app import Command, Group
+from rbtool.cli._consoles import note, out, progress_line
+from rbtool.cli._json import print_json
+from rbtool.cli._options import (
+    DryRunOpt,
     ForceOpt,
     FormatOpt,
-    Group,
     JournalOpt,
     JsonOpt,
     PrettyOpt,
     StorageOpt,
     StrictOpt,
-    files_line,
-    format_ids,
-    key_values,
-    local_path_arg,
-    note,
-    out,
-    print_json,
-    progress_bar,
-    progress_line,
-    reading,
     refuse_output_mix,
-    refuse_overlap,
-    show_progress,
-    size,
 )
-from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
+from rbtool.cli._output import Column, Fitted, files_line, format_ids, key_values, size
+from rbtool.cli._places import local_path_arg, reading, refuse_overlap
+from rbtool.cli._progress import progress_bar, show_progress
+from rbtool.cli._writing import dry_run_note, trajectories
 
 import_app = typer.Typer(
     cls=Group,

@@ -8,32 +8,24 @@ from typing import Annotated
 import typer
 from rich.text import Text
 
-from rbtool.cli._common import (
+from rbtool.cli._consoles import out
+from rbtool.cli._json import bound, print_json
+from rbtool.cli._options import (
     SUMMARY_ITEMS,
     AllOpt,
     CopyOpt,
+    DryRunOpt,
     ForceOpt,
     JobsOpt,
     JsonOpt,
     PrettyOpt,
-    bound,
-    count,
-    files_line,
-    format_ids,
-    head,
-    key_values,
-    left_out,
-    local_path_arg,
-    out,
-    print_json,
-    progress_bar,
     refuse_output_mix,
-    refuse_overlap,
-    show_progress,
-    size,
     summary_limit,
 )
-from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
+from rbtool.cli._output import count, files_line, format_ids, head, key_values, left_out, size
+from rbtool.cli._places import local_path_arg, refuse_overlap
+from rbtool.cli._progress import progress_bar, show_progress
+from rbtool.cli._writing import dry_run_note, trajectories
 
 
 def repair(

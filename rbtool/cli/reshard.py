@@ -7,12 +7,13 @@ from typing import Annotated, Any
 
 import typer
 
-from rbtool.cli._common import (
+from rbtool.cli._consoles import out
+from rbtool.cli._json import bound_state, print_json
+from rbtool.cli._options import (
     SUMMARY_ITEMS,
     AllOpt,
-    Column,
     CopyOpt,
-    Fitted,
+    DryRunOpt,
     JsonOpt,
     PrettyOpt,
     RanksForceOpt,
@@ -20,20 +21,13 @@ from rbtool.cli._common import (
     StorageOpt,
     StrictOpt,
     WorldSizeOpt,
-    bound_state,
-    count,
-    files_line,
-    format_ids,
-    out,
-    print_json,
-    progress_bar,
     refuse_output_mix,
-    show_progress,
-    size,
     summary_limit,
-    upload_note,
 )
-from rbtool.cli._writing import DryRunOpt, dry_run_note, read_and_write, trajectories
+from rbtool.cli._output import Column, Fitted, count, files_line, format_ids, size
+from rbtool.cli._places import upload_note
+from rbtool.cli._progress import progress_bar, show_progress
+from rbtool.cli._writing import dry_run_note, read_and_write, trajectories
 
 
 class Balance(str, enum.Enum):

@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.text import Text
 
-from rbtool.cli._common import (
+from rbtool.cli._consoles import note, out
+from rbtool.cli._json import bound, print_json
+from rbtool.cli._options import (
     AllOpt,
-    Column,
     DirArg,
-    Fitted,
+    DryRunOpt,
     JsonOpt,
     KOpt,
     PrettyOpt,
@@ -24,26 +25,15 @@ from rbtool.cli._common import (
     StrictOpt,
     TemperatureOpt,
     WindowOpt,
-    bound,
-    count,
-    is_url,
-    local_path_arg,
-    note,
-    out,
-    print_json,
-    printable,
-    progress_bar,
-    reading,
     refuse_k_without_topk,
     refuse_output_mix,
-    refuse_overlap,
-    show_progress,
-    side_by_side,
-    size,
     summary_limit,
 )
+from rbtool.cli._output import Column, Fitted, count, printable, side_by_side, size
+from rbtool.cli._places import is_url, local_path_arg, reading, refuse_overlap
+from rbtool.cli._progress import progress_bar, show_progress
 from rbtool.cli._window import DEFAULT_WINDOW, window_line
-from rbtool.cli._writing import DryRunOpt, dry_run_note
+from rbtool.cli._writing import dry_run_note
 
 if TYPE_CHECKING:
     from rbtool.files.dirs import CheckpointView

@@ -10,10 +10,11 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from rbtool.cli._common import (
+from rbtool.cli._consoles import out
+from rbtool.cli._errors import print_error
+from rbtool.cli._json import bound, insert_after, print_json, print_jsonl
+from rbtool.cli._options import (
     AllOpt,
-    Column,
-    Fitted,
     JobsOpt,
     JournalOpt,
     JsonlOpt,
@@ -28,28 +29,25 @@ from rbtool.cli._common import (
     TemperatureOpt,
     WideOpt,
     WindowOpt,
-    bound,
+    refuse_k_without_topk,
+    refuse_output_mix,
+    summary_limit,
+)
+from rbtool.cli._output import (
+    Column,
+    Fitted,
     count,
     head,
     id_ranges,
     id_runs,
-    insert_after,
     left_out,
     number,
-    out,
-    print_error,
-    print_json,
-    print_jsonl,
     printable,
-    progress_bar,
-    reading,
-    refuse_k_without_topk,
-    refuse_output_mix,
-    show_progress,
     size,
-    summary_limit,
     unique_prefixes,
 )
+from rbtool.cli._places import reading
+from rbtool.cli._progress import progress_bar, show_progress
 from rbtool.cli._window import DEFAULT_WINDOW, window_line
 
 SPARK = "▁▂▃▄▅▆▇█"

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import rbtool
-from rbtool.cli._common import JsonOpt, PrettyOpt, out, print_json, refuse_output_mix
+from rbtool.cli._consoles import out
+from rbtool.cli._json import print_json
+from rbtool.cli._options import JsonOpt, PrettyOpt, refuse_output_mix
 
 
 def version(json: JsonOpt = False, pretty: PrettyOpt = False) -> None:
