@@ -12,11 +12,15 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rbtool.cli._consoles import out
 from rbtool.cli._output import count
-from rbtool.cli._places import Place, reading, refuse_overlap, writing
+from rbtool.cli._places import reading, refuse_overlap, writing
 from rbtool.cli._progress import show_progress
+
+if TYPE_CHECKING:
+    from rbtool.remote.places import Place
 
 
 def dry_run_note(target: Path | str, what: str) -> None:

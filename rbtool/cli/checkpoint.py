@@ -29,13 +29,14 @@ from rbtool.cli._options import (
     summary_limit,
 )
 from rbtool.cli._output import count, files_line, format_ids, state_table
-from rbtool.cli._places import Place, local_path_arg, reading, refuse_overlap, upload_note
+from rbtool.cli._places import local_path_arg, reading, refuse_overlap, upload_note
 from rbtool.cli._progress import progress_bar, show_progress
 from rbtool.cli._window import DEFAULT_WINDOW, window_line
 from rbtool.cli._writing import dry_run_note, read_and_write, trajectories
 
 if TYPE_CHECKING:
     from rbtool.files.index import Index
+    from rbtool.remote.places import Place
 
 checkpoint_app = typer.Typer(
     cls=Group,

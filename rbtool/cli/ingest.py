@@ -20,7 +20,7 @@ from rbtool.cli._options import (
     refuse_output_mix,
 )
 from rbtool.cli._output import files_line, format_ids, key_values
-from rbtool.cli._places import is_url, local_dir, reading, shown_in
+from rbtool.cli._places import is_url, local_dir, reading
 from rbtool.cli._progress import progress_bar, show_progress
 from rbtool.cli._writing import dry_run_note, trajectories
 
@@ -111,6 +111,7 @@ def ingest(
         sources = [place.local for place in places]
         from rbtool.errors import UsageError
         from rbtool.ops.ingestion import ingest as ingest_sources
+        from rbtool.remote.places import shown_in
 
         if link and copy:
             raise UsageError("--link and --copy exclude each other; give one of them")

@@ -23,7 +23,7 @@ from rbtool.cli._options import (
     summary_limit,
 )
 from rbtool.cli._output import count, files_line, state_table
-from rbtool.cli._places import shown_in, upload_note
+from rbtool.cli._places import upload_note
 from rbtool.cli._progress import progress_bar, show_progress
 from rbtool.cli._writing import dry_run_note, read_and_write, trajectories
 
@@ -53,6 +53,7 @@ def merge(
         dirs, target = [p.local for p in places], dst.local
         from rbtool.files.dirs import checkpoint_dirs
         from rbtool.ops import checkpoint
+        from rbtool.remote.places import shown_in
 
         inputs = [p for d in dirs for p in checkpoint_dirs(d)]
         with progress_bar("merging", None, show_progress(json) and not dry_run) as advance:
