@@ -5,7 +5,8 @@ The root group is the one place where library errors become exit statuses (`Grou
 The options every command takes (-q, -v, --no-progress, --color) are declared once
 (`_conventions`) and copied onto every command and group by `adopt`, with the RBTOOL_*
 environment defaults of the options several commands share; their values live in
-`_consoles.settings`, not in command arguments.
+`_consoles.settings`, not in command arguments. Every command's function runs guarded
+(`_guarded`): --json, --jsonl and --pretty checked together, the Ctrl-C report, -v's timing.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from rbtool.cli._errors import (
     print_error,
     print_warning,
 )
-from rbtool.cli._options import SUMMARY_ITEMS, TrajectoryFormat
+from rbtool.cli._options import SUMMARY_ITEMS, TrajectoryFormat, refuse_output_mix
 from rbtool.cli._output import format_ids
 from rbtool.cli._places import is_url
 from rbtool.errors import RbtoolError, UsageError
@@ -148,6 +149,11 @@ class Group(TyperGroup):
 
                 print_error(str(os_error(exc, exc.filename or "?")))
                 raise typer.Exit(1) from None
+
+
+def sub_app(name: str, description: str) -> typer.Typer:
+    """A group of commands under `rbtool NAME` (`rbtool checkpoint save`, `rbtool import lerobot`)."""
+    return typer.Typer(cls=Group, name=name, help=description, no_args_is_help=True, rich_markup_mode=None)
 
 
 # ------------------------------------------------------------ help
@@ -416,8 +422,8 @@ def _detail_environment(leaf: Any) -> None:
 
 
 def _guarded(callback: Any) -> Any:
-    """Wrap a command's function: one line on Ctrl-C saying what was kept (exit 130), and the
-    time taken with -v."""
+    """Wrap a command's function: --json, --jsonl and --pretty checked together, one line on
+    Ctrl-C saying what was kept (exit 130), and the time taken with -v."""
     import functools
     import time
 
@@ -429,6 +435,7 @@ def _guarded(callback: Any) -> Any:
         index_before = None if buffer is None else _state(buffer / "trajectory_index.json")
         if ctx is not None:
             _detail_environment(ctx)
+        refuse_output_mix(kwargs.get("json", False), kwargs.get("jsonl", False), kwargs.get("pretty", False))
         started = time.perf_counter()
         try:
             result = callback(*args, **kwargs)

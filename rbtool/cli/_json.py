@@ -5,12 +5,13 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain
 from typing import Any
 
 import orjson
 
+from rbtool.cli._options import summary_limit
 from rbtool.cli._output import head, id_ranges, left_out
 
 _CHUNK_ITEMS = 65536  # a long list is serialised this many items at a time
@@ -140,3 +141,18 @@ def print_jsonl(rows: Iterable[Any]) -> None:
     _write_blocks(
         orjson.dumps(row, default=_plain, option=orjson.OPT_APPEND_NEWLINE | _NUMPY) for row in rows
     )
+
+
+def print_report(
+    doc: dict[str, Any], pretty: bool, all_items: bool, *, each: str | None = None, also: Sequence[str] = ()
+) -> None:
+    """The --json document of checkpoint states: the trajectory id list cut to the summary unless
+    --all (`bound_state`; with `each`, that of every item of `doc[each]`: ranks, checkpoints), and
+    the other lists `also`."""
+    limit = summary_limit(all_items)
+    shown = (
+        bound_state(doc, limit) if each is None else {**doc, each: [bound_state(s, limit) for s in doc[each]]}
+    )
+    for key in also:
+        bound(shown, key, limit)
+    print_json(shown, pretty)

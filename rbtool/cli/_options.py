@@ -181,6 +181,12 @@ def refuse_k_without_topk(strategy: Strategy, k: int | None) -> None:
         raise UsageError("--strategy topk needs --k K (how many highest-reward samples are candidates)")
 
 
+def refuse_link_with_copy(link: bool, copy: bool) -> None:
+    """--link and --copy say opposite things about loose files (a usage error, exit 2)."""
+    if link and copy:
+        raise UsageError("--link and --copy exclude each other; give one of them")
+
+
 def refuse_output_mix(json: bool, jsonl: bool = False, pretty: bool = False) -> None:
     """--json and --jsonl exclude each other; --pretty indents --json only (usage errors, exit 2)."""
     if json and jsonl:

@@ -15,7 +15,6 @@ from rbtool.cli._options import (
     PrettyOpt,
     StorageOpt,
     StrictOpt,
-    refuse_output_mix,
     summary_limit,
 )
 from rbtool.cli._output import Column, Fitted, count, format_ids
@@ -43,7 +42,6 @@ def diff(
     storage_option: StorageOpt = None,
 ) -> None:
     """Compare A and B: metadata, entries added/removed/changed, files, schema. Exit 0 equal, 1 not."""
-    refuse_output_mix(json, pretty=pretty)
     with (
         reading(a_arg, storage_option, data=True, enabled=show_progress(json)) as place_a,
         reading(b_arg, storage_option, data=True, enabled=show_progress(json)) as place_b,

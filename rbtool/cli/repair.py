@@ -19,7 +19,6 @@ from rbtool.cli._options import (
     JobsOpt,
     JsonOpt,
     PrettyOpt,
-    refuse_output_mix,
     summary_limit,
 )
 from rbtool.cli._output import count, files_line, format_ids, head, key_values, left_out, size
@@ -62,7 +61,6 @@ def repair(
     Entries whose files are missing, unreadable or altered are dropped, counts are recounted,
     and a lost or corrupt index or metadata is rebuilt from the trajectory files.
     """
-    refuse_output_mix(json, pretty=pretty)
     from rbtool.ops.repair import repair as run_repair
 
     refuse_overlap(target, [path], "--out")  # as every writer words it (the library refuses it too)

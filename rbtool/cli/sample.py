@@ -25,7 +25,6 @@ from rbtool.cli._options import (
     TemperatureOpt,
     WindowOpt,
     refuse_k_without_topk,
-    refuse_output_mix,
     summary_limit,
 )
 from rbtool.cli._output import Column, Fitted, count, printable, side_by_side, size
@@ -94,7 +93,6 @@ def sample(
     Shows each field's shape and dtype and which trajectory and row every batch row came
     from; with --out, saves the batch (a dict of [num_chunks, ...] tensors).
     """
-    refuse_output_mix(json, pretty=pretty)
     refuse_k_without_topk(strategy, k)
     if out_path is not None:
         if not is_url(path):  # the batch never goes into the checkpoint

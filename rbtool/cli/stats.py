@@ -30,7 +30,6 @@ from rbtool.cli._options import (
     WideOpt,
     WindowOpt,
     refuse_k_without_topk,
-    refuse_output_mix,
     summary_limit,
 )
 from rbtool.cli._output import (
@@ -151,7 +150,6 @@ def stats(
     Long lists are summarised unless --all; --jsonl streams one object per trajectory. With
     several paths, each is shown in turn and the exit status is 1 if any could not be read.
     """
-    refuse_output_mix(json, jsonl, pretty)
     if sample_draws is None:
         if strategy is not Strategy.uniform or k is not None or seed is not None:
             raise typer.BadParameter("--strategy, --k and --seed apply only with --sample-draws")

@@ -21,7 +21,6 @@ from rbtool.cli._options import (
     PathsArg,
     PrettyOpt,
     StorageOpt,
-    refuse_output_mix,
     summary_limit,
 )
 from rbtool.cli._output import Column, Fitted, count, head, id_ranges, left_out, size
@@ -156,7 +155,6 @@ def verify(
     interrupted writer left) and warnings (differing field schemas) do not fail it. Several
     paths are checked in turn, each reported on its own.
     """
-    refuse_output_mix(json, jsonl, pretty)
     if journal is not None and not deep:
         raise typer.BadParameter(
             "the quick check reads no trajectory file: add --deep", param_hint="--journal"
