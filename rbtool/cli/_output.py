@@ -224,11 +224,11 @@ def size(n: int | None) -> str:
     raise AssertionError("unreachable")
 
 
-def number(value: float | None, digits: int = 4) -> str:
-    """A number with `digits` significant digits: 0.5, 0.125, 1e-06, 1.235e+05 (`-` when unknown)."""
+def number(value: float | None) -> str:
+    """A number with 4 significant digits: 0.5, 0.125, 1e-06, 1.235e+05 (`-` when unknown)."""
     if value is None:
         return "-"
-    return f"{value:.{digits}g}"
+    return f"{value:.4g}"
 
 
 def head(items: Any, limit: int | None) -> Any:
@@ -460,8 +460,8 @@ def state_table(title: str, rows: list[tuple[str, dict[str, Any]]], limit: int |
     return Fitted(columns, cells, title=title)
 
 
-def side_by_side(*parts: RenderableType, gap: int = 4) -> Table:
-    """Renderables in one row (callers check the width first)."""
-    grid = Table.grid(padding=(0, gap))
+def side_by_side(*parts: RenderableType) -> Table:
+    """Renderables in one row, 4 columns apart (callers check the width first)."""
+    grid = Table.grid(padding=(0, 4))
     grid.add_row(*parts)
     return grid
