@@ -309,12 +309,12 @@ def bucket(s3_server: str, request: pytest.FixtureRequest) -> str:
 @pytest.fixture(params=[80, 200], ids=["80cols", "200cols"])
 def columns(request: pytest.FixtureRequest) -> Iterator[int]:
     """Both consoles of the command line at a terminal width of 80 or 200 columns for the test."""
-    from rbtool.cli import _common
+    from rbtool.cli._consoles import err, out
 
-    saved = (_common.out._fixed_width, _common.err._width)  # stdout's console follows the terminal when None
-    _common.out.width = _common.err.width = request.param
+    saved = (out._fixed_width, err._width)  # stdout's console follows the terminal when None
+    out.width = err.width = request.param
     yield request.param
-    _common.out._fixed_width, _common.err._width = saved
+    out._fixed_width, err._width = saved
 
 
 def forget_etags(url: str) -> None:

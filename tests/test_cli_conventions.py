@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 import rbtool
 from rbtool.cli import app
-from rbtool.cli._common import OPTION_ENVVARS, shared_params
+from rbtool.cli._app import OPTION_ENVVARS, shared_params
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 WIDTHS = (80, 200)
@@ -378,7 +378,7 @@ def test_quiet_leaves_out_warnings_that_only_inform(ckpt: Path, tmp_path: Path, 
 
 
 def test_what_the_interrupt_line_says_for_each_kind_of_command(tmp_path: Path, ckpt: Path) -> None:
-    from rbtool.cli._common import _state, interrupted_line
+    from rbtool.cli._app import _state, interrupted_line
 
     assert interrupted_line(None, None, None) == "interrupted: nothing was written"
     new = tmp_path / "new"

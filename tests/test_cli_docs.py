@@ -15,7 +15,7 @@ import pytest
 import typer
 
 from rbtool.cli import app
-from rbtool.cli._common import shared_params
+from rbtool.cli._app import shared_params
 from rbtool.cli._examples import EXAMPLES, epilog
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "cli.md"

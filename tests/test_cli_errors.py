@@ -17,7 +17,7 @@ import pytest
 import typer
 from conftest import FIXTURES, assert_one_error, run
 
-from rbtool.cli import _common
+from rbtool.cli import _errors
 from rbtool.errors import FieldsLeftOutWarning, MissingTrajectoryFilesError, OutputExistsError
 
 PACKAGE = Path(__file__).resolve().parents[1] / "rbtool"
@@ -99,20 +99,20 @@ def command(name: str) -> object:
 def test_hints_depend_on_the_command_options() -> None:
     missing = MissingTrajectoryFilesError("x: files missing", [1])
     exists = OutputExistsError("x: already exists")
-    assert _common.option_hint(missing, command("shard")) == "; pass --non-strict to keep only what exists"
+    assert _errors.option_hint(missing, command("shard")) == "; pass --non-strict to keep only what exists"
     assert (
-        _common.option_hint(exists, command("shard")) == "; choose another path or pass --force to replace it"
+        _errors.option_hint(exists, command("shard")) == "; choose another path or pass --force to replace it"
     )
-    assert _common.option_hint(missing, command("version")) == ""
-    assert _common.option_hint(exists, None) == ""
+    assert _errors.option_hint(missing, command("version")) == ""
+    assert _errors.option_hint(exists, None) == ""
 
 
 def test_left_out_fields_warning_names_the_option(capsys: pytest.CaptureFixture[str]) -> None:
     warning = FieldsLeftOutWarning("left out a.b; ask for extra fields", ["a.b", "c"])
-    _common.print_warning(warning, command("sample"))
+    _errors.print_warning(warning, command("sample"))
     line = capsys.readouterr().err.strip()
     assert line.startswith("Warning: ") and "a.b, c" in line and "--all-fields" in line
-    _common.print_warning(warning, None)  # a command without the option: the library's words
+    _errors.print_warning(warning, None)  # a command without the option: the library's words
     assert capsys.readouterr().err.strip() == "Warning: left out a.b; ask for extra fields"
 
 

@@ -216,9 +216,9 @@ def test_a_usage_error_quoting_a_value_is_escaped(tmp_path: Path) -> None:
 
 def test_progress_descriptions_are_plain_text() -> None:
     """A progress bar names inputs: what its description column draws is escaped, never markup."""
-    from rbtool.cli import _common
+    from rbtool.cli import _progress
 
-    with _common.progress_bar("fetching [bold]x\x1b]0;t\x07", 1, True) as advance:
+    with _progress.progress_bar("fetching [bold]x\x1b]0;t\x07", 1, True) as advance:
         progress = advance._progress
         column, task = progress.columns[0], progress.tasks[0]
         assert column.render(task).plain == "fetching [bold]x\\x1b]0;t\\x07"

@@ -10,7 +10,7 @@ from pathlib import Path
 import typer
 
 from rbtool.cli import app
-from rbtool.cli._common import shared_params
+from rbtool.cli._app import shared_params
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 # Options of every command, documented once under "Conventions" in docs/cli.md.

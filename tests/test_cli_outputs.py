@@ -16,12 +16,12 @@ import pytest
 from conftest import FIXTURES, assert_one_error, run
 from rich.console import Console
 
-from rbtool.cli import _common
+from rbtool.cli import _app, _json, _options, _output, _progress
 from rbtool.files.index import Index, write_index
 from rbtool.format import trajectory_file_name
 
 BIG = 200_000  # entries of the generated index (written directly, no trajectory file exists)
-LIMIT = _common.SUMMARY_ITEMS
+LIMIT = _options.SUMMARY_ITEMS
 AUTOSAVE = FIXTURES / "autosave_pt" / "autosave"
 
 
@@ -130,12 +130,12 @@ def test_non_strict_load_of_a_large_index_bounds_the_dropped_ids(big: Path) -> N
 
 def test_the_human_view_names_a_few_runs_and_how_many_ids_remain() -> None:
     ids = list(range(0, 200, 2))
-    shown = _common.format_ids(ids, LIMIT)
+    shown = _output.format_ids(ids, LIMIT)
     assert shown.startswith("0, 2, 4") and shown.endswith(
         f"... {len(ids) - LIMIT} more ids in {len(ids) - LIMIT} runs"
     )
-    assert _common.format_ids(ids) == ", ".join(map(str, ids))
-    assert _common.format_ids([3, 4, 5, 9]) == "3-5, 9"
+    assert _output.format_ids(ids) == ", ".join(map(str, ids))
+    assert _output.format_ids([3, 4, 5, 9]) == "3-5, 9"
 
 
 # ------------------------------------------------------------------ --all and --jsonl
@@ -196,7 +196,7 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(big: Path) -> None:
     first = proc.stdout.readline()
     proc.stdout.close()  # far more than a pipe holds is still to come
     stderr = proc.stderr.read()
-    assert proc.wait(120) == _common.BROKEN_PIPE_STATUS, stderr
+    assert proc.wait(120) == _app.BROKEN_PIPE_STATUS, stderr
     assert json.loads(first)["id"] == 0
     assert stderr == b""
 
@@ -205,9 +205,9 @@ def test_stdout_closed_tells_a_pipe_nobody_reads(monkeypatch: pytest.MonkeyPatch
     read_end, write_end = os.pipe()
     with os.fdopen(write_end, "w") as writer:
         monkeypatch.setattr(sys, "stdout", writer)
-        assert not _common.stdout_closed()  # read end open: a pipe in use
+        assert not _app.stdout_closed()  # read end open: a pipe in use
         os.close(read_end)
-        assert _common.stdout_closed()
+        assert _app.stdout_closed()
 
 
 def test_verify_jsonl_is_one_object_per_problem_and_complete(big: Path) -> None:
@@ -281,7 +281,7 @@ def test_the_streamed_document_is_the_one_orjson_writes(capsysbinary: pytest.Cap
         "nan": float("nan"),
         "empty": [],
     }
-    _common.print_json(doc)
+    _json.print_json(doc)
     plain = {
         "a": {
             "ids": values.tolist(),
@@ -300,7 +300,7 @@ def test_the_streamed_document_is_the_one_orjson_writes(capsysbinary: pytest.Cap
 @pytest.fixture
 def terminal(monkeypatch: pytest.MonkeyPatch) -> None:
     """stderr as a terminal, so that progress bars show (they go wherever sys.stderr goes)."""
-    monkeypatch.setattr(_common, "err", Console(stderr=True, force_terminal=True, width=120))
+    monkeypatch.setattr(_progress, "err", Console(stderr=True, force_terminal=True, width=120))
 
 
 def test_progress_goes_to_stderr_only(terminal: None, tmp_path: Path) -> None:
@@ -338,7 +338,7 @@ def test_an_advance_reports_phases_with_totals() -> None:
             self.calls.append(("advance", n))
 
     recorder = Recorder()
-    advance = _common.Advance(recorder, 0)
+    advance = _progress.Advance(recorder, 0)
     from rbtool.ops.stats import collect_stats
 
     collect_stats(AUTOSAVE, progress=advance)

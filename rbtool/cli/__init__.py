@@ -1,9 +1,9 @@
 """The `rbtool` command line: parses, calls the library, prints.
 
 The command set is the list below. Each command module defines its command functions (the
-`checkpoint` module its sub-group) and imports only `rbtool.cli._common` at import time;
-the library is imported inside each command, so `rbtool --help` loads neither torch nor
-the library. Library errors become exit statuses in one place, `_common.Group.invoke`.
+`checkpoint` module its sub-group) and imports only the private `rbtool.cli._*` modules at
+import time; the library is imported inside each command, so `rbtool --help` loads neither
+torch nor the library. Library errors become exit statuses in one place, `_app.Group.invoke`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from rbtool.cli import (
     verify,
     version,
 )
-from rbtool.cli._common import Command, Group
+from rbtool.cli._app import Command, Group
 
 app = typer.Typer(
     cls=Group,

@@ -1,4 +1,8 @@
-"""Option errors in plain words: what the argument parser found wrong with a value, and what to give.
+"""How errors and warnings read: one line each on stderr, with the option or command that answers them.
+
+A library error is `Error: <its first line>`, with the hint of the running command's option
+that answers it (`OPTION_HINTS`) or the command that mends the damage (`fix_hint`); its exit
+status is 2 for a usage error, else 1. A library warning is one line `Warning: ...`.
 
 Typer checks option values with pydantic, whose messages speak of Python types ("Input should be
 a valid integer, unable to parse string as an integer", "Value error, 'TopK' is not one of ...").
@@ -13,7 +17,85 @@ from typing import Any
 
 import typer
 
-from rbtool.errors import DamagedCheckpointError, LooseFilesError, TrajectoryFileError
+from rbtool.cli._consoles import err, settings
+from rbtool.cli._output import printable
+from rbtool.errors import (
+    DamagedCheckpointError,
+    FieldsLeftOutWarning,
+    LeftoversRemovedWarning,
+    LooseFilesError,
+    MissingTrajectoryFilesError,
+    NeedsTrajectoryFilesError,
+    OutputExistsError,
+    RbtoolError,
+    TrajectoryFileError,
+    UsageError,
+)
+
+# Library errors that a command-line option answers: (error class, option, hint). The hint
+# is added only when the running command has the option; library messages never name flags.
+OPTION_HINTS: tuple[tuple[type[Exception], str, str], ...] = (
+    (MissingTrajectoryFilesError, "--non-strict", "pass --non-strict to keep only what exists"),
+    (OutputExistsError, "--force", "choose another path or pass --force to replace it"),
+    (NeedsTrajectoryFilesError, "--index-only", "drop --index-only"),
+)
+
+# Warnings that only inform (nothing is wrong with the result): -q leaves them out.
+INFORMATION: tuple[type[Warning], ...] = (FieldsLeftOutWarning, LeftoversRemovedWarning)
+
+
+def _option_names(command: Any) -> set[str]:
+    """Every option string of a command (`--force`, `-f`, `--no-progress`)."""
+    return {opt for p in getattr(command, "params", []) for opt in (*p.opts, *p.secondary_opts)}
+
+
+def option_hint(exc: Exception, command: Any) -> str:
+    """`; <hint>` for the first option that answers `exc`, if the command has that option."""
+    options = _option_names(command)
+    for cls, option, hint in OPTION_HINTS:
+        if isinstance(exc, cls) and option in options and option not in str(exc):
+            return f"; {hint}"
+    return ""
+
+
+def one_line(message: object) -> str:
+    """The first line of a message, whitespace collapsed."""
+    return " ".join(str(message).split("\n")[0].split())
+
+
+def print_error(message: str) -> None:
+    """`Error: <first line of message>` on stderr, control characters escaped (a message names
+    files, keys and ids that others wrote)."""
+    err.print(f"Error: {printable(one_line(message)) or 'unknown error'}", markup=False, highlight=False)
+
+
+def escape_usage_error(exc: Exception) -> None:
+    """Escape, in place, the control characters of the parser's message (it may quote a value)."""
+    message = getattr(exc, "message", None)
+    if isinstance(message, str):
+        exc.message = printable(message)  # type: ignore[attr-defined]
+
+
+def print_warning(warning: Warning | str, command: Any) -> None:
+    """A library warning as one line `Warning: ...` on stderr, in the command line's terms."""
+    if settings.quiet and isinstance(warning, INFORMATION):
+        return
+    if isinstance(warning, FieldsLeftOutWarning) and "--all-fields" in _option_names(command):
+        text = (
+            f"sampled batches leave out {', '.join(warning.fields)} (RLinf's sampler ignores them); "
+            "pass --all-fields to sample them"
+        )
+    else:
+        text = one_line(warning)
+        if isinstance(warning, Warning):
+            text += option_hint(warning, command)
+    err.print(f"Warning: {text}", markup=False, highlight=False)
+
+
+def exit_status(exc: RbtoolError) -> int:
+    """2 for a usage error found by the library's checks, 1 for anything wrong with the input."""
+    return 2 if isinstance(exc, UsageError) else 1
+
 
 # Typer's own choice check: "'TopK' is not one of 'uniform', 'topk'."
 _NOT_ONE_OF = re.compile(r"(?P<value>'.*') is not one of (?P<choices>.*)\.$")

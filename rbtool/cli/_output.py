@@ -1,5 +1,5 @@
 """How results read for a person: the stdout console, one table style, and one way to write
-sizes, counts, id runs, small numbers and model_weights_ids.
+sizes, counts, id runs, small numbers, model_weights_ids, placed files and checkpoint states.
 
 At a terminal, lines wrap at word boundaries and tables fit the width by leaving out their
 least needed columns (a note names them; `--wide` keeps them). Written to a file or a pipe,
@@ -224,11 +224,11 @@ def size(n: int | None) -> str:
     raise AssertionError("unreachable")
 
 
-def number(value: float | None, digits: int = 4) -> str:
-    """A number with `digits` significant digits: 0.5, 0.125, 1e-06, 1.235e+05 (`-` when unknown)."""
+def number(value: float | None) -> str:
+    """A number with 4 significant digits: 0.5, 0.125, 1e-06, 1.235e+05 (`-` when unknown)."""
     if value is None:
         return "-"
-    return f"{value:.{digits}g}"
+    return f"{value:.4g}"
 
 
 def head(items: Any, limit: int | None) -> Any:
@@ -265,6 +265,20 @@ def id_runs(ids: Sequence[int] | Any, limit: int | None = None) -> str:
         rest = sum(b - a + 1 for a, b in runs[len(runs) - hidden :])
         shown += f", ... {count(rest, 'more id')} in {count(hidden, 'run')}"
     return shown
+
+
+def format_ids(ids: Sequence[int], limit: int | None = None) -> str:
+    """Ids for a person: runs of consecutive ids as `a-b`; past `limit` runs, how many ids remain."""
+    return id_runs(ids, limit)
+
+
+def files_line(files: dict[str, int]) -> str:
+    """How trajectory files were placed, for a person."""
+    placed = (
+        f"{files['reflinked']} reflinked, {files['linked']} linked, "
+        f"{files['copied']} copied, {files['written']} written"
+    )
+    return f"{placed}, {size(files['bytes'])}"
 
 
 def unique_prefixes(ids: Iterable[str], shortest: int = ID_PREFIX) -> dict[str, str]:
@@ -424,8 +438,30 @@ def key_values(title: str | Text, rows: Sequence[tuple[str, str | Text]]) -> Fit
     return Fitted([Column("key", style="bold"), Column("value", wrap=True)], cells, title=title, header=False)
 
 
-def side_by_side(*parts: RenderableType, gap: int = 4) -> Table:
-    """Renderables in one row (callers check the width first)."""
-    grid = Table.grid(padding=(0, gap))
+def state_table(title: str, rows: list[tuple[str, dict[str, Any]]], limit: int | None = None) -> Fitted:
+    """A table of (label, state) rows: size, samples, counter and ids of each (the first `limit` runs)."""
+    columns = [
+        Column("", style="bold"),
+        Column("size", right=True),
+        Column("total samples", right=True),
+        Column("counter", right=True),
+        Column("trajectory ids", wrap=True),
+    ]
+    cells = [
+        [
+            label,
+            f"{state['size']}",
+            f"{state['total_samples']}",
+            f"{state['trajectory_counter']}",
+            format_ids(state["trajectory_id_list"], limit),
+        ]
+        for label, state in rows
+    ]
+    return Fitted(columns, cells, title=title)
+
+
+def side_by_side(*parts: RenderableType) -> Table:
+    """Renderables in one row, 4 columns apart (callers check the width first)."""
+    grid = Table.grid(padding=(0, 4))
     grid.add_row(*parts)
     return grid

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rbtool.cli._common import SUMMARY_ITEMS, format_ids
+from rbtool.cli._options import SUMMARY_ITEMS
+from rbtool.cli._output import format_ids
 
 # TrajectoryReplayBuffer's own default sample_window_size (and RLinf's): `sample`, `stats` and
 # `checkpoint save` reproduce what a buffer built with defaults would draw or save (docs/decisions.md).

@@ -1,4 +1,5 @@
-"""What every writing command shares: --dry-run, and the line that says what a dry run would write.
+"""What every writing command shares: its opening, the operation run under the writers' rules,
+and the last lines of its human view; and the lines of the commands that add to a buffer.
 
 The rules every writer follows (docs/cli.md, "Writing"): missing parents of the output are
 created; a parent that is a file is refused; an existing output is refused without --force;
@@ -9,22 +10,20 @@ creates, changes and removes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import typer
+from rbtool.cli._consoles import note, out, progress_line
+from rbtool.cli._output import count, files_line
+from rbtool.cli._places import reading, refuse_overlap, upload_note, writing
+from rbtool.cli._progress import progress_bar, show_progress
 
-from rbtool.cli._common import Place, count, out, reading, refuse_overlap, show_progress, writing
+if TYPE_CHECKING:
+    from rbtool.remote.places import Place
 
-DryRunOpt = Annotated[
-    bool,
-    typer.Option(
-        "--dry-run",
-        help="Check the inputs and the output path, show what would be written, and write nothing.",
-    ),
-]
+T = TypeVar("T")
 
 
 def dry_run_note(target: Path | str, what: str) -> None:
@@ -32,9 +31,73 @@ def dry_run_note(target: Path | str, what: str) -> None:
     out.print(f"dry run: would write {target} ({what}); nothing written", markup=False)
 
 
+def id_range(ids: list[int]) -> str:
+    """`first-last`, or the id alone for a single one (the shape other tooling parses)."""
+    return str(ids[0]) if len(ids) == 1 else f"{ids[0]}-{ids[-1]}"
+
+
+def added_line(ids: list[int], bar_shown: bool) -> None:
+    """The progress line of a batch published into a buffer: `added trajectory ids FIRST-LAST`."""
+    progress_line(f"added trajectory ids {id_range(ids)}", bar_shown)
+
+
+def waiting_note(buffer: Path, holder: str) -> None:
+    """What a command adding to `buffer` says while another process holds its lock."""
+    note(f"waiting for {buffer} (locked by {holder})")
+
+
 def trajectories(n: int) -> str:
     """`1 trajectory`, `5 trajectories`."""
     return count(n, "trajectory", "trajectories")
+
+
+class Writer:
+    """A writing command at work: the input checkpoints it reads, the output it writes, and the
+    options every writer takes."""
+
+    def __init__(
+        self, sources: list[Place], dst: Place, *, json: bool, force: bool, copy: bool, dry_run: bool
+    ) -> None:
+        self.sources = sources
+        self.dst = dst
+        self.json = json
+        self.force = force
+        self.copy = copy
+        self.dry_run = dry_run
+
+    @property
+    def link(self) -> bool:
+        """Whether the output may hard-link the inputs' files: not with --copy, never into the cache."""
+        return not self.copy and all(place.url is None for place in self.sources)
+
+    def run(
+        self,
+        description: str,
+        operation: Callable[..., T],
+        *args: Any,
+        dry_run_bar: bool = False,
+        **kwargs: Any,
+    ) -> T:
+        """The library's `operation` on the output (`args` and `kwargs` its own), under the writers'
+        rules: --force, --dry-run and links as allowed, progress shown under `description` (in a
+        dry run too with `dry_run_bar`). The output is published (a URL's uploaded) before the
+        result is returned, so that what is printed exists."""
+        enabled = show_progress(self.json) and (dry_run_bar or not self.dry_run)
+        with progress_bar(description, None, enabled) as advance:
+            rules = {"overwrite": self.force, "progress": advance, "link": self.link, "dry_run": self.dry_run}
+            result = operation(*args, **{**rules, **kwargs})
+        self.dst.finish()
+        return result
+
+    def last_lines(self, would: str, files: dict[str, int] | None, prefix: str = "") -> None:
+        """The human view's last lines: what a dry run would write (`would`), else how the files
+        were placed (after `prefix`) and what the upload did."""
+        if self.dry_run:
+            dry_run_note(self.dst.show(), would)
+        else:
+            assert files is not None
+            out.print(f"{prefix}files: {files_line(files)}")
+            upload_note(self.dst.upload)
 
 
 @contextmanager
@@ -45,16 +108,16 @@ def read_and_write(
     *,
     json: bool,
     force: bool,
+    copy: bool,
     dry_run: bool,
     stream: bool = False,
     data: bool | None = None,
     option: str = "--out",
-) -> Iterator[tuple[list[Place], Place]]:
+) -> Iterator[Writer]:
     """A writer's opening: its input checkpoints read (a URL fetched; its files only when it is
     no dry run, unless `data` says otherwise; streamed passes allowed with `stream`), its output
     opened (a URL staged for upload, an existing one refused without `force`), progress shown
-    unless `json`, and an output that is, lies in or holds an input refused, named as `option`.
-    The command calls `dst.finish()`."""
+    unless `json`, and an output that is, lies in or holds an input refused, named as `option`."""
     enabled = show_progress(json)
     fetch = not dry_run if data is None else data
     with ExitStack() as stack:
@@ -64,4 +127,4 @@ def read_and_write(
         ]
         dst = stack.enter_context(writing(target, storage_options, overwrite=force, enabled=enabled))
         refuse_overlap(dst.local, [p.local for p in places], option)
-        yield places, dst
+        yield Writer(places, dst, json=json, force=force, copy=copy, dry_run=dry_run)

@@ -9,51 +9,36 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from rbtool.cli._common import (
-    SUMMARY_ITEMS,
+from rbtool.cli._app import Command, sub_app
+from rbtool.cli._consoles import out
+from rbtool.cli._json import print_jsonl, print_report
+from rbtool.cli._options import (
     AllOpt,
-    Command,
     CopyOpt,
+    DryRunOpt,
     ForceOpt,
     FormatOpt,
-    Group,
     JsonlOpt,
     JsonOpt,
-    Place,
     PrettyOpt,
     StorageOpt,
     StrictOpt,
     TrajectoryFormat,
-    bound,
-    bound_state,
-    count,
-    files_line,
-    format_ids,
-    local_path_arg,
-    out,
-    print_json,
-    print_jsonl,
-    progress_bar,
-    reading,
-    refuse_output_mix,
-    refuse_overlap,
-    show_progress,
-    state_table,
+    refuse_link_with_copy,
     summary_limit,
-    upload_note,
 )
+from rbtool.cli._output import count, format_ids, state_table
+from rbtool.cli._places import local_path_arg, reading, refuse_overlap
+from rbtool.cli._progress import progress_bar, show_progress
 from rbtool.cli._window import DEFAULT_WINDOW, window_line
-from rbtool.cli._writing import DryRunOpt, dry_run_note, read_and_write, trajectories
+from rbtool.cli._writing import Writer, dry_run_note, read_and_write, trajectories
 
 if TYPE_CHECKING:
     from rbtool.files.index import Index
+    from rbtool.remote.places import Place
 
-checkpoint_app = typer.Typer(
-    cls=Group,
-    name="checkpoint",
-    help="Save a checkpoint the way the buffer would, or show (and restore) what loading one yields.",
-    no_args_is_help=True,
-    rich_markup_mode=None,
+checkpoint_app = sub_app(
+    "checkpoint", "Save a checkpoint the way the buffer would, or show (and restore) what loading one yields."
 )
 
 
@@ -116,11 +101,7 @@ def save(
     storage_option: StorageOpt = None,
 ) -> None:
     """Write the checkpoint a buffer's save_checkpoint would write, from files on disk."""
-    refuse_output_mix(json, pretty=pretty)
-    if link and copy:
-        from rbtool.errors import UsageError
-
-        raise UsageError("--link and --copy exclude each other; give one of them")
+    refuse_link_with_copy(link, copy)
     # a dry run of a save reads every file, as the save does
     opening = read_and_write(
         source_args,
@@ -128,47 +109,30 @@ def save(
         storage_option,
         json=json,
         force=force,
+        copy=copy,
         dry_run=dry_run,
         data=True,
         option="OUT",
     )
-    with opening as (places, place):
-        _save(
-            [p.local for p in places],
-            place,
-            window,
-            mode,
-            trajectory_format,
-            seed,
-            force,
-            # never a hard link into the cache; loose files copied unless --link, as by ingest
-            False if copy or any(p.url is not None for p in places) else True if link else None,
-            dry_run,
-            all_items,
-            json,
-            pretty,
-        )
+    with opening as writer:
+        _save(writer, window, mode, trajectory_format, seed, link, all_items, pretty)
 
 
 def _save(
-    sources: list[Path],
-    place: Place,
+    writer: Writer,
     window: int,
     mode: SaveMode,
     trajectory_format: TrajectoryFormat | None,
     seed: int | None,
-    force: bool,
-    link: bool | None,
-    dry_run: bool,
+    link: bool,
     all_items: bool,
-    json: bool,
     pretty: bool,
 ) -> None:
-    target, shown = place.local, place.show()
     from rbtool.files.dirs import is_rank_tree, open_view
     from rbtool.format import is_checkpoint_dir
     from rbtool.ops import checkpoint
 
+    sources, dst, dry_run = [p.local for p in writer.sources], writer.dst, writer.dry_run
     fmt = None if trajectory_format is None else trajectory_format.value
     chosen = mode
     if mode is SaveMode.auto:
@@ -178,7 +142,6 @@ def _save(
             and (is_checkpoint_dir(sources[0]) or is_rank_tree(sources[0]))
         )
         chosen = SaveMode.auto_save if single_dir else SaveMode.in_memory
-    enabled = show_progress(json) and not dry_run
     if chosen is SaveMode.auto_save:
         if len(sources) != 1:
             raise typer.BadParameter("auto-save mode takes exactly one buffer directory", param_hint="SOURCE")
@@ -191,54 +154,39 @@ def _save(
                 f"a buffer with auto_save on saves its own files; {sources[0]} holds {own_format} files",
                 param_hint="--format",
             )
-        with progress_bar("saving", None, enabled) as advance:
-            index, report = checkpoint.save_from_autosave_dir(
-                sources[0],
-                target,
-                window,
-                overwrite=force,
-                progress=advance,
-                link=link is not False,
-                dry_run=dry_run,
-            )
+        index, report = writer.run("saving", checkpoint.save_from_autosave_dir, sources[0], dst.local, window)
     else:
-        with progress_bar("saving", None, enabled) as advance:
-            index, report = checkpoint.build_from_files(
-                sources,
-                target,
-                window,
-                trajectory_format=fmt or "pt",
-                seed=1234 if seed is None else seed,
-                overwrite=force,
-                progress=advance,
-                link=link,
-                dry_run=dry_run,
-            )
+        index, report = writer.run(
+            "saving",
+            checkpoint.build_from_files,
+            sources,
+            dst.local,
+            window,
+            trajectory_format=fmt or "pt",
+            seed=1234 if seed is None else seed,
+            # loose files are copied unless --link, as by ingest; never a hard link into the cache
+            link=(True if link else None) if writer.link else False,
+        )
         listed = list(range(index.trajectory_counter))  # an in-memory buffer numbers them 0..n-1
 
-    place.finish()
     doc: dict[str, Any] = {
         "mode": chosen.value,
-        "out": shown,
-        "upload": place.upload,
+        "out": dst.show(),
+        "upload": dst.upload,
         "window": window,
         **index.state(),
         "trajectory_format": index.trajectory_format,
         "dry_run": dry_run,
         "files": None if dry_run else report.as_json(),
     }
-    limit = summary_limit(all_items)
-    if json:
-        print_json(bound_state(doc, limit), pretty)
+    if writer.json:
+        print_report(doc, pretty, all_items)
         return
-    title = f"{'would save' if dry_run else 'saved'} {shown} ({chosen.value}, window {window})"
-    out.print(state_table(title, [("checkpoint", doc)], None if all_items else SUMMARY_ITEMS))
+    title = f"{'would save' if dry_run else 'saved'} {dst.show()} ({chosen.value}, window {window})"
+    out.print(state_table(title, [("checkpoint", doc)], summary_limit(all_items)))
     out.print(window_line(window, index.id_list, listed), markup=False)
-    if dry_run:
-        dry_run_note(shown, f"{trajectories(index.size)}, format {doc['trajectory_format']}")
-    else:
-        out.print(f"format {doc['trajectory_format']}; files: {files_line(doc['files'])}")
-        upload_note(place.upload)
+    saved = doc["trajectory_format"]
+    writer.last_lines(f"{trajectories(index.size)}, format {saved}", doc["files"], f"format {saved}; ")
 
 
 # ----------------------------------------------------------------------- load
@@ -325,7 +273,6 @@ def load(
 
     Id lists are summarised unless --all; --jsonl streams one object per trajectory loaded.
     """
-    refuse_output_mix(json, jsonl, pretty)
     # Without --buffer only the JSON objects of a remote checkpoint are read.
     enabled = show_progress(json or jsonl)
     with reading(ckpt_arg, storage_option, data=buffer is not None, enabled=enabled) as place:
@@ -422,12 +369,8 @@ def _load(
         print_jsonl(trajectory_rows(shown, world_size, rank))
         return
     if json:
-        bound(doc, "dropped_missing_ids", limit)
-        if "ranks" in doc:
-            doc["ranks"] = [bound_state(r, limit) for r in doc["ranks"]]
-        else:
-            doc = bound_state(doc, limit)
-        print_json(doc, pretty)
+        each = "ranks" if "ranks" in doc else None
+        print_report(doc, pretty, all_items, each=each, also=("dropped_missing_ids",))
         return
     how = "full load" if world_size is None else f"distributed load, world size {world_size}"
     if "ranks" in doc:

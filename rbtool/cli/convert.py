@@ -6,10 +6,12 @@ from typing import Annotated, Any
 
 import typer
 
-from rbtool.cli._common import (
-    SUMMARY_ITEMS,
+from rbtool.cli._consoles import out
+from rbtool.cli._json import print_report
+from rbtool.cli._options import (
     AllOpt,
     CopyOpt,
+    DryRunOpt,
     JobsOpt,
     JournalOpt,
     JsonOpt,
@@ -18,21 +20,11 @@ from rbtool.cli._common import (
     StorageOpt,
     StrictOpt,
     TrajectoryFormat,
-    bound_state,
-    count,
-    files_line,
-    is_url,
-    out,
-    print_json,
-    progress_bar,
-    refuse_output_mix,
-    show_progress,
-    size,
-    state_table,
     summary_limit,
-    upload_note,
 )
-from rbtool.cli._writing import DryRunOpt, dry_run_note, read_and_write, trajectories
+from rbtool.cli._output import count, size, state_table
+from rbtool.cli._places import is_url
+from rbtool.cli._writing import read_and_write, trajectories
 
 
 def convert(
@@ -63,7 +55,6 @@ def convert(
     storage_option: StorageOpt = None,
 ) -> None:
     """Write OUT with every trajectory file of IN in FORMAT (a rank tree keeps its rank_* layout)."""
-    refuse_output_mix(json, pretty=pretty)
     if trajectory_format is None:  # one line, not the parser's list of choices on three lines
         from rbtool.errors import UsageError
 
@@ -71,27 +62,31 @@ def convert(
     # to a local OUT, each file is read once: a source larger than the cache is streamed (a
     # remote OUT is staged whole in the cache first, so there the source must fit beside it)
     stream = not is_url(target_arg)
-    opening = read_and_write(
-        [source_arg], target_arg, storage_option, json=json, force=force, dry_run=dry_run, stream=stream
-    )
-    with opening as ([src], dst):
-        source, target = src.local, dst.local
-        from rbtool.ops import conversion
+    from rbtool.ops import conversion
 
-        with progress_bar("converting", None, show_progress(json) and not dry_run) as advance:
-            result = conversion.convert(
-                source,
-                target,
-                trajectory_format.value,
-                jobs=jobs,
-                strict=strict,
-                overwrite=force,
-                progress=advance,
-                link=not copy and src.url is None,  # never a hard link into the cache
-                journal=journal,
-                dry_run=dry_run,
-            )
-        dst.finish()  # upload before printing (a URL's checkpoint exists only then)
+    opening = read_and_write(
+        [source_arg],
+        target_arg,
+        storage_option,
+        json=json,
+        force=force,
+        copy=copy,
+        dry_run=dry_run,
+        stream=stream,
+    )
+    with opening as writer:
+        src, dst = writer.sources[0], writer.dst
+        target = dst.local
+        result = writer.run(
+            "converting",
+            conversion.convert,
+            src.local,
+            target,
+            trajectory_format.value,
+            jobs=jobs,
+            strict=strict,
+            journal=journal,
+        )
         checkpoints: list[dict[str, Any]] = [
             {"path": dst.show(target if rel == "." else target / rel), **index.state()}
             for rel, index in result.checkpoints
@@ -111,25 +106,20 @@ def convert(
             "journal": result.journal,
         }
         if json:
-            print_json(
-                {**doc, "checkpoints": [bound_state(c, summary_limit(all_items)) for c in checkpoints]},
-                pretty,
-            )
+            print_report(doc, pretty, all_items, each="checkpoints")
             return
         out.print(
             state_table(
                 f"{src.show()} {'would be ' if dry_run else ''}converted to {doc['trajectory_format']} "
                 f"into {dst.show()} ({count(doc['jobs'], 'job')})",
                 [(c["path"].rstrip("/").rsplit("/", 1)[-1], c) for c in checkpoints],
-                None if all_items else SUMMARY_ITEMS,
+                summary_limit(all_items),
             )
         )
+        total = sum(c["size"] for c in checkpoints)
+        writer.last_lines(f"{trajectories(total)} in {doc['trajectory_format']}", doc["files"])
         if dry_run:
-            total = sum(c["size"] for c in checkpoints)
-            dry_run_note(dst.show(), f"{trajectories(total)} in {doc['trajectory_format']}")
             return
-        out.print(f"files: {files_line(doc['files'])}")
-        upload_note(dst.upload)
         rate = (doc["bytes_per_second"] or 0) / 1e6
         out.print(
             f"read {size(doc['bytes_read'])} to rewrite in {doc['seconds']:.2f} s ({rate:.1f} MB/s)",

@@ -6,27 +6,20 @@ from typing import Annotated, Any
 
 import typer
 
-from rbtool.cli._common import (
+from rbtool.cli._consoles import err, out
+from rbtool.cli._json import bound, print_json
+from rbtool.cli._options import (
     SUMMARY_ITEMS,
     AllOpt,
-    Column,
-    Fitted,
     JsonOpt,
     PrettyOpt,
     StorageOpt,
     StrictOpt,
-    bound,
-    count,
-    err,
-    format_ids,
-    out,
-    print_json,
-    progress_bar,
-    reading,
-    refuse_output_mix,
-    show_progress,
     summary_limit,
 )
+from rbtool.cli._output import Column, Fitted, count, format_ids
+from rbtool.cli._places import reading
+from rbtool.cli._progress import progress_bar, show_progress
 
 
 def diff(
@@ -49,7 +42,6 @@ def diff(
     storage_option: StorageOpt = None,
 ) -> None:
     """Compare A and B: metadata, entries added/removed/changed, files, schema. Exit 0 equal, 1 not."""
-    refuse_output_mix(json, pretty=pretty)
     with (
         reading(a_arg, storage_option, data=True, enabled=show_progress(json)) as place_a,
         reading(b_arg, storage_option, data=True, enabled=show_progress(json)) as place_b,

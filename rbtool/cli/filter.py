@@ -6,30 +6,22 @@ from typing import Annotated, Any
 
 import typer
 
-from rbtool.cli._common import (
-    SUMMARY_ITEMS,
+from rbtool.cli._consoles import out
+from rbtool.cli._json import print_report
+from rbtool.cli._options import (
     AllOpt,
     CopyOpt,
+    DryRunOpt,
     ForceOpt,
     JsonOpt,
     PrettyOpt,
     SourceArg,
     StorageOpt,
     StrictOpt,
-    bound,
-    bound_state,
-    files_line,
-    format_ids,
-    out,
-    print_json,
-    progress_bar,
-    refuse_output_mix,
-    show_progress,
-    state_table,
     summary_limit,
-    upload_note,
 )
-from rbtool.cli._writing import DryRunOpt, dry_run_note, read_and_write, trajectories
+from rbtool.cli._output import format_ids, state_table
+from rbtool.cli._writing import read_and_write, trajectories
 
 
 def filter_(
@@ -82,14 +74,13 @@ def filter_(
     storage_option: StorageOpt = None,
 ) -> None:
     """Write OUT holding IN's trajectories that match every criterion given (files linked; see --copy)."""
-    refuse_output_mix(json, pretty=pretty)
-    opening = read_and_write(
-        [source_arg], target_arg, storage_option, json=json, force=force, dry_run=dry_run
-    )
-    with opening as ([src], dst):
-        source, target = src.local, dst.local
-        from rbtool.ops import filtering
+    from rbtool.ops import filtering
 
+    opening = read_and_write(
+        [source_arg], target_arg, storage_option, json=json, force=force, copy=copy, dry_run=dry_run
+    )
+    with opening as writer:
+        src, dst = writer.sources[0], writer.dst
         criteria = filtering.Criteria(
             model_weights_ids=tuple(model_weights_id or ()),
             min_version=min_version,
@@ -100,18 +91,16 @@ def filter_(
             last=last,
             min_samples=min_samples,
         )
-        with progress_bar("filtering", None, show_progress(json)) as advance:
-            result = filtering.filter_checkpoint(
-                source,
-                target,
-                criteria,
-                strict=strict,
-                dry_run=dry_run,
-                overwrite=force,
-                progress=advance,
-                link=not copy and src.url is None,  # never a hard link into the cache
-            )
-        dst.finish()  # upload before printing (a URL's checkpoint exists only then)
+        # the criteria read the trajectories' versions in a dry run too: that progress shows
+        result = writer.run(
+            "filtering",
+            filtering.filter_checkpoint,
+            src.local,
+            dst.local,
+            criteria,
+            strict=strict,
+            dry_run_bar=True,
+        )
         doc: dict[str, Any] = {
             "source": src.show(),
             "out": dst.show(),
@@ -125,18 +114,12 @@ def filter_(
             "files": None if dry_run else result.report.as_json(),
         }
         if json:
-            shown = bound_state(doc, summary_limit(all_items))
-            bound(shown, "dropped_ids", summary_limit(all_items))
-            print_json(shown, pretty)
+            print_report(doc, pretty, all_items, also=("dropped_ids",))
             return
         action = "would keep" if dry_run else f"kept in {dst.show()}"
-        limit = None if all_items else SUMMARY_ITEMS
+        limit = summary_limit(all_items)
         out.print(state_table(f"{src.show()}: {action}", [("kept", doc)], limit))
         out.print(
             f"dropped {len(result.dropped)} of {doc['source_size']}: ids {format_ids(result.dropped, limit)}"
         )
-        if dry_run:
-            dry_run_note(dst.show(), f"{trajectories(result.index.size)} kept")
-        else:
-            out.print(f"files: {files_line(doc['files'])}")
-            upload_note(dst.upload)
+        writer.last_lines(f"{trajectories(result.index.size)} kept", doc["files"])

@@ -3,38 +3,27 @@
 from __future__ import annotations
 
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from rbtool.cli._common import (
+from rbtool.cli._consoles import out
+from rbtool.cli._json import print_json
+from rbtool.cli._options import (
     CopyOpt,
+    DryRunOpt,
     FormatOpt,
     JsonOpt,
     PrettyOpt,
     StorageOpt,
-    files_line,
-    format_ids,
-    is_url,
-    key_values,
-    local_dir,
-    note,
-    out,
-    print_json,
-    progress_bar,
-    progress_line,
-    reading,
-    refuse_output_mix,
-    show_progress,
-    shown_in,
+    refuse_link_with_copy,
 )
-from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
-
-
-def id_range(ids: list[int]) -> str:
-    """`first-last`, or the id alone for a single one (the shape other tooling parses)."""
-    return str(ids[0]) if len(ids) == 1 else f"{ids[0]}-{ids[-1]}"
+from rbtool.cli._output import files_line, format_ids, key_values
+from rbtool.cli._places import is_url, local_dir, reading
+from rbtool.cli._progress import progress_bar, show_progress
+from rbtool.cli._writing import added_line, dry_run_note, trajectories, waiting_note
 
 
 def _count_items(sources: list[Path]) -> int | None:
@@ -99,7 +88,6 @@ def ingest(
     `added trajectory ids FIRST-LAST` goes to stderr (not beside a progress bar; none with -q
     or --no-progress). Ctrl-C stops after the last published batch and says which ids it holds.
     """
-    refuse_output_mix(json, pretty=pretty)
     if is_url(buffer_arg):
         # A buffer takes appends under a lock and publishes each batch by rename; an object
         # store has neither, so two writers (or a reader during an append) could see a mix.
@@ -116,17 +104,13 @@ def ingest(
             for s in source_args
         ]
         sources = [place.local for place in places]
-        from rbtool.errors import UsageError
         from rbtool.ops.ingestion import ingest as ingest_sources
+        from rbtool.remote.places import shown_in
 
-        if link and copy:
-            raise UsageError("--link and --copy exclude each other; give one of them")
-
-        def on_wait(holder: str) -> None:
-            note(f"waiting for {buffer} (locked by {holder})")
+        refuse_link_with_copy(link, copy)
 
         def on_published(ids: list[int]) -> None:
-            progress_line(f"added trajectory ids {id_range(ids)}", enabled)
+            added_line(ids, enabled)
 
         enabled = show_progress(json)
         total = _count_items(sources) if enabled else None
@@ -135,7 +119,7 @@ def ingest(
                 sources,
                 buffer,
                 trajectory_format=None if trajectory_format is None else trajectory_format.value,
-                on_wait=on_wait,
+                on_wait=partial(waiting_note, buffer),
                 on_checked=advance,
                 on_published=on_published,
                 recursive=recursive,

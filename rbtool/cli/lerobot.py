@@ -3,48 +3,32 @@
 from __future__ import annotations
 
 import enum
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.text import Text
 
-from rbtool.cli._common import (
-    Column,
-    Command,
-    Fitted,
+from rbtool.cli._app import Command, sub_app
+from rbtool.cli._consoles import out
+from rbtool.cli._json import print_json
+from rbtool.cli._options import (
+    DryRunOpt,
     ForceOpt,
     FormatOpt,
-    Group,
     JournalOpt,
     JsonOpt,
     PrettyOpt,
     StorageOpt,
     StrictOpt,
-    files_line,
-    format_ids,
-    key_values,
-    local_path_arg,
-    note,
-    out,
-    print_json,
-    progress_bar,
-    progress_line,
-    reading,
-    refuse_output_mix,
-    refuse_overlap,
-    show_progress,
-    size,
 )
-from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
+from rbtool.cli._output import Column, Fitted, files_line, format_ids, key_values, size
+from rbtool.cli._places import local_path_arg, reading, refuse_overlap
+from rbtool.cli._progress import progress_bar, show_progress
+from rbtool.cli._writing import added_line, dry_run_note, trajectories, waiting_note
 
-import_app = typer.Typer(
-    cls=Group,
-    name="import",
-    help="Add the episodes of a dataset in another format to a buffer directory.",
-    no_args_is_help=True,
-    rich_markup_mode=None,
-)
+import_app = sub_app("import", "Add the episodes of a dataset in another format to a buffer directory.")
 
 
 class ExportFormat(str, enum.Enum):
@@ -155,7 +139,6 @@ def export(
     Under torchrun every rank reads and encodes its share of the trajectories and rank 0 writes
     the dataset one process would write (byte for byte); with --journal a rerun resumes.
     """
-    refuse_output_mix(json, pretty=pretty)
     with reading(source_arg, storage_option, data=True, enabled=show_progress(json)) as src:
         source = src.local
         from rbtool.errors import RbtoolError, UsageError
@@ -317,7 +300,6 @@ def import_lerobot(
     with its own ids). After each published batch a line `added trajectory ids FIRST-LAST` goes
     to stderr (not beside a progress bar; none with -q or --no-progress).
     """
-    refuse_output_mix(json, pretty=pretty)
     from rbtool.errors import RbtoolError
     from rbtool.interop.lerobot import count_units, parse_field_map
     from rbtool.interop.lerobot import import_lerobot as run_import
@@ -326,15 +308,11 @@ def import_lerobot(
     selected = parse_episodes(episodes)
     mapping = parse_field_map(field_map or [], "--map")
 
-    def on_wait(holder: str) -> None:
-        note(f"waiting for {buffer} (locked by {holder})")
-
     published: list[int] = []
 
     def on_published(ids: list[int]) -> None:
         published.extend(ids)
-        first, last = ids[0], ids[-1]
-        progress_line(f"added trajectory ids {first if first == last else f'{first}-{last}'}", enabled)
+        added_line(ids, enabled)
 
     enabled = show_progress(json)
     total = None
@@ -354,7 +332,7 @@ def import_lerobot(
                 use_sidecar=sidecar,
                 model_weights_id=model_weights_id,
                 trajectory_format=None if trajectory_format is None else trajectory_format.value,
-                on_wait=on_wait,
+                on_wait=partial(waiting_note, buffer),
                 progress=advance,
                 on_published=on_published,
                 dry_run=dry_run,

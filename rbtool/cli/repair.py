@@ -8,32 +8,21 @@ from typing import Annotated
 import typer
 from rich.text import Text
 
-from rbtool.cli._common import (
-    SUMMARY_ITEMS,
+from rbtool.cli._consoles import out
+from rbtool.cli._json import bound, print_json
+from rbtool.cli._options import (
     AllOpt,
     CopyOpt,
+    DryRunOpt,
     ForceOpt,
     JobsOpt,
     JsonOpt,
     PrettyOpt,
-    bound,
-    count,
-    files_line,
-    format_ids,
-    head,
-    key_values,
-    left_out,
-    local_path_arg,
-    out,
-    print_json,
-    progress_bar,
-    refuse_output_mix,
-    refuse_overlap,
-    show_progress,
-    size,
     summary_limit,
 )
-from rbtool.cli._writing import DryRunOpt, dry_run_note, trajectories
+from rbtool.cli._output import count, format_ids, head, key_values, left_out, size
+from rbtool.cli._places import local_path_arg
+from rbtool.cli._writing import read_and_write, trajectories
 
 
 def repair(
@@ -70,62 +59,65 @@ def repair(
     Entries whose files are missing, unreadable or altered are dropped, counts are recounted,
     and a lost or corrupt index or metadata is rebuilt from the trajectory files.
     """
-    refuse_output_mix(json, pretty=pretty)
     from rbtool.ops.repair import repair as run_repair
 
-    refuse_overlap(target, [path], "--out")  # as every writer words it (the library refuses it too)
-    with progress_bar("checking trajectory files", None, show_progress(json)) as advance:
-        result = run_repair(
-            path, target, overwrite=force, progress=advance, link=not copy, jobs=jobs, dry_run=dry_run
-        )
-    limit = summary_limit(all_items)
-    if json:
-        doc = result.as_json()
-        doc["dry_run"] = dry_run
-        if dry_run:
-            doc["files"] = None
-        for ckpt_doc in doc["checkpoints"]:
-            bound(ckpt_doc, "trajectory_id_list", limit, ranges="trajectory_id_ranges")
-            for key in ("dropped", "ignored", "fixed"):
-                bound(ckpt_doc, key, limit)
-        print_json(doc, pretty)
-        return
-    shown = None if all_items else SUMMARY_ITEMS
-    for ckpt in result.checkpoints:
-        rows: list[tuple[str, str | Text]] = []
-        rows.append(("kept", f"{ckpt.index.size} ({format_ids(ckpt.index.id_list, shown)})"))
-        rows.append(("total samples", f"{ckpt.index.total_samples}"))
-        rows.append(("trajectory counter", f"{ckpt.index.trajectory_counter}"))
-        rebuilt = [
-            name
-            for name, flag in (("metadata", ckpt.rebuilt_metadata), ("index", ckpt.rebuilt_index))
-            if flag
-        ]
-        rows.append(("rebuilt", ", ".join(rebuilt) or "nothing"))
-        for item in head(ckpt.dropped, shown):
-            rows.append((f"dropped {item['trajectory_id']}", f"{item['file'] or ''}: {item['reason']}"))
-        for item in head(ckpt.ignored, shown):
-            rows.append(("ignored", f"{item['file'] or ''}: {item['reason']}".lstrip(": ")))
-        for item in head(ckpt.fixed, shown):
-            label = "fixed" if item["trajectory_id"] is None else f"fixed {item['trajectory_id']}"
-            rows.append((label, item["message"]))
-        hidden = [
-            f"{left_out(items, shown)} {what}"
-            for what, items in (("dropped", ckpt.dropped), ("ignored", ckpt.ignored), ("fixed", ckpt.fixed))
-            if left_out(items, shown)
-        ]
-        if hidden:
-            rows.append(("...", f"{', '.join(hidden)} more; --all lists them"))
-        title = f"{'would repair' if dry_run else 'repaired'} {ckpt.source} -> {ckpt.out}"
-        out.print(key_values(title, rows))
-    read = result.throughput
-    out.print(
-        f"read {size(read.bytes_read)} in {read.seconds:.2f} s "
-        f"({(read.bytes_per_second or 0) / 1e6:.1f} MB/s, {count(read.jobs, 'job')})",
-        markup=False,
+    opening = read_and_write(
+        [str(path)], str(target), None, json=json, force=force, copy=copy, dry_run=dry_run
     )
-    if dry_run:
+    with opening as writer:
+        # a dry run checks the trajectory files as the repair does: that progress shows
+        result = writer.run(
+            "checking trajectory files", run_repair, path, target, jobs=jobs, dry_run_bar=True
+        )
+        limit = summary_limit(all_items)
+        if json:
+            doc = result.as_json()
+            doc["dry_run"] = dry_run
+            if dry_run:
+                doc["files"] = None
+            for ckpt_doc in doc["checkpoints"]:
+                bound(ckpt_doc, "trajectory_id_list", limit, ranges="trajectory_id_ranges")
+                for key in ("dropped", "ignored", "fixed"):
+                    bound(ckpt_doc, key, limit)
+            print_json(doc, pretty)
+            return
+        for ckpt in result.checkpoints:
+            rows: list[tuple[str, str | Text]] = []
+            rows.append(("kept", f"{ckpt.index.size} ({format_ids(ckpt.index.id_list, limit)})"))
+            rows.append(("total samples", f"{ckpt.index.total_samples}"))
+            rows.append(("trajectory counter", f"{ckpt.index.trajectory_counter}"))
+            rebuilt = [
+                name
+                for name, flag in (("metadata", ckpt.rebuilt_metadata), ("index", ckpt.rebuilt_index))
+                if flag
+            ]
+            rows.append(("rebuilt", ", ".join(rebuilt) or "nothing"))
+            for item in head(ckpt.dropped, limit):
+                rows.append((f"dropped {item['trajectory_id']}", f"{item['file'] or ''}: {item['reason']}"))
+            for item in head(ckpt.ignored, limit):
+                rows.append(("ignored", f"{item['file'] or ''}: {item['reason']}".lstrip(": ")))
+            for item in head(ckpt.fixed, limit):
+                label = "fixed" if item["trajectory_id"] is None else f"fixed {item['trajectory_id']}"
+                rows.append((label, item["message"]))
+            hidden = [
+                f"{left_out(items, limit)} {what}"
+                for what, items in (
+                    ("dropped", ckpt.dropped),
+                    ("ignored", ckpt.ignored),
+                    ("fixed", ckpt.fixed),
+                )
+                if left_out(items, limit)
+            ]
+            if hidden:
+                rows.append(("...", f"{', '.join(hidden)} more; --all lists them"))
+            title = f"{'would repair' if dry_run else 'repaired'} {ckpt.source} -> {ckpt.out}"
+            out.print(key_values(title, rows))
+        read = result.throughput
+        out.print(
+            f"read {size(read.bytes_read)} in {read.seconds:.2f} s "
+            f"({(read.bytes_per_second or 0) / 1e6:.1f} MB/s, {count(read.jobs, 'job')})",
+            markup=False,
+        )
         kept = sum(c.index.size for c in result.checkpoints)
-        dry_run_note(target, f"{count(len(result.checkpoints), 'checkpoint')}, {trajectories(kept)} kept")
-    else:
-        out.print(f"files: {files_line(result.report.as_json())}", markup=False)
+        would = f"{count(len(result.checkpoints), 'checkpoint')}, {trajectories(kept)} kept"
+        writer.last_lines(would, None if dry_run else result.report.as_json())

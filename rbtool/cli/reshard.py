@@ -7,12 +7,12 @@ from typing import Annotated, Any
 
 import typer
 
-from rbtool.cli._common import (
-    SUMMARY_ITEMS,
+from rbtool.cli._consoles import out
+from rbtool.cli._json import print_report
+from rbtool.cli._options import (
     AllOpt,
-    Column,
     CopyOpt,
-    Fitted,
+    DryRunOpt,
     JsonOpt,
     PrettyOpt,
     RanksForceOpt,
@@ -20,21 +20,10 @@ from rbtool.cli._common import (
     StorageOpt,
     StrictOpt,
     WorldSizeOpt,
-    bound_state,
-    count,
-    files_line,
-    format_ids,
-    out,
-    print_json,
-    progress_bar,
-    refuse_output_mix,
-    show_progress,
-    size,
     summary_limit,
-    upload_note,
 )
-from rbtool.cli._writing import DryRunOpt, dry_run_note, read_and_write, trajectories
-from rbtool.format.ranknames import rank_dir_name
+from rbtool.cli._output import Column, Fitted, count, format_ids, size
+from rbtool.cli._writing import read_and_write, trajectories
 
 
 class Balance(str, enum.Enum):
@@ -68,27 +57,24 @@ def reshard(
     storage_option: StorageOpt = None,
 ) -> None:
     """Write OUT/rank_r for N ranks from IN's trajectories (the merge of its ranks), files linked."""
-    refuse_output_mix(json, pretty=pretty)
-    opening = read_and_write(
-        [source_arg], target_arg, storage_option, json=json, force=force, dry_run=dry_run
-    )
-    with opening as ([src], dst):
-        source, target = src.local, dst.local
-        from rbtool.ops import resharding
+    from rbtool.format.ranknames import rank_dir_name
+    from rbtool.ops import resharding
 
-        with progress_bar("resharding", None, show_progress(json) and not dry_run) as advance:
-            result = resharding.reshard(
-                source,
-                world_size,
-                target,
-                split=balance.value,
-                strict=strict,
-                dry_run=dry_run,
-                overwrite=force,
-                progress=advance,
-                link=not copy and src.url is None,  # never a hard link into the cache
-            )
-        dst.finish()  # upload before printing (a URL's checkpoint exists only then)
+    opening = read_and_write(
+        [source_arg], target_arg, storage_option, json=json, force=force, copy=copy, dry_run=dry_run
+    )
+    with opening as writer:
+        src, dst = writer.sources[0], writer.dst
+        target = dst.local
+        result = writer.run(
+            "resharding",
+            resharding.reshard,
+            src.local,
+            world_size,
+            target,
+            split=balance.value,
+            strict=strict,
+        )
         ranks: list[dict[str, Any]] = [
             {"path": dst.show(target / rank_dir_name(p.rank)), **p.as_json()} for p in result.ranks
         ]
@@ -106,7 +92,7 @@ def reshard(
             "files": None if dry_run else result.report.as_json(),
         }
         if json:
-            print_json({**doc, "ranks": [bound_state(r, summary_limit(all_items)) for r in ranks]}, pretty)
+            print_report(doc, pretty, all_items, each="ranks")
             return
         action = "would write" if dry_run else "wrote"
         title = (
@@ -125,7 +111,7 @@ def reshard(
                 f"{r['total_samples']}",
                 size(r["bytes"]),
                 f"{r['trajectory_counter']}",
-                format_ids(r["trajectory_id_list"], None if all_items else SUMMARY_ITEMS),
+                format_ids(r["trajectory_id_list"], summary_limit(all_items)),
             ]
             for r in ranks
         ]
@@ -135,10 +121,5 @@ def reshard(
                 "ids collided across the source's ranks and were renumbered; "
                 "mapping in each rank's merge_map.json"
             )
-        if dry_run:
-            dry_run_note(
-                dst.show(), f"{world_size} rank directories, {trajectories(sum(r['size'] for r in ranks))}"
-            )
-        else:
-            out.print(f"files: {files_line(doc['files'])}")
-            upload_note(dst.upload)
+        total = trajectories(sum(r["size"] for r in ranks))
+        writer.last_lines(f"{world_size} rank directories, {total}", doc["files"])

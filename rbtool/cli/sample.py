@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 from rich.text import Text
 
-from rbtool.cli._common import (
+from rbtool.cli._consoles import note, out
+from rbtool.cli._json import bound, print_json
+from rbtool.cli._options import (
     AllOpt,
-    Column,
     DirArg,
-    Fitted,
+    DryRunOpt,
     JsonOpt,
     KOpt,
     PrettyOpt,
@@ -24,61 +24,17 @@ from rbtool.cli._common import (
     StrictOpt,
     TemperatureOpt,
     WindowOpt,
-    bound,
-    count,
-    is_url,
-    local_path_arg,
-    note,
-    out,
-    print_json,
-    printable,
-    progress_bar,
-    reading,
     refuse_k_without_topk,
-    refuse_output_mix,
-    refuse_overlap,
-    show_progress,
-    side_by_side,
-    size,
     summary_limit,
 )
+from rbtool.cli._output import Column, Fitted, count, printable, side_by_side, size
+from rbtool.cli._places import is_url, local_path_arg, reading, refuse_overlap
+from rbtool.cli._progress import progress_bar, show_progress
 from rbtool.cli._window import DEFAULT_WINDOW, window_line
-from rbtool.cli._writing import DryRunOpt, dry_run_note
+from rbtool.cli._writing import dry_run_note
 
-if TYPE_CHECKING:
-    from rbtool.files.dirs import CheckpointView
-    from rbtool.remote import IndexMirror
-
-DEFAULT_SEED = 1234  # the buffer's default, used when the checkpoint records no seed
 SHOWN_DRAWS = 16  # draws listed one per row in the human view
-# What sample's progress bar names, in order.
-SAMPLE_PHASES = ("reading the index", "loading the window", "drawing", "saving the batch")
 SIDE_BY_SIDE_WIDTH = 110  # fields and draws tables side by side from this terminal width on
-
-
-def save_batch(batch: dict[str, Any], path: Path, *, force: bool, dry_run: bool) -> int:
-    """torch.save the batch to `path` atomically (temporary file, then rename); returns its size.
-
-    The writers' rules: missing parents are created, an existing file is replaced only with
-    `force`; with `dry_run` the batch is serialised to count its bytes and nothing is written.
-    """
-    import torch
-
-    from rbtool.errors import RbtoolError
-    from rbtool.files.fsutil import check_file_target, make_parents, write_bytes_atomic
-
-    check_file_target(path, overwrite=force)  # checked again: the draw may have taken a while
-    buffer = io.BytesIO()
-    torch.save(batch, buffer)
-    data = buffer.getvalue()
-    if dry_run:
-        return len(data)
-    make_parents(path)
-    try:
-        write_bytes_atomic(path, data)
-    except OSError as exc:
-        raise RbtoolError(f"{path}: cannot write ({exc.strerror})") from None
-    return len(data)
 
 
 def field_rows(batch: dict[str, Any], prefix: str = "") -> list[dict[str, Any]]:
@@ -96,25 +52,6 @@ def field_rows(batch: dict[str, Any], prefix: str = "") -> list[dict[str, Any]]:
                 }
             )
     return rows
-
-
-def _remote_reads(
-    mirror: IndexMirror | None, view: CheckpointView, strategy: Strategy, extra_fields: bool
-) -> Any:
-    """For a URL: what to fetch, and when. Uniform draws from a checkpoint whose index records
-    every trajectory's schema read only the drawn rows, so only the byte ranges those reads
-    need (zip directory, data.pkl, the drawn rows) are fetched, once drawn; top-k reads the
-    window's rewards, and unrecorded schemas the window's headers, so then every object is
-    fetched first."""
-    if mirror is None:
-        return None
-    index = view.index
-    if strategy is Strategy.uniform and all(e.get("schema") in index.schemas for e in index.entries.values()):
-        from rbtool.remote.ranges import drawn_rows
-
-        return drawn_rows(mirror, view, extra_fields=extra_fields)
-    mirror.fetch()
-    return None
 
 
 def sample(
@@ -156,7 +93,6 @@ def sample(
     Shows each field's shape and dtype and which trajectory and row every batch row came
     from; with --out, saves the batch (a dict of [num_chunks, ...] tensors).
     """
-    refuse_output_mix(json, pretty=pretty)
     refuse_k_without_topk(strategy, k)
     if out_path is not None:
         if not is_url(path):  # the batch never goes into the checkpoint
@@ -167,43 +103,35 @@ def sample(
                 raise typer.BadParameter("applies only with --out (nothing else writes)", param_hint=flag)
 
     from rbtool.files.fsutil import check_file_target
+    from rbtool.ops.sample import PHASES, phase_count, sample_checkpoint
 
     if out_path is not None:
         check_file_target(out_path, overwrite=force)  # before anything is read
 
-    from rbtool.buffer.replay import TrajectoryReplayBuffer
-    from rbtool.files.dirs import open_view
-
-    # what the buffer will load: a rank tree reads as the merge of its ranks (ids are the
-    # merged ones); non-strict drops missing files before merging, as load_checkpoint does
     # The phases are counted; the files the first sample reads (headers of the window's files,
     # when no schema is recorded) are counted as they are read.
-    phases = len(SAMPLE_PHASES) if out_path is not None else len(SAMPLE_PHASES) - 1
     with (
         reading(path, storage_option, data=False) as place,
-        progress_bar(SAMPLE_PHASES[0], phases, show_progress(json)) as advance,
+        progress_bar(PHASES[0], phase_count(out_path is not None), show_progress(json)) as advance,
     ):
-        view = open_view(place.local, strict=strict)
-        before_gather = _remote_reads(place.mirror, view, strategy, all_fields)
-        index = view.index
-        missing = view.dropped_ids()
-        advance.phase(1, SAMPLE_PHASES[1])
-        buffer = TrajectoryReplayBuffer(seed=DEFAULT_SEED, sample_window_size=window, extra_fields=all_fields)
-        buffer.load_checkpoint(view, strict=strict)  # the index just read; reseeds when it has a seed
-        used_seed = buffer.seed if seed is None else seed
-        if seed is not None:
-            buffer.seed = seed
-            buffer.random_generator.manual_seed(seed)
-        window_ids = buffer.window_ids()
-        advance.phase(2, SAMPLE_PHASES[2])
-        draw, batch = buffer.sample_with_draw(
-            num_chunks, strategy.value, k, temperature, progress=advance, before_gather=before_gather
+        drawn = sample_checkpoint(
+            place.local,
+            num_chunks,
+            window=window,
+            strategy=strategy.value,
+            k=k,
+            temperature=temperature,
+            seed=seed,
+            strict=strict,
+            extra_fields=all_fields,
+            out=out_path,
+            overwrite=force,
+            dry_run=dry_run,
+            mirror=place.mirror,
+            progress=advance,
         )
-        if out_path is not None:
-            advance.start(phases, SAMPLE_PHASES[3])
-            advance.phase(3, SAMPLE_PHASES[3])
-        written = save_batch(batch, out_path, force=force, dry_run=dry_run) if out_path is not None else None
 
+    index, window_ids, draw = drawn.index, drawn.window_ids, drawn.draw
     tids = draw.trajectory_ids
     rows = draw.local_indices.tolist()
     widths = [index.entries[t]["shape"][1] for t in tids]
@@ -217,11 +145,11 @@ def sample(
         )
     doc = {
         "path": place.show(),
-        "seed": used_seed,
+        "seed": drawn.seed,
         "window": window,
         "window_trajectories": len(window_ids),
         "window_samples": window_samples,
-        "missing_ids": missing,
+        "missing_ids": drawn.missing_ids,
         "all_fields": all_fields,
         "strategy": strategy.value,
         "k": k,
@@ -236,9 +164,9 @@ def sample(
             "b": [r % w for r, w in zip(rows, widths, strict=True)],
             "global_index": draw.global_indices.tolist(),
         },
-        "fields": field_rows(batch),
+        "fields": field_rows(drawn.batch),
         "out": None if out_path is None else str(out_path),
-        "out_bytes": written,
+        "out_bytes": drawn.out_bytes,
         "dry_run": dry_run,
         "fetched": None
         if place.mirror is None

@@ -6,29 +6,22 @@ from typing import Annotated, Any
 
 import typer
 
-from rbtool.cli._common import (
-    SUMMARY_ITEMS,
+from rbtool.cli._consoles import out
+from rbtool.cli._json import print_report
+from rbtool.cli._options import (
     AllOpt,
     CopyOpt,
+    DryRunOpt,
     JsonOpt,
     PrettyOpt,
     RanksForceOpt,
     StorageOpt,
     StrictOpt,
     WorldSizeOpt,
-    bound_state,
-    files_line,
-    out,
-    print_json,
-    progress_bar,
-    refuse_output_mix,
-    show_progress,
-    state_table,
     summary_limit,
-    upload_note,
 )
-from rbtool.cli._writing import DryRunOpt, dry_run_note, read_and_write, trajectories
-from rbtool.format.ranknames import rank_dir_name
+from rbtool.cli._output import state_table
+from rbtool.cli._writing import read_and_write, trajectories
 
 
 def shard(
@@ -49,24 +42,18 @@ def shard(
     storage_option: StorageOpt = None,
 ) -> None:
     """Write OUT/rank_r for every rank: exactly what a distributed load of CKPT by rank r yields."""
-    refuse_output_mix(json, pretty=pretty)
-    opening = read_and_write([ckpt_arg], target_arg, storage_option, json=json, force=force, dry_run=dry_run)
-    with opening as ([src], dst):
-        ckpt, target = src.local, dst.local
-        from rbtool.ops import checkpoint
+    from rbtool.format.ranknames import rank_dir_name
+    from rbtool.ops import checkpoint
 
-        with progress_bar("sharding", None, show_progress(json) and not dry_run) as advance:
-            shards, report = checkpoint.shard(
-                ckpt,
-                world_size,
-                target,
-                strict=strict,
-                overwrite=force,
-                progress=advance,
-                link=not copy and src.url is None,  # never a hard link into the cache
-                dry_run=dry_run,
-            )
-        dst.finish()  # upload before printing (a URL's checkpoint exists only then)
+    opening = read_and_write(
+        [ckpt_arg], target_arg, storage_option, json=json, force=force, copy=copy, dry_run=dry_run
+    )
+    with opening as writer:
+        src, dst = writer.sources[0], writer.dst
+        target = dst.local
+        shards, report = writer.run(
+            "sharding", checkpoint.shard, src.local, world_size, target, strict=strict
+        )
         ranks: list[dict[str, Any]] = [
             {"rank": r, "path": dst.show(target / rank_dir_name(r)), **part.state()}
             for r, part in enumerate(shards)
@@ -81,20 +68,15 @@ def shard(
             "files": None if dry_run else report.as_json(),
         }
         if json:
-            print_json({**doc, "ranks": [bound_state(r, summary_limit(all_items)) for r in ranks]}, pretty)
+            print_report(doc, pretty, all_items, each="ranks")
             return
         out.print(
             state_table(
                 f"{src.show()} {'would be ' if dry_run else ''}sharded over {world_size} ranks into "
                 f"{dst.show()}",
                 [(rank_dir_name(r["rank"]), r) for r in ranks],
-                None if all_items else SUMMARY_ITEMS,
+                summary_limit(all_items),
             )
         )
-        if dry_run:
-            dry_run_note(
-                dst.show(), f"{world_size} rank directories, {trajectories(sum(r['size'] for r in ranks))}"
-            )
-        else:
-            out.print(f"files: {files_line(doc['files'])}")
-            upload_note(dst.upload)
+        total = trajectories(sum(r["size"] for r in ranks))
+        writer.last_lines(f"{world_size} rank directories, {total}", doc["files"])

@@ -7,13 +7,13 @@ from contextlib import ExitStack, contextmanager
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.text import Text
 
-from rbtool.cli._common import (
+from rbtool.cli._consoles import out
+from rbtool.cli._errors import print_error
+from rbtool.cli._json import bound, insert_after, print_json, print_jsonl
+from rbtool.cli._options import (
     AllOpt,
-    Column,
-    Fitted,
     JobsOpt,
     JournalOpt,
     JsonlOpt,
@@ -28,28 +28,24 @@ from rbtool.cli._common import (
     TemperatureOpt,
     WideOpt,
     WindowOpt,
-    bound,
+    refuse_k_without_topk,
+    summary_limit,
+)
+from rbtool.cli._output import (
+    Column,
+    Fitted,
     count,
     head,
     id_ranges,
     id_runs,
-    insert_after,
     left_out,
     number,
-    out,
-    print_error,
-    print_json,
-    print_jsonl,
     printable,
-    progress_bar,
-    reading,
-    refuse_k_without_topk,
-    refuse_output_mix,
-    show_progress,
     size,
-    summary_limit,
     unique_prefixes,
 )
+from rbtool.cli._places import reading
+from rbtool.cli._progress import progress_bar, show_progress
 from rbtool.cli._window import DEFAULT_WINDOW, window_line
 
 SPARK = "▁▂▃▄▅▆▇█"
@@ -70,13 +66,13 @@ def sparkline(counts: list[float]) -> str:
     return "".join(" " if c <= 0 else SPARK[min(7, int(c / top * 7.999))] for c in counts)
 
 
-def bucketed(values: list[float], width: int = SPARK_WIDTH) -> list[float]:
-    """Sum consecutive values into at most `width` buckets (for a sparkline over many trajectories)."""
-    if len(values) <= width:
+def bucketed(values: list[float]) -> list[float]:
+    """Sum consecutive values into at most SPARK_WIDTH buckets (for a sparkline over many trajectories)."""
+    if len(values) <= SPARK_WIDTH:
         return list(values)
     import numpy as np
 
-    size = -(-len(values) // width)
+    size = -(-len(values) // SPARK_WIDTH)
     flat = np.asarray(values, dtype=np.float64)
     return np.add.reduceat(flat, np.arange(0, len(flat), size)).tolist()  # type: ignore[no-any-return]
 
@@ -153,7 +149,6 @@ def stats(
     Long lists are summarised unless --all; --jsonl streams one object per trajectory. With
     several paths, each is shown in turn and the exit status is 1 if any could not be read.
     """
-    refuse_output_mix(json, jsonl, pretty)
     if sample_draws is None:
         if strategy is not Strategy.uniform or k is not None or seed is not None:
             raise typer.BadParameter("--strategy, --k and --seed apply only with --sample-draws")
@@ -203,7 +198,7 @@ def stats(
             elif json:
                 print_json(summarised(doc, summary_limit(all_items)), pretty)
             else:
-                render(doc, out, every=all_items, wide=wide)
+                render(doc, every=all_items, wide=wide)
         return
 
     documents: list[dict[str, Any]] = []
@@ -226,7 +221,7 @@ def stats(
             else:
                 if shown:
                     out.print()  # a blank line between sections
-                render(doc, out, every=all_items, wide=wide)
+                render(doc, every=all_items, wide=wide)
                 shown += 1
     if json:
         print_json({"ok": not failed, "paths": documents}, pretty)
@@ -291,7 +286,7 @@ def table_head(columns: dict[str, Any], limit: int | None) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ human view
-def render(doc: dict[str, Any], con: Console, every: bool = False, wide: bool = False) -> None:
+def render(doc: dict[str, Any], every: bool = False, wide: bool = False) -> None:
     """Everything on one screen: header lines, then the tables.
 
     Long tables show their first and last rows; `every` (--all) shows every row. At a
@@ -301,7 +296,7 @@ def render(doc: dict[str, Any], con: Console, every: bool = False, wide: bool = 
     idx, files, win = doc["index"], doc["files"], doc["window"]
     ids = id_runs(doc["trajectories"]["id"], HEADER_RUNS)
     seed = "no seed" if idx["seed"] is None else f"seed {idx['seed']}"
-    con.print(
+    out.print(
         Text.assemble(
             (printable(doc["path"]), "bold"),
             f"  {idx['trajectory_format']}  {seed}  ·  "
@@ -314,7 +309,7 @@ def render(doc: dict[str, Any], con: Console, every: bool = False, wide: bool = 
     if doc.get("renumbered"):
         from rbtool.files.dirs import RENUMBERED_NOTE
 
-        con.print(RENUMBERED_NOTE, style="yellow", markup=False, highlight=False)
+        out.print(RENUMBERED_NOTE, style="yellow", markup=False, highlight=False)
     if files["checked"]:
         line = Text(f"files: {files['present']} present, {size(files['bytes'])}")
         if files["missing"]:
@@ -329,16 +324,16 @@ def render(doc: dict[str, Any], con: Console, every: bool = False, wide: bool = 
             what = ", ".join(f"id {o['trajectory_id']} is {o['is']}" for o in head(odd, MISSING_SHOWN))
             more = f" ... {left_out(odd, MISSING_SHOWN)} more" if left_out(odd, MISSING_SHOWN) else ""
             line.append(f"  {len(odd)} not a regular file ({what}{more}): left out of the window", "yellow")
-        con.print(line)
+        out.print(line)
     else:
-        con.print(f"files: not opened (--index-only); recorded sizes {size(files['bytes'])}")
+        out.print(f"files: not opened (--index-only); recorded sizes {size(files['bytes'])}")
     import numpy as np
 
     rows = doc["trajectories"]
     every_id = np.asarray(rows["id"], dtype=np.int64)
     listed = every_id if rows["exists"] is None else every_id[np.asarray(rows["exists"], dtype=bool)]
     kept = every_id[np.asarray(rows["in_window"], dtype=bool)]
-    con.print(window_line(win["requested"], kept, listed), markup=False)
+    out.print(window_line(win["requested"], kept, listed), markup=False)
     lo, hi = win["probability_min"], win["probability_max"]
     held = (
         f"window: {count(win['trajectories'], 'trajectory', 'trajectories')}, "
@@ -347,27 +342,27 @@ def render(doc: dict[str, Any], con: Console, every: bool = False, wide: bool = 
     if lo is not None:
         spread = f"{num(lo)} each" if lo == hi else f"{num(lo)} to {num(hi)} per trajectory"
         held += f", p(draw) {spread}"
-    con.print(held)
+    out.print(held)
     if idx["size"] == 0:
         return
 
     whole = wide or out.piped
     names = {} if whole else unique_prefixes(g["model_weights_id"] for g in doc["model_weights"])
-    con.print(trajectory_table(doc, every, names, wide))
+    out.print(trajectory_table(doc, every, names, wide))
     if doc["schema"]:
-        con.print(schema_table(doc["schema"], wide))
+        out.print(schema_table(doc["schema"], wide))
     data = doc["data"]
     if data is not None and data["trajectories_read"]:
-        con.print(data_table(data, wide))
+        out.print(data_table(data, wide))
         if doc.get("journal") is not None:
             from rbtool.passes.journal import journal_note
 
-            con.print(journal_note(doc["journal"]), markup=False)
-        con.print(episode_line(data))
-        version_line(data, con)
-    con.print(weights_table(doc, every, wide))
+            out.print(journal_note(doc["journal"]), markup=False)
+        out.print(episode_line(data))
+        version_line(data)
+    out.print(weights_table(doc, every, wide))
     if doc["draws"] is not None:
-        draws_view(doc["draws"], con, every, wide)
+        draws_view(doc["draws"], every, wide)
 
 
 def trajectory_table(
@@ -481,13 +476,13 @@ def episode_line(data: dict[str, Any]) -> str:
     )
 
 
-def version_line(data: dict[str, Any], con: Console) -> None:
+def version_line(data: dict[str, Any]) -> None:
     v = data["versions"]
     if v is None:
         return
     spread = "  ".join(f"{num(x['version'])}: {x['samples']}" for x in v["values"][:8])
     more = " ..." if len(v["values"]) > 8 else ""
-    con.print(f"versions (samples): {spread}{more}  ·  newest {num(v['newest'])}")
+    out.print(f"versions (samples): {spread}{more}  ·  newest {num(v['newest'])}")
 
 
 def group_ids(doc: dict[str, Any], wanted: set[str]) -> dict[str, list[int]]:
@@ -536,10 +531,10 @@ def weights_table(doc: dict[str, Any], every: bool = False, wide: bool = False) 
     return Fitted(columns, cells, wide=wide)
 
 
-def draws_view(d: dict[str, Any], con: Console, every: bool = False, wide: bool = False) -> None:
+def draws_view(d: dict[str, Any], every: bool = False, wide: bool = False) -> None:
     how = d["strategy"] if d["strategy"] == "uniform" else f"topk k={d['k']} T={num(d['temperature'])}"
     c = d["concentration"]
-    con.print(
+    out.print(
         Text.assemble(
             (f"{count(d['n'], 'draw')} ({how}, seed {d['seed']})", "bold"),
             f" over {count(d['window_samples'], 'sample')}, {count(d['candidates'], 'candidate')}, "
@@ -566,9 +561,9 @@ def draws_view(d: dict[str, Any], con: Console, every: bool = False, wide: bool 
     caption = None
     if len(rows["id"]) > 2 * HEAD_ROWS + 2:
         caption = f"draws per trajectory: {sparkline(bucketed([float(x) for x in rows['draws']]))}"
-    con.print(Fitted(columns, cells, caption=caption, wide=wide))
+    out.print(Fitted(columns, cells, caption=caption, wide=wide))
     flag = Text("CONCENTRATED", style="red") if c["concentrated"] else Text("spread")
-    con.print(
+    out.print(
         Text.assemble(
             flag,
             f": half the draws on {count(c['samples_holding_half_of_draws'], 'sample')} (expected "

@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.text import Text
 
-from rbtool.cli._common import (
+from rbtool.cli._consoles import out
+from rbtool.cli._errors import print_error
+from rbtool.cli._json import bound, insert_after, print_json, print_jsonl
+from rbtool.cli._options import (
     AllOpt,
-    Column,
-    Fitted,
     JobsOpt,
     JournalOpt,
     JsonlOpt,
@@ -20,23 +21,11 @@ from rbtool.cli._common import (
     PathsArg,
     PrettyOpt,
     StorageOpt,
-    bound,
-    count,
-    head,
-    id_ranges,
-    insert_after,
-    left_out,
-    out,
-    print_error,
-    print_json,
-    print_jsonl,
-    progress_bar,
-    reading,
-    refuse_output_mix,
-    show_progress,
-    size,
     summary_limit,
 )
+from rbtool.cli._output import Column, Fitted, count, head, id_ranges, left_out, size
+from rbtool.cli._places import reading
+from rbtool.cli._progress import progress_bar, show_progress
 
 if TYPE_CHECKING:
     from rbtool.ops.verify import CheckpointReport
@@ -166,7 +155,6 @@ def verify(
     interrupted writer left) and warnings (differing field schemas) do not fail it. Several
     paths are checked in turn, each reported on its own.
     """
-    refuse_output_mix(json, jsonl, pretty)
     if journal is not None and not deep:
         raise typer.BadParameter(
             "the quick check reads no trajectory file: add --deep", param_hint="--journal"

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import rbtool
-from rbtool.cli._common import JsonOpt, PrettyOpt, out, print_json, refuse_output_mix
+from rbtool.cli._consoles import out
+from rbtool.cli._json import print_json
+from rbtool.cli._options import JsonOpt, PrettyOpt
 
 
 def version(json: JsonOpt = False, pretty: PrettyOpt = False) -> None:
     """Print rbtool's version."""
-    refuse_output_mix(json, pretty=pretty)
     if json:
         print_json({"version": rbtool.__version__}, pretty)
     else:
