@@ -26,6 +26,7 @@ OPERATIONS = {
     "rbtool.ops.ingestion",
     "rbtool.ops.repair",
     "rbtool.ops.resharding",
+    "rbtool.ops.sample",
     "rbtool.ops.stats",
     "rbtool.ops.verify",
 }

@@ -31,7 +31,7 @@ from rbtool.buffer.storage import (
 from rbtool.errors import BufferClosedError, CheckpointError, EmptyBufferError, UsageError
 from rbtool.files import trajfile
 from rbtool.files.dirs import CheckpointView, open_view, warn_layout
-from rbtool.files.index import Index, init_buffer_dir, read_index, window_of, window_start
+from rbtool.files.index import DEFAULT_SEED, Index, init_buffer_dir, read_index, window_of, window_start
 from rbtool.files.writer import (
     AutoSaveWriter,
     Progress,
@@ -71,7 +71,7 @@ class TrajectoryReplayBuffer:
 
     def __init__(
         self,
-        seed: int | None = 1234,
+        seed: int | None = DEFAULT_SEED,
         enable_cache: bool = True,
         cache_size: int = 5,
         sample_window_size: int = 100,

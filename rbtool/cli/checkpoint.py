@@ -129,6 +129,7 @@ def _save(
     pretty: bool,
 ) -> None:
     from rbtool.files.dirs import is_rank_tree, open_view
+    from rbtool.files.index import DEFAULT_SEED
     from rbtool.format import is_checkpoint_dir
     from rbtool.ops import checkpoint
 
@@ -163,7 +164,7 @@ def _save(
             dst.local,
             window,
             trajectory_format=fmt or "pt",
-            seed=1234 if seed is None else seed,
+            seed=DEFAULT_SEED if seed is None else seed,
             # loose files are copied unless --link, as by ingest; never a hard link into the cache
             link=(True if link else None) if writer.link else False,
         )

@@ -94,6 +94,9 @@ def window_of(id_list: Sequence[int], window_size: int) -> list[int]:
     return list(id_list[window_start(len(id_list), window_size) :])
 
 
+DEFAULT_SEED = 1234  # RLinf's buffer's default seed: recorded when a checkpoint is made without one
+
+
 @dataclass
 class Index:
     """A checkpoint's metadata and trajectory index, held in memory.
@@ -105,7 +108,7 @@ class Index:
     entries: dict[int, dict[str, Any]] = field(default_factory=dict)
     id_list: list[int] = field(default_factory=list)
     trajectory_counter: int = 0
-    seed: int | None = 1234
+    seed: int | None = DEFAULT_SEED
     trajectory_format: str = "pt"
     extra_metadata: dict[str, Any] = field(default_factory=dict)
     # rbtool's table of field schemas (digest -> fields), which entries name by "schema"

@@ -22,19 +22,12 @@ from rbtool.files.index import Index, balanced_blocks, dumps, rank_bounds, write
 from rbtool.format import MERGE_MAP_FILE
 from rbtool.format.layout import TrajectoryInfo, schema_digest
 from rbtool.format.ranknames import rank_dir_name
-from rbtool.progress import Progress
+from rbtool.progress import Progress, start_phase
 
 if TYPE_CHECKING:
     from rbtool.files.dirs import CheckpointView
 
 Source = Path | dict[str, Any]
-
-
-def start_phase(progress: Progress | None, total: int, description: str) -> None:
-    """Tell a progress callback that has a `start(total, description)` method that a counted phase begins."""
-    start = getattr(progress, "start", None)
-    if start is not None:
-        start(total, description)
 
 
 @dataclass

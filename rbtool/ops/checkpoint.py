@@ -17,7 +17,7 @@ from typing import Any
 
 from rbtool.errors import UsageError
 from rbtool.files.dirs import CheckpointView, open_view, shard_counter, warn_layout
-from rbtool.files.index import Index, window_of
+from rbtool.files.index import DEFAULT_SEED, Index, window_of
 
 # Re-exported: the writer side and the sources moved to their own modules.
 from rbtool.files.sources import Checked as Checked
@@ -70,7 +70,7 @@ def build_from_files(
     window: int,
     *,
     trajectory_format: str = "pt",
-    seed: int | None = 1234,
+    seed: int | None = DEFAULT_SEED,
     overwrite: bool = False,
     progress: Progress | None = None,
     link: bool | None = None,

@@ -19,12 +19,12 @@ from rbtool.errors import UsageError
 from rbtool.files.dirs import checkpoint_dirs, open_checkpoint
 from rbtool.files.fsutil import check_target, fs_errors, link_or_copy, publish_dir, staged_dir
 from rbtool.files.index import Index, write_index
-from rbtool.files.writer import WriteReport, copied_entries, place_trajectory, start_phase
+from rbtool.files.writer import WriteReport, copied_entries, place_trajectory
 from rbtool.format import FORMATS, MERGE_MAP_FILE
 from rbtool.passes import ranks
 from rbtool.passes.journal import Journal, open_journal
 from rbtool.passes.pool import Throughput, Timer, check_jobs, default_jobs
-from rbtool.progress import Progress
+from rbtool.progress import Progress, start_phase
 
 
 @dataclass

@@ -17,8 +17,8 @@ from rbtool.errors import CheckpointError, UsageError
 from rbtool.files import trajfile
 from rbtool.files.dirs import CheckpointView, open_view
 from rbtool.files.index import Index
-from rbtool.files.writer import WriteReport, copied_entries, start_phase, write_checkpoint
-from rbtool.progress import Progress
+from rbtool.files.writer import WriteReport, copied_entries, write_checkpoint
+from rbtool.progress import Progress, start_phase
 
 
 @dataclass

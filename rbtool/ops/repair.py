@@ -17,8 +17,8 @@ from typing import Any
 from rbtool.errors import InvalidTrajectoryError, RbtoolError, UsageError
 from rbtool.files import trajfile
 from rbtool.files.dirs import checkpoint_dirs
-from rbtool.files.index import Index
-from rbtool.files.writer import OutputDir, WriteReport, new_entry, start_phase, write_output
+from rbtool.files.index import DEFAULT_SEED, Index
+from rbtool.files.writer import OutputDir, WriteReport, new_entry, write_output
 from rbtool.format import (
     FORMATS,
     METADATA_FILE,
@@ -30,9 +30,7 @@ from rbtool.format import (
     trajectory_file_name,
 )
 from rbtool.passes.pool import Throughput, Timer, check_jobs, run_pass
-from rbtool.progress import Progress
-
-DEFAULT_SEED = 1234
+from rbtool.progress import Progress, start_phase
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rbtool.progress import Progress
+from rbtool.progress import Progress, start_phase
 
 if TYPE_CHECKING:
     from rbtool.buffer.sampling import Draw
@@ -48,12 +48,6 @@ def _phase(progress: Progress | None, done: int, description: str) -> None:
     phase = getattr(progress, "phase", None)
     if phase is not None:
         phase(done, description)
-
-
-def _start(progress: Progress | None, total: int, description: str) -> None:
-    start = getattr(progress, "start", None)
-    if start is not None:
-        start(total, description)
 
 
 def sample_checkpoint(
@@ -100,7 +94,7 @@ def sample_checkpoint(
     written = None
     if out is not None:
         total = phase_count(saving=True)
-        _start(progress, total, PHASES[3])
+        start_phase(progress, total, PHASES[3])
         _phase(progress, total - 1, PHASES[3])
         written = save_batch(batch, out, overwrite=overwrite, dry_run=dry_run)
     return Sample(view.index, missing, buffer.seed, window_ids, draw, batch, written)

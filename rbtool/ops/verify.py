@@ -47,15 +47,7 @@ from rbtool.format.ranknames import rank_dir_name, rank_number
 from rbtool.passes.journal import Journal, open_journal
 from rbtool.passes.pool import Timer, check_jobs
 from rbtool.passes.ranks import ranked_pass, total_jobs
-from rbtool.progress import Progress
-
-
-def _start_phase(progress: Progress | None, total: int, description: str) -> None:
-    """Tell a progress callback that has a `start(total, description)` method that a counted phase begins."""
-    start = getattr(progress, "start", None)
-    if start is not None:
-        start(total, description)
-
+from rbtool.progress import Progress, start_phase
 
 _IGNORED_FILES = {METADATA_FILE, INDEX_FILE, LEGACY_INDEX_FILE, MERGE_MAP_FILE}
 
@@ -555,7 +547,7 @@ def _run_deep(
     """The deep pass over every checker's files at once, `jobs` workers per rank; returns the bytes read."""
     per_checker = [c.deep_tasks() for c in checkers]
     tasks = [t for ts in per_checker for t in ts]
-    _start_phase(progress, len(tasks), "loading trajectory files")
+    start_phase(progress, len(tasks), "loading trajectory files")
     results = ranked_pass(
         _deep_task,
         tasks,
@@ -606,7 +598,7 @@ def verify(
     workers = total_jobs(jobs) if deep else check_jobs(jobs)
     timer = Timer()
     dirs = checkpoint_dirs(root)
-    _start_phase(progress, len(dirs), "checking index files and listings")
+    start_phase(progress, len(dirs), "checking index files and listings")
     checked = []
     phases = progress if hasattr(progress, "start") else None  # a plain callback counts files only
     for d in dirs:

@@ -326,7 +326,7 @@ def _update_mirror(
 ) -> Path:
     """Bring `mirror` up to date with `ckpt`, under the exclusive lock if anything changes; returns its
     checkpoint directory, with `pin` held shared."""
-    from rbtool.files.writer import start_phase
+    from rbtool.progress import start_phase
 
     root = mirror.parent
     workers = _workers(jobs)

@@ -115,7 +115,7 @@ def upload_dir(
 def _upload(
     local: Path, remote: Remote, *, overwrite: bool, jobs: int | None, progress: Progress | None
 ) -> dict[str, int]:
-    from rbtool.files.writer import start_phase
+    from rbtool.progress import start_phase
 
     check_target(remote, overwrite=overwrite)
     files = sorted(

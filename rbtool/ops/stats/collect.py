@@ -11,17 +11,14 @@ import numpy as np
 
 from rbtool.errors import NeedsTrajectoryFilesError, UsageError
 from rbtool.files.dirs import checkpoint_dirs, open_view
-from rbtool.files.index import Index, read_index
-from rbtool.files.writer import start_phase
+from rbtool.files.index import DEFAULT_SEED, Index, read_index
 from rbtool.ops.stats.data import data_report
 from rbtool.ops.stats.draws import DrawRequest, draws_report
 from rbtool.ops.stats.index import IndexHeader, LazyColumn, file_sizes, index_report, index_table, read_table
 from rbtool.ops.stats.summary import DEFAULT_BINS
 from rbtool.passes.journal import open_journal
 from rbtool.passes.pool import check_jobs
-from rbtool.progress import Progress
-
-DEFAULT_SEED = 1234  # the buffer's default seed, used when the checkpoint records none
+from rbtool.progress import Progress, start_phase
 
 
 def collect_stats(
