@@ -499,7 +499,7 @@ def _whole_tier(config: pytest.Config) -> bool:
         paths <= {Path(config.rootpath, p).resolve() for p in config.getini("testpaths")}
         and not config.option.keyword
         and not config.getoption("deselect", None)
-        and not config.option.exitfirst
+        and not config.getoption("maxfail", 0)
         and not config.getoption("lf", False)
         and not config.option.collectonly
     )
