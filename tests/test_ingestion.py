@@ -331,3 +331,39 @@ def test_a_recursive_walk_passes_over_the_buffer_inside_it(tmp_path: Path) -> No
     assert walked.added_ids == [2] and walked.duplicates == 2
     assert "the destination itself" in {s.reason for s in walked.skipped}
     assert read_index(buffer).size == len(files)
+
+
+@pytest.mark.parametrize("where", ["after-a-file-is-placed", "after-a-batch-is-published"])
+def test_an_interrupt_leaves_the_files_the_index_lists_and_no_other(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """Ctrl-C lands between two steps of ingest: the buffer is what its index says, file for file."""
+    from rbtool.files.writer import BufferWriter
+
+    sources = loose_files(tmp_path / "src", 10)
+    buffer = existing_buffer(tmp_path / "buffer", [0, 1], 2)
+    calls = {"place": 0, "publish": 0}
+    place, publish = BufferWriter.place, BufferWriter.publish
+
+    def placing(self: BufferWriter, *args: Any, **kwargs: Any) -> Any:
+        done = place(self, *args, **kwargs)
+        calls["place"] += 1
+        if where == "after-a-file-is-placed" and calls["place"] == 7:
+            raise KeyboardInterrupt  # the file is placed; its id is not yet in the index
+        return done
+
+    def publishing(self: BufferWriter, *args: Any, **kwargs: Any) -> Any:
+        done = publish(self, *args, **kwargs)
+        calls["publish"] += 1
+        if where == "after-a-batch-is-published" and calls["publish"] == 2:
+            raise KeyboardInterrupt  # the index lists the batch; ingest has not yet moved on
+        return done
+
+    monkeypatch.setattr(BufferWriter, "place", placing)
+    monkeypatch.setattr(BufferWriter, "publish", publishing)
+    with pytest.raises(KeyboardInterrupt):
+        ingest(sources, buffer, batch_size=3)
+    index = assert_valid(buffer)
+    assert index.id_list == list(range(8))  # two batches of 3 published after ids 0, 1
+    listed = {index.file_name(i) for i in index.id_list}
+    assert {p.name for p in buffer.glob("trajectory_*_*")} == listed

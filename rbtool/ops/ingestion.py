@@ -215,6 +215,20 @@ def _refuse_other_format(directory: Path, index: Index, trajectory_format: str |
         )
 
 
+def _remove_unlisted(directory: Path, index: Index, ids: list[int]) -> None:
+    """Remove the files of `ids` that the directory's index on disk does not list: an interrupted
+    batch's, placed (or being placed) but never published. An interrupt can also land after a
+    batch's index is written and before the batch is forgotten, so the index on disk decides;
+    when it cannot be read, nothing is removed (a stray file is safer than a listed one gone)."""
+    try:
+        listed = set(read_index(directory).id_list)
+    except RbtoolError:
+        return
+    for tid in ids:
+        if tid not in listed:
+            (directory / index.file_name(tid)).unlink(missing_ok=True)
+
+
 def _publish(writer: BufferWriter, index: Index, batch: list[int], result: IngestResult) -> list[int]:
     """Write the index listing `batch`; from then on its files belong to the directory."""
     writer.publish(index)
@@ -293,13 +307,14 @@ def ingest(
                 on_checked(1)
         known = _identities(index)
 
-        batch: list[int] = []
+        batch: list[int] = []  # ids whose files may be in the directory but not in its index yet
         last_publish = time.monotonic()
         try:
             for item, ready, digest in checked:
                 tid = _admit(item, ready, digest, index, known, allow_duplicates, result)
                 if tid is None:
                     continue
+                batch.append(tid)  # before its file is placed: an interrupt from here on removes it
                 entry = index.entries[tid]
                 linked = item.entry is not None if link is None else link  # from a checkpoint?
                 writer.place(ready.path, index.file_name(tid), entry, result.report, link=linked)
@@ -309,7 +324,6 @@ def ingest(
                     entry["source_sha256"] = digest  # rewritten: remember what it came from
                 index.id_list.append(tid)
                 index.trajectory_counter = tid + 1
-                batch.append(tid)
                 if len(batch) >= batch_size or time.monotonic() - last_publish >= batch_seconds:
                     published, batch = _publish(writer, index, batch, result), []
                     if on_published is not None:
@@ -320,8 +334,6 @@ def ingest(
                 if on_published is not None:
                     on_published(published)
         except BaseException:
-            # Files of the unpublished batch are not in the on-disk index: remove them.
-            for tid in batch:
-                (directory / index.file_name(tid)).unlink(missing_ok=True)
+            _remove_unlisted(directory, index, batch)
             raise
     return result
