@@ -477,6 +477,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # run of a whole tier that leaves one out fails, naming it. Under pytest-xdist each worker
 # sends what it imported to the controller, which takes the union.
 _SEEN = pytest.StashKey[set[str]]()
+# `python -m rbtool` runs rbtool/__main__.py by runpy, in the subprocesses of the CLI tests:
+# it is run, never imported.
+RUN_NOT_IMPORTED = {"rbtool.__main__"}
 PACKAGE = Path(__file__).resolve().parents[1] / "rbtool"
 
 
@@ -517,7 +520,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if workeroutput is not None:  # a pytest-xdist worker
         workeroutput["rbtool_modules"] = sorted(seen)
         return
-    missing = sorted(package_modules() - seen - session.config.stash.get(_SEEN, set()))
+    seen |= session.config.stash.get(_SEEN, set()) | RUN_NOT_IMPORTED
+    missing = sorted(package_modules() - seen)
     if missing and exitstatus == 0 and _whole_tier(session.config):
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
