@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import re
@@ -440,11 +441,17 @@ _SLOW_CALLS = re.compile(r"\b(at_terminal|local_user|as_other|shared_area|setrli
 
 
 def _calls_slow_parts(item: pytest.Item) -> bool:
+    function = getattr(item, "function", None)
+    return function is not None and _source_calls_slow_parts(function)
+
+
+@functools.cache
+def _source_calls_slow_parts(function: Any) -> bool:
+    """Read once per test function, however many cases it has."""
     import inspect
 
-    function = getattr(item, "function", None)
     try:
-        return function is not None and _SLOW_CALLS.search(inspect.getsource(function)) is not None
+        return _SLOW_CALLS.search(inspect.getsource(function)) is not None
     except (OSError, TypeError):
         return False
 

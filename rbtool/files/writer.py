@@ -251,7 +251,7 @@ def write_ranks(
     rank recording its part of the merge map when the view's ids were renumbered (`link` and
     `dry_run` as for write_output)."""
     dirs = [OutputDir(rank_dir_name(rank), part, view.file_of) for rank, part in enumerate(parts)]
-    renumbered = view.merge_map()
+    renumbered = None if dry_run else view.merge_map()  # a dry run writes no map
     return write_output(
         out, dirs, renumbered=renumbered, overwrite=overwrite, progress=progress, link=link, dry_run=dry_run
     )

@@ -265,7 +265,7 @@ def merge(
         Path(out),
         merged,
         view.file_of,
-        renumbered=view.merge_map() if renumber else None,
+        renumbered=view.merge_map() if renumber and not dry_run else None,
         overwrite=overwrite,
         progress=progress,
         link=link,

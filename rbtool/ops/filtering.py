@@ -152,7 +152,7 @@ def filter_checkpoint(
     keep = set(kept)
     dropped = [i for i in view.index.id_list if i not in keep]
     result = FilterResult(view, index, dropped, versions, dry_run)
-    merge_map = view.merge_map()
+    merge_map = None if dry_run else view.merge_map()  # a dry run writes no map
     kept_map = {i: m for i, m in merge_map.items() if i in keep} if merge_map else None
     result.report = write_checkpoint(
         Path(out),
