@@ -30,9 +30,9 @@ from rbtool.cli import (
     verify,
     version,
 )
-from rbtool.cli._app import Command, Group
+from rbtool.cli._app import Command, Group, Typer
 
-app = typer.Typer(
+app = Typer(
     cls=Group,
     name="rbtool",
     no_args_is_help=True,

@@ -14,8 +14,9 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
 from typer.core import TyperCommand, TyperGroup
@@ -151,9 +152,63 @@ class Group(TyperGroup):
                 raise typer.Exit(1) from None
 
 
+def with_groups(callback: Callable[..., Any]) -> Callable[..., Any]:
+    """`callback` with its option groups (parameters typed by a dataclass of `_options`: `Report`,
+    `Writes` ...) spelled out as the groups' options, for the parser; each call gathers their
+    values back into the group."""
+    import dataclasses
+    import functools
+    import inspect
+    from typing import get_type_hints
+
+    signature = inspect.signature(callback, eval_str=True)
+    groups: dict[str, Any] = {}
+    params = []
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    for param in signature.parameters.values():
+        group = param.annotation
+        if not (isinstance(group, type) and dataclasses.is_dataclass(group)):
+            params.append(param.replace(kind=keyword))
+            continue
+        hints = get_type_hints(group, include_extras=True)
+        groups[param.name] = group
+        params += [
+            inspect.Parameter(f.name, keyword, annotation=hints[f.name], default=f.default)
+            for f in dataclasses.fields(group)
+        ]
+    if not groups:
+        return callback
+
+    @functools.wraps(callback)
+    def run(**kwargs: Any) -> Any:
+        for name, group in groups.items():
+            kwargs[name] = group(**{f.name: kwargs.pop(f.name) for f in dataclasses.fields(group)})
+        return callback(**kwargs)
+
+    run.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+    run.__annotations__ = {p.name: p.annotation for p in params}
+    return run
+
+
+CommandFunction = TypeVar("CommandFunction", bound=Callable[..., Any])
+
+
+class Typer(typer.Typer):
+    """typer's `Typer`, whose commands may take option groups (`with_groups`)."""
+
+    def command(self, *args: Any, **kwargs: Any) -> Callable[[CommandFunction], CommandFunction]:
+        register = super().command(*args, **kwargs)
+
+        def decorator(callback: CommandFunction) -> CommandFunction:
+            register(with_groups(callback))
+            return callback
+
+        return decorator
+
+
 def sub_app(name: str, description: str) -> typer.Typer:
     """A group of commands under `rbtool NAME` (`rbtool checkpoint save`, `rbtool import lerobot`)."""
-    return typer.Typer(cls=Group, name=name, help=description, no_args_is_help=True, rich_markup_mode=None)
+    return Typer(cls=Group, name=name, help=description, no_args_is_help=True, rich_markup_mode=None)
 
 
 # ------------------------------------------------------------ help

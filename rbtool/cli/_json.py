@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from rbtool.cli._options import summary_limit
+from rbtool.cli._options import Report
 from rbtool.cli._output import head, id_ranges, left_out
 
 _CHUNK_ITEMS = 65536  # a long list is serialised this many items at a time
@@ -144,15 +144,15 @@ def print_jsonl(rows: Iterable[Any]) -> None:
 
 
 def print_report(
-    doc: dict[str, Any], pretty: bool, all_items: bool, *, each: str | None = None, also: Sequence[str] = ()
+    doc: dict[str, Any], output: Report, *, each: str | None = None, also: Sequence[str] = ()
 ) -> None:
     """The --json document of checkpoint states: the trajectory id list cut to the summary unless
     --all (`bound_state`; with `each`, that of every item of `doc[each]`: ranks, checkpoints), and
     the other lists `also`."""
-    limit = summary_limit(all_items)
+    limit = output.limit
     shown = (
         bound_state(doc, limit) if each is None else {**doc, each: [bound_state(s, limit) for s in doc[each]]}
     )
     for key in also:
         bound(shown, key, limit)
-    print_json(shown, pretty)
+    print_json(shown, output.pretty)

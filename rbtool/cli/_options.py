@@ -8,6 +8,7 @@ every command (-q, -v, --no-progress, --color) itself.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -193,3 +194,46 @@ def refuse_output_mix(json: bool, jsonl: bool = False, pretty: bool = False) -> 
         raise typer.BadParameter("give --json or --jsonl, not both", param_hint="--jsonl")
     if pretty and not json:
         raise typer.BadParameter("applies only with --json", param_hint="--pretty")
+
+
+# ------------------------------------------------------------ option groups
+# Options that go together on many commands, taken as one parameter: a command declares
+# `report: Report = Report()` and gets --all, --json and --pretty (`_app.Typer` spells a group
+# out as its options for the parser and gathers their values back into the group).
+
+
+@dataclass(frozen=True)
+class Json:
+    """--json and --pretty: a command that prints one JSON document."""
+
+    json: JsonOpt = False
+    pretty: PrettyOpt = False
+
+
+@dataclass(frozen=True)
+class Report:
+    """--all, --json and --pretty: a command whose view summarises lists that grow with a checkpoint."""
+
+    all_items: AllOpt = False
+    json: JsonOpt = False
+    pretty: PrettyOpt = False
+
+    @property
+    def limit(self) -> int | None:
+        """How many items a summarised list keeps (`summary_limit`)."""
+        return summary_limit(self.all_items)
+
+
+@dataclass(frozen=True)
+class Lines(Report):
+    """A `Report` that can also stream JSON Lines (--jsonl)."""
+
+    jsonl: JsonlOpt = False
+
+
+@dataclass(frozen=True)
+class Writes:
+    """--copy and --dry-run: a command that writes a checkpoint from other checkpoints' files."""
+
+    copy: CopyOpt = False
+    dry_run: DryRunOpt = False

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from rbtool.cli._consoles import note, out, progress_line
+from rbtool.cli._options import Json, Report, Writes
 from rbtool.cli._output import count, files_line
 from rbtool.cli._places import reading, refuse_overlap, upload_note, writing
 from rbtool.cli._progress import progress_bar, show_progress
@@ -56,14 +57,15 @@ class Writer:
     options every writer takes."""
 
     def __init__(
-        self, sources: list[Place], dst: Place, *, json: bool, force: bool, copy: bool, dry_run: bool
+        self, sources: list[Place], dst: Place, output: Json | Report, writes: Writes, force: bool
     ) -> None:
         self.sources = sources
         self.dst = dst
-        self.json = json
+        self.output = output
+        self.json = output.json
         self.force = force
-        self.copy = copy
-        self.dry_run = dry_run
+        self.copy = writes.copy
+        self.dry_run = writes.dry_run
 
     @property
     def link(self) -> bool:
@@ -105,11 +107,10 @@ def read_and_write(
     sources: Sequence[str],
     target: str,
     storage_options: list[str] | None,
+    output: Json | Report,
+    writes: Writes,
     *,
-    json: bool,
     force: bool,
-    copy: bool,
-    dry_run: bool,
     stream: bool = False,
     data: bool | None = None,
     option: str = "--out",
@@ -117,9 +118,9 @@ def read_and_write(
     """A writer's opening: its input checkpoints read (a URL fetched; its files only when it is
     no dry run, unless `data` says otherwise; streamed passes allowed with `stream`), its output
     opened (a URL staged for upload, an existing one refused without `force`), progress shown
-    unless `json`, and an output that is, lies in or holds an input refused, named as `option`."""
-    enabled = show_progress(json)
-    fetch = not dry_run if data is None else data
+    unless --json, and an output that is, lies in or holds an input refused, named as `option`."""
+    enabled = show_progress(output.json)
+    fetch = not writes.dry_run if data is None else data
     with ExitStack() as stack:
         places = [
             stack.enter_context(reading(s, storage_options, data=fetch, enabled=enabled, stream=stream))
@@ -127,4 +128,4 @@ def read_and_write(
         ]
         dst = stack.enter_context(writing(target, storage_options, overwrite=force, enabled=enabled))
         refuse_overlap(dst.local, [p.local for p in places], option)
-        yield Writer(places, dst, json=json, force=force, copy=copy, dry_run=dry_run)
+        yield Writer(places, dst, output, writes, force)

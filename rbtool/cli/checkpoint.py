@@ -13,19 +13,15 @@ from rbtool.cli._app import Command, sub_app
 from rbtool.cli._consoles import out
 from rbtool.cli._json import print_jsonl, print_report
 from rbtool.cli._options import (
-    AllOpt,
-    CopyOpt,
-    DryRunOpt,
     ForceOpt,
     FormatOpt,
-    JsonlOpt,
-    JsonOpt,
-    PrettyOpt,
+    Lines,
+    Report,
     StorageOpt,
     StrictOpt,
     TrajectoryFormat,
+    Writes,
     refuse_link_with_copy,
-    summary_limit,
 )
 from rbtool.cli._output import count, format_ids, state_table
 from rbtool.cli._places import local_path_arg, reading, refuse_overlap
@@ -93,29 +89,18 @@ def save(
             "a checkpoint's files are linked).",
         ),
     ] = False,
-    copy: CopyOpt = False,
-    dry_run: DryRunOpt = False,
-    all_items: AllOpt = False,
-    json: JsonOpt = False,
-    pretty: PrettyOpt = False,
+    writes: Writes = Writes(),
+    output: Report = Report(),
     storage_option: StorageOpt = None,
 ) -> None:
     """Write the checkpoint a buffer's save_checkpoint would write, from files on disk."""
-    refuse_link_with_copy(link, copy)
+    refuse_link_with_copy(link, writes.copy)
     # a dry run of a save reads every file, as the save does
     opening = read_and_write(
-        source_args,
-        target_arg,
-        storage_option,
-        json=json,
-        force=force,
-        copy=copy,
-        dry_run=dry_run,
-        data=True,
-        option="OUT",
+        source_args, target_arg, storage_option, output, writes, force=force, data=True, option="OUT"
     )
     with opening as writer:
-        _save(writer, window, mode, trajectory_format, seed, link, all_items, pretty)
+        _save(writer, window, mode, trajectory_format, seed, link, output)
 
 
 def _save(
@@ -125,8 +110,7 @@ def _save(
     trajectory_format: TrajectoryFormat | None,
     seed: int | None,
     link: bool,
-    all_items: bool,
-    pretty: bool,
+    output: Report,
 ) -> None:
     from rbtool.files.dirs import is_rank_tree, open_view
     from rbtool.files.index import DEFAULT_SEED
@@ -181,10 +165,10 @@ def _save(
         "files": None if dry_run else report.as_json(),
     }
     if writer.json:
-        print_report(doc, pretty, all_items)
+        print_report(doc, output)
         return
     title = f"{'would save' if dry_run else 'saved'} {dst.show()} ({chosen.value}, window {window})"
-    out.print(state_table(title, [("checkpoint", doc)], summary_limit(all_items)))
+    out.print(state_table(title, [("checkpoint", doc)], output.limit))
     out.print(window_line(window, index.id_list, listed), markup=False)
     saved = doc["trajectory_format"]
     writer.last_lines(f"{trajectories(index.size)}, format {saved}", doc["files"], f"format {saved}; ")
@@ -262,12 +246,8 @@ def load(
     force: Annotated[
         bool, typer.Option("--force", help="Replace the --buffer directory if it is a checkpoint or empty.")
     ] = False,
-    copy: CopyOpt = False,
-    dry_run: DryRunOpt = False,
-    all_items: AllOpt = False,
-    json: JsonOpt = False,
-    pretty: PrettyOpt = False,
-    jsonl: JsonlOpt = False,
+    writes: Writes = Writes(),
+    output: Lines = Lines(),
     storage_option: StorageOpt = None,
 ) -> None:
     """Show what a full or distributed load of CKPT yields; --buffer restores it as a buffer directory.
@@ -275,22 +255,9 @@ def load(
     Id lists are summarised unless --all; --jsonl streams one object per trajectory loaded.
     """
     # Without --buffer only the JSON objects of a remote checkpoint are read.
-    enabled = show_progress(json or jsonl)
+    enabled = show_progress(output.json or output.jsonl)
     with reading(ckpt_arg, storage_option, data=buffer is not None, enabled=enabled) as place:
-        _load(
-            place,
-            world_size,
-            rank,
-            strict,
-            buffer,
-            force,
-            copy,
-            dry_run,
-            all_items,
-            json,
-            pretty,
-            jsonl,
-        )
+        _load(place, world_size, rank, strict, buffer, force, writes, output)
 
 
 def _load(
@@ -300,19 +267,18 @@ def _load(
     strict: bool,
     buffer: Path | None,
     force: bool,
-    copy: bool,
-    dry_run: bool,
-    all_items: bool,
-    json: bool,
-    pretty: bool,
-    jsonl: bool,
+    writes: Writes,
+    output: Lines,
 ) -> None:
     from rbtool.ops import checkpoint
+
+    dry_run = writes.dry_run
+    enabled = show_progress(output.json or output.jsonl)
 
     ckpt, display = place.local, place.show()
     if buffer is not None:
         refuse_overlap(buffer, [ckpt], "--buffer")
-    elif copy:
+    elif writes.copy:
         raise typer.BadParameter("applies only with --buffer", param_hint="--copy")
     elif dry_run:
         raise typer.BadParameter("applies only with --buffer (nothing else writes)", param_hint="--dry-run")
@@ -323,7 +289,7 @@ def _load(
     from rbtool.files.dirs import warn_layout
 
     # One step: the library reads the index and checks the files in one call.
-    with progress_bar("reading the index and checking files", 1, show_progress(json or jsonl)) as advance:
+    with progress_bar("reading the index and checking files", 1, enabled) as advance:
         if rank is not None:
             view = checkpoint.open_load_view(ckpt, world_size=world_size, rank=rank, strict=strict)
             assert world_size is not None
@@ -350,7 +316,7 @@ def _load(
 
     doc["restored_to"] = None
     if buffer is not None:
-        with progress_bar("restoring", shown.size, show_progress(json or jsonl) and not dry_run) as advance:
+        with progress_bar("restoring", shown.size, enabled and not dry_run) as advance:
             checkpoint.restore(
                 ckpt,
                 buffer,
@@ -359,19 +325,19 @@ def _load(
                 strict=strict,
                 overwrite=force,
                 progress=advance,
-                link=not copy and place.url is None,  # never a hard link into the cache
+                link=not writes.copy and place.url is None,  # never a hard link into the cache
                 dry_run=dry_run,
             )
         doc["restored_to"] = None if dry_run else str(buffer)
     doc["dry_run"] = dry_run
 
-    limit = summary_limit(all_items)
-    if jsonl:
+    limit = output.limit
+    if output.jsonl:
         print_jsonl(trajectory_rows(shown, world_size, rank))
         return
-    if json:
+    if output.json:
         each = "ranks" if "ranks" in doc else None
-        print_report(doc, pretty, all_items, each=each, also=("dropped_missing_ids",))
+        print_report(doc, output, each=each, also=("dropped_missing_ids",))
         return
     how = "full load" if world_size is None else f"distributed load, world size {world_size}"
     if "ranks" in doc:

@@ -9,18 +9,14 @@ import typer
 from rbtool.cli._consoles import out
 from rbtool.cli._json import print_report
 from rbtool.cli._options import (
-    AllOpt,
-    CopyOpt,
-    DryRunOpt,
     JobsOpt,
     JournalOpt,
-    JsonOpt,
-    PrettyOpt,
+    Report,
     SourceArg,
     StorageOpt,
     StrictOpt,
     TrajectoryFormat,
-    summary_limit,
+    Writes,
 )
 from rbtool.cli._output import count, size, state_table
 from rbtool.cli._places import is_url
@@ -47,11 +43,8 @@ def convert(
             "--force", help="Replace OUT if it is empty, a checkpoint or an earlier rank tree output."
         ),
     ] = False,
-    copy: CopyOpt = False,
-    dry_run: DryRunOpt = False,
-    all_items: AllOpt = False,
-    json: JsonOpt = False,
-    pretty: PrettyOpt = False,
+    writes: Writes = Writes(),
+    output: Report = Report(),
     storage_option: StorageOpt = None,
 ) -> None:
     """Write OUT with every trajectory file of IN in FORMAT (a rank tree keeps its rank_* layout)."""
@@ -68,10 +61,9 @@ def convert(
         [source_arg],
         target_arg,
         storage_option,
-        json=json,
+        output,
+        writes,
         force=force,
-        copy=copy,
-        dry_run=dry_run,
         stream=stream,
     )
     with opening as writer:
@@ -101,24 +93,24 @@ def convert(
             "seconds": round(result.throughput.seconds, 6),
             "bytes_per_second": result.throughput.bytes_per_second,
             "checkpoints": checkpoints,
-            "dry_run": dry_run,
-            "files": None if dry_run else result.report.as_json(),
+            "dry_run": writes.dry_run,
+            "files": None if writes.dry_run else result.report.as_json(),
             "journal": result.journal,
         }
-        if json:
-            print_report(doc, pretty, all_items, each="checkpoints")
+        if output.json:
+            print_report(doc, output, each="checkpoints")
             return
         out.print(
             state_table(
-                f"{src.show()} {'would be ' if dry_run else ''}converted to {doc['trajectory_format']} "
-                f"into {dst.show()} ({count(doc['jobs'], 'job')})",
+                f"{src.show()} {'would be ' if writes.dry_run else ''}converted to "
+                f"{doc['trajectory_format']} into {dst.show()} ({count(doc['jobs'], 'job')})",
                 [(c["path"].rstrip("/").rsplit("/", 1)[-1], c) for c in checkpoints],
-                summary_limit(all_items),
+                output.limit,
             )
         )
         total = sum(c["size"] for c in checkpoints)
         writer.last_lines(f"{trajectories(total)} in {doc['trajectory_format']}", doc["files"])
-        if dry_run:
+        if writes.dry_run:
             return
         rate = (doc["bytes_per_second"] or 0) / 1e6
         out.print(

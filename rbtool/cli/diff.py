@@ -10,12 +10,9 @@ from rbtool.cli._consoles import err, out
 from rbtool.cli._json import bound, print_json
 from rbtool.cli._options import (
     SUMMARY_ITEMS,
-    AllOpt,
-    JsonOpt,
-    PrettyOpt,
+    Report,
     StorageOpt,
     StrictOpt,
-    summary_limit,
 )
 from rbtool.cli._output import Column, Fitted, count, format_ids
 from rbtool.cli._places import reading
@@ -36,31 +33,29 @@ def diff(
         ),
     ] = False,
     strict: StrictOpt = True,
-    all_items: AllOpt = False,
-    json: JsonOpt = False,
-    pretty: PrettyOpt = False,
+    output: Report = Report(),
     storage_option: StorageOpt = None,
 ) -> None:
     """Compare A and B: metadata, entries added/removed/changed, files, schema. Exit 0 equal, 1 not."""
     with (
-        reading(a_arg, storage_option, data=True, enabled=show_progress(json)) as place_a,
-        reading(b_arg, storage_option, data=True, enabled=show_progress(json)) as place_b,
+        reading(a_arg, storage_option, data=True, enabled=show_progress(output.json)) as place_a,
+        reading(b_arg, storage_option, data=True, enabled=show_progress(output.json)) as place_b,
     ):
         a, b = place_a.local, place_b.local
         from rbtool.ops import compare
 
-        with progress_bar("comparing", None, show_progress(json)) as advance:
+        with progress_bar("comparing", None, show_progress(output.json)) as advance:
             result = compare.diff(a, b, deep=deep, strict=strict, progress=advance)
         doc = result.as_json()
         doc["a"], doc["b"] = place_a.show(doc["a"]), place_b.show(doc["b"])
-        if json:
+        if output.json:
             shown = dict(doc)
-            limit = summary_limit(all_items)
+            limit = output.limit
             for key in ("added", "removed", "changed"):
                 bound(shown, key, limit)
-            print_json(shown, pretty)
+            print_json(shown, output.pretty)
         else:
-            render(doc, None if all_items else SUMMARY_ITEMS)
+            render(doc, None if output.all_items else SUMMARY_ITEMS)
         if doc["files_unchecked"] and not deep:
             n = doc["files_unchecked"]
             is_, was = ("is", "was") if n == 1 else ("are", "were")

@@ -9,16 +9,12 @@ import typer
 from rbtool.cli._consoles import out
 from rbtool.cli._json import print_report
 from rbtool.cli._options import (
-    AllOpt,
-    CopyOpt,
-    DryRunOpt,
     ForceOpt,
-    JsonOpt,
-    PrettyOpt,
+    Report,
     SourceArg,
     StorageOpt,
     StrictOpt,
-    summary_limit,
+    Writes,
 )
 from rbtool.cli._output import format_ids, state_table
 from rbtool.cli._writing import read_and_write, trajectories
@@ -64,21 +60,16 @@ def filter_(
         int | None,
         typer.Option("--min-samples", min=0, metavar="N", help="Keep trajectories with >= N samples (T*B)."),
     ] = None,
-    dry_run: DryRunOpt = False,
     strict: StrictOpt = True,
     force: ForceOpt = False,
-    copy: CopyOpt = False,
-    all_items: AllOpt = False,
-    json: JsonOpt = False,
-    pretty: PrettyOpt = False,
+    writes: Writes = Writes(),
+    output: Report = Report(),
     storage_option: StorageOpt = None,
 ) -> None:
     """Write OUT holding IN's trajectories that match every criterion given (files linked; see --copy)."""
     from rbtool.ops import filtering
 
-    opening = read_and_write(
-        [source_arg], target_arg, storage_option, json=json, force=force, copy=copy, dry_run=dry_run
-    )
+    opening = read_and_write([source_arg], target_arg, storage_option, output, writes, force=force)
     with opening as writer:
         src, dst = writer.sources[0], writer.dst
         criteria = filtering.Criteria(
@@ -105,19 +96,19 @@ def filter_(
             "source": src.show(),
             "out": dst.show(),
             "upload": dst.upload,
-            "dry_run": dry_run,
+            "dry_run": writes.dry_run,
             "criteria": filtering.describe_criteria(criteria),
             **result.index.state(),
             "source_size": result.view.index.size,
             "dropped_ids": result.dropped,
             "renumbered": result.view.renumbered,
-            "files": None if dry_run else result.report.as_json(),
+            "files": None if writes.dry_run else result.report.as_json(),
         }
-        if json:
-            print_report(doc, pretty, all_items, also=("dropped_ids",))
+        if output.json:
+            print_report(doc, output, also=("dropped_ids",))
             return
-        action = "would keep" if dry_run else f"kept in {dst.show()}"
-        limit = summary_limit(all_items)
+        action = "would keep" if writes.dry_run else f"kept in {dst.show()}"
+        limit = output.limit
         out.print(state_table(f"{src.show()}: {action}", [("kept", doc)], limit))
         out.print(
             f"dropped {len(result.dropped)} of {doc['source_size']}: ids {format_ids(result.dropped, limit)}"

@@ -12,12 +12,10 @@ import typer
 from rbtool.cli._consoles import out
 from rbtool.cli._json import print_json
 from rbtool.cli._options import (
-    CopyOpt,
-    DryRunOpt,
     FormatOpt,
-    JsonOpt,
-    PrettyOpt,
+    Json,
     StorageOpt,
+    Writes,
     refuse_link_with_copy,
 )
 from rbtool.cli._output import files_line, format_ids, key_values
@@ -72,10 +70,8 @@ def ingest(
             "linked). Whoever writes such a file in place then changes the buffer's too.",
         ),
     ] = False,
-    copy: CopyOpt = False,
-    dry_run: DryRunOpt = False,
-    json: JsonOpt = False,
-    pretty: PrettyOpt = False,
+    writes: Writes = Writes(),
+    output: Json = Json(),
     storage_option: StorageOpt = None,
 ) -> None:
     """Add trajectories to a buffer directory; ids continue from its trajectory_counter.
@@ -100,19 +96,19 @@ def ingest(
     buffer = local_dir(buffer_arg, "--buffer")
     with ExitStack() as stack:
         places = [
-            stack.enter_context(reading(s, storage_option, data=True, enabled=show_progress(json)))
+            stack.enter_context(reading(s, storage_option, data=True, enabled=show_progress(output.json)))
             for s in source_args
         ]
         sources = [place.local for place in places]
         from rbtool.ops.ingestion import ingest as ingest_sources
         from rbtool.remote.places import shown_in
 
-        refuse_link_with_copy(link, copy)
+        refuse_link_with_copy(link, writes.copy)
 
         def on_published(ids: list[int]) -> None:
             added_line(ids, enabled)
 
-        enabled = show_progress(json)
+        enabled = show_progress(output.json)
         total = _count_items(sources) if enabled else None
         with progress_bar("checking sources", total, enabled) as advance:
             result = ingest_sources(
@@ -124,8 +120,8 @@ def ingest(
                 on_published=on_published,
                 recursive=recursive,
                 allow_duplicates=allow_duplicates,
-                link=True if link else False if copy else None,
-                dry_run=dry_run,
+                link=True if link else False if writes.copy else None,
+                dry_run=writes.dry_run,
             )
 
         index = result.index
@@ -141,12 +137,12 @@ def ingest(
             "removed_leftovers": result.removed_leftovers,
             "duplicates": result.duplicates,
             "skipped": [{**s.as_json(), "source": shown_in(places, s.path)} for s in result.skipped],
-            "dry_run": dry_run,
+            "dry_run": writes.dry_run,
         }
-        if dry_run:
+        if writes.dry_run:
             doc["files"] = None
-        if json:
-            print_json(doc, pretty)
+        if output.json:
+            print_json(doc, output.pretty)
             return
         ids = result.added_ids
         rows = [
@@ -156,18 +152,18 @@ def ingest(
             ("trajectory counter", f"{doc['trajectory_counter']}"),
             ("format", doc["trajectory_format"]),
         ]
-        if not dry_run:
+        if not writes.dry_run:
             rows.append(("files", files_line(doc["files"])))
         if result.removed_leftovers:
             rows.append(("removed leftovers", ", ".join(result.removed_leftovers)))
         if result.skipped:
             rows.append(("skipped", f"{len(result.skipped)} ({result.duplicates} already in the buffer)"))
-        out.print(key_values(f"{'would ingest' if dry_run else 'ingest'} into {result.buffer}", rows))
+        out.print(key_values(f"{'would ingest' if writes.dry_run else 'ingest'} into {result.buffer}", rows))
         shown = 20
         for skipped in result.skipped[:shown]:
             out.print(f"skipped {shown_in(places, skipped.path)}: {skipped.reason}", markup=False)
         if len(result.skipped) > shown:
             more = len(result.skipped) - shown
             out.print(f"... and {more} more skipped (--json lists them all)", markup=False)
-        if dry_run:
+        if writes.dry_run:
             dry_run_note(result.buffer, f"{trajectories(len(ids))} added")

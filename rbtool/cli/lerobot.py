@@ -18,8 +18,7 @@ from rbtool.cli._options import (
     ForceOpt,
     FormatOpt,
     JournalOpt,
-    JsonOpt,
-    PrettyOpt,
+    Json,
     StorageOpt,
     StrictOpt,
 )
@@ -128,8 +127,7 @@ def export(
     strict: StrictOpt = True,
     force: ForceOpt = False,
     dry_run: DryRunOpt = False,
-    json: JsonOpt = False,
-    pretty: PrettyOpt = False,
+    output: Json = Json(),
     storage_option: StorageOpt = None,
     journal: JournalOpt = None,
 ) -> None:
@@ -139,7 +137,7 @@ def export(
     Under torchrun every rank reads and encodes its share of the trajectories and rank 0 writes
     the dataset one process would write (byte for byte); with --journal a rerun resumes.
     """
-    with reading(source_arg, storage_option, data=True, enabled=show_progress(json)) as src:
+    with reading(source_arg, storage_option, data=True, enabled=show_progress(output.json)) as src:
         source = src.local
         from rbtool.errors import RbtoolError, UsageError
         from rbtool.files.dirs import open_view
@@ -149,7 +147,7 @@ def export(
         if video and not images:
             raise UsageError("--video needs --images: video features are image fields")
         mapping = parse_field_map(names or [], "--map")
-        enabled = show_progress(json)
+        enabled = show_progress(output.json)
         total = None
         if enabled:
             try:
@@ -199,8 +197,8 @@ def export(
         if dry_run:  # files are only known once written
             for key in ("data_files", "video_files", "episode_files", "bytes"):
                 doc[key] = None
-        if json:
-            print_json(doc, pretty)
+        if output.json:
+            print_json(doc, output.pretty)
             return
         rows = [
             ("trajectories", f"{result.trajectories}"),
@@ -291,8 +289,7 @@ def import_lerobot(
     ] = None,
     trajectory_format: FormatOpt = None,
     dry_run: DryRunOpt = False,
-    json: JsonOpt = False,
-    pretty: PrettyOpt = False,
+    output: Json = Json(),
 ) -> None:
     """Add a LeRobot dataset's episodes to a buffer directory; ids continue from its trajectory_counter.
 
@@ -314,7 +311,7 @@ def import_lerobot(
         published.extend(ids)
         added_line(ids, enabled)
 
-    enabled = show_progress(json)
+    enabled = show_progress(output.json)
     total = None
     if enabled:
         try:
@@ -362,8 +359,8 @@ def import_lerobot(
         "dry_run": dry_run,
         "files": None if dry_run else result.report.as_json(),
     }
-    if json:
-        print_json(doc, pretty)
+    if output.json:
+        print_json(doc, output.pretty)
         return
     ids = result.added_ids
     rows = [

@@ -9,16 +9,12 @@ import typer
 from rbtool.cli._consoles import out
 from rbtool.cli._json import print_report
 from rbtool.cli._options import (
-    AllOpt,
-    CopyOpt,
-    DryRunOpt,
     ForceOpt,
     FormatOpt,
-    JsonOpt,
-    PrettyOpt,
+    Report,
     StorageOpt,
     StrictOpt,
-    summary_limit,
+    Writes,
 )
 from rbtool.cli._output import count, state_table
 from rbtool.cli._writing import read_and_write, trajectories
@@ -35,11 +31,8 @@ def merge(
     trajectory_format: FormatOpt = None,
     strict: StrictOpt = True,
     force: ForceOpt = False,
-    copy: CopyOpt = False,
-    dry_run: DryRunOpt = False,
-    all_items: AllOpt = False,
-    json: JsonOpt = False,
-    pretty: PrettyOpt = False,
+    writes: Writes = Writes(),
+    output: Report = Report(),
     storage_option: StorageOpt = None,
 ) -> None:
     """Merge checkpoints: unique ids are kept in input order, colliding ids renumbered from 0."""
@@ -47,9 +40,7 @@ def merge(
     from rbtool.ops import checkpoint
     from rbtool.remote.places import shown_in
 
-    opening = read_and_write(
-        dir_args, target_arg, storage_option, json=json, force=force, copy=copy, dry_run=dry_run
-    )
+    opening = read_and_write(dir_args, target_arg, storage_option, output, writes, force=force)
     with opening as writer:
         places, dst = writer.sources, writer.dst
         dirs = [p.local for p in places]
@@ -71,18 +62,18 @@ def merge(
             "mapping_file": dst.show(dst.local / checkpoint.MERGE_MAP_FILE) if result.renumbered else None,
             **index.state(),
             "trajectory_format": index.trajectory_format,
-            "dry_run": dry_run,
-            "files": None if dry_run else result.report.as_json(),
+            "dry_run": writes.dry_run,
+            "files": None if writes.dry_run else result.report.as_json(),
         }
-        if json:
-            print_report(doc, pretty, all_items)
+        if output.json:
+            print_report(doc, output)
             return
         out.print(
             state_table(
-                f"{'would merge' if dry_run else 'merged'} {count(len(inputs), 'checkpoint')} "
+                f"{'would merge' if writes.dry_run else 'merged'} {count(len(inputs), 'checkpoint')} "
                 f"into {dst.show()}",
                 [("merged", doc)],
-                summary_limit(all_items),
+                output.limit,
             )
         )
         if result.renumbered:

@@ -11,14 +11,10 @@ from rich.text import Text
 from rbtool.cli._consoles import out
 from rbtool.cli._json import bound, print_json
 from rbtool.cli._options import (
-    AllOpt,
-    CopyOpt,
-    DryRunOpt,
     ForceOpt,
     JobsOpt,
-    JsonOpt,
-    PrettyOpt,
-    summary_limit,
+    Report,
+    Writes,
 )
 from rbtool.cli._output import count, format_ids, head, key_values, left_out, size
 from rbtool.cli._places import local_path_arg
@@ -47,12 +43,9 @@ def repair(
         ),
     ],
     force: ForceOpt = False,
-    copy: CopyOpt = False,
-    dry_run: DryRunOpt = False,
     jobs: JobsOpt = None,
-    all_items: AllOpt = False,
-    json: JsonOpt = False,
-    pretty: PrettyOpt = False,
+    writes: Writes = Writes(),
+    output: Report = Report(),
 ) -> None:
     """Write to OUT a consistent checkpoint of what PATH really holds; PATH is never modified.
 
@@ -61,25 +54,23 @@ def repair(
     """
     from rbtool.ops.repair import repair as run_repair
 
-    opening = read_and_write(
-        [str(path)], str(target), None, json=json, force=force, copy=copy, dry_run=dry_run
-    )
+    opening = read_and_write([str(path)], str(target), None, output, writes, force=force)
     with opening as writer:
         # a dry run checks the trajectory files as the repair does: that progress shows
         result = writer.run(
             "checking trajectory files", run_repair, path, target, jobs=jobs, dry_run_bar=True
         )
-        limit = summary_limit(all_items)
-        if json:
+        limit = output.limit
+        if output.json:
             doc = result.as_json()
-            doc["dry_run"] = dry_run
-            if dry_run:
+            doc["dry_run"] = writes.dry_run
+            if writes.dry_run:
                 doc["files"] = None
             for ckpt_doc in doc["checkpoints"]:
                 bound(ckpt_doc, "trajectory_id_list", limit, ranges="trajectory_id_ranges")
                 for key in ("dropped", "ignored", "fixed"):
                     bound(ckpt_doc, key, limit)
-            print_json(doc, pretty)
+            print_json(doc, output.pretty)
             return
         for ckpt in result.checkpoints:
             rows: list[tuple[str, str | Text]] = []
@@ -110,7 +101,7 @@ def repair(
             ]
             if hidden:
                 rows.append(("...", f"{', '.join(hidden)} more; --all lists them"))
-            title = f"{'would repair' if dry_run else 'repaired'} {ckpt.source} -> {ckpt.out}"
+            title = f"{'would repair' if writes.dry_run else 'repaired'} {ckpt.source} -> {ckpt.out}"
             out.print(key_values(title, rows))
         read = result.throughput
         out.print(
@@ -120,4 +111,4 @@ def repair(
         )
         kept = sum(c.index.size for c in result.checkpoints)
         would = f"{count(len(result.checkpoints), 'checkpoint')}, {trajectories(kept)} kept"
-        writer.last_lines(would, None if dry_run else result.report.as_json())
+        writer.last_lines(would, None if writes.dry_run else result.report.as_json())

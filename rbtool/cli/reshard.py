@@ -10,17 +10,13 @@ import typer
 from rbtool.cli._consoles import out
 from rbtool.cli._json import print_report
 from rbtool.cli._options import (
-    AllOpt,
-    CopyOpt,
-    DryRunOpt,
-    JsonOpt,
-    PrettyOpt,
     RanksForceOpt,
+    Report,
     SourceArg,
     StorageOpt,
     StrictOpt,
     WorldSizeOpt,
-    summary_limit,
+    Writes,
 )
 from rbtool.cli._output import Column, Fitted, count, format_ids, size
 from rbtool.cli._writing import read_and_write, trajectories
@@ -47,22 +43,17 @@ def reshard(
             "about equal total samples. Both keep list order.",
         ),
     ] = Balance.by_count,
-    dry_run: DryRunOpt = False,
     strict: StrictOpt = True,
     force: RanksForceOpt = False,
-    copy: CopyOpt = False,
-    all_items: AllOpt = False,
-    json: JsonOpt = False,
-    pretty: PrettyOpt = False,
+    writes: Writes = Writes(),
+    output: Report = Report(),
     storage_option: StorageOpt = None,
 ) -> None:
     """Write OUT/rank_r for N ranks from IN's trajectories (the merge of its ranks), files linked."""
     from rbtool.format.ranknames import rank_dir_name
     from rbtool.ops import resharding
 
-    opening = read_and_write(
-        [source_arg], target_arg, storage_option, json=json, force=force, copy=copy, dry_run=dry_run
-    )
+    opening = read_and_write([source_arg], target_arg, storage_option, output, writes, force=force)
     with opening as writer:
         src, dst = writer.sources[0], writer.dst
         target = dst.local
@@ -87,14 +78,14 @@ def reshard(
             "upload": dst.upload,
             "world_size": world_size,
             "balance": balance.value,
-            "dry_run": dry_run,
+            "dry_run": writes.dry_run,
             "ranks": ranks,
-            "files": None if dry_run else result.report.as_json(),
+            "files": None if writes.dry_run else result.report.as_json(),
         }
-        if json:
-            print_report(doc, pretty, all_items, each="ranks")
+        if output.json:
+            print_report(doc, output, each="ranks")
             return
-        action = "would write" if dry_run else "wrote"
+        action = "would write" if writes.dry_run else "wrote"
         title = (
             f"{src.show()} ({count(len(view.dirs), 'checkpoint')}) -> {count(world_size, 'rank')}, "
             f"balanced by {balance.value}; {action} {dst.show()}"
@@ -111,7 +102,7 @@ def reshard(
                 f"{r['total_samples']}",
                 size(r["bytes"]),
                 f"{r['trajectory_counter']}",
-                format_ids(r["trajectory_id_list"], summary_limit(all_items)),
+                format_ids(r["trajectory_id_list"], output.limit),
             ]
             for r in ranks
         ]

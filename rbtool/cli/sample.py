@@ -11,12 +11,10 @@ from rich.text import Text
 from rbtool.cli._consoles import note, out
 from rbtool.cli._json import bound, print_json
 from rbtool.cli._options import (
-    AllOpt,
     DirArg,
     DryRunOpt,
-    JsonOpt,
     KOpt,
-    PrettyOpt,
+    Report,
     SeedOpt,
     StorageOpt,
     Strategy,
@@ -25,7 +23,6 @@ from rbtool.cli._options import (
     TemperatureOpt,
     WindowOpt,
     refuse_k_without_topk,
-    summary_limit,
 )
 from rbtool.cli._output import Column, Fitted, count, printable, side_by_side, size
 from rbtool.cli._places import is_url, local_path_arg, reading, refuse_overlap
@@ -83,9 +80,7 @@ def sample(
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace the --out file if it exists.")] = False,
     dry_run: DryRunOpt = False,
-    all_items: AllOpt = False,
-    json: JsonOpt = False,
-    pretty: PrettyOpt = False,
+    output: Report = Report(),
     storage_option: StorageOpt = None,
 ) -> None:
     """Load a checkpoint into a TrajectoryReplayBuffer and draw one batch from its window.
@@ -112,7 +107,7 @@ def sample(
     # when no schema is recorded) are counted as they are read.
     with (
         reading(path, storage_option, data=False) as place,
-        progress_bar(PHASES[0], phase_count(out_path is not None), show_progress(json)) as advance,
+        progress_bar(PHASES[0], phase_count(out_path is not None), show_progress(output.json)) as advance,
     ):
         drawn = sample_checkpoint(
             place.local,
@@ -172,9 +167,9 @@ def sample(
         if place.mirror is None
         else {"objects": place.mirror.fetched, "bytes": place.mirror.fetched_bytes},
     }
-    if json:
-        bound(doc, "missing_ids", summary_limit(all_items))
-        print_json(doc, pretty)
+    if output.json:
+        bound(doc, "missing_ids", output.limit)
+        print_json(doc, output.pretty)
     else:
         render({**doc, "window_ids": window_ids, "listed_ids": index.id_list})
 

@@ -9,16 +9,12 @@ import typer
 from rbtool.cli._consoles import out
 from rbtool.cli._json import print_report
 from rbtool.cli._options import (
-    AllOpt,
-    CopyOpt,
-    DryRunOpt,
-    JsonOpt,
-    PrettyOpt,
     RanksForceOpt,
+    Report,
     StorageOpt,
     StrictOpt,
     WorldSizeOpt,
-    summary_limit,
+    Writes,
 )
 from rbtool.cli._output import state_table
 from rbtool.cli._writing import read_and_write, trajectories
@@ -34,20 +30,15 @@ def shard(
     ],
     strict: StrictOpt = True,
     force: RanksForceOpt = False,
-    copy: CopyOpt = False,
-    dry_run: DryRunOpt = False,
-    all_items: AllOpt = False,
-    json: JsonOpt = False,
-    pretty: PrettyOpt = False,
+    writes: Writes = Writes(),
+    output: Report = Report(),
     storage_option: StorageOpt = None,
 ) -> None:
     """Write OUT/rank_r for every rank: exactly what a distributed load of CKPT by rank r yields."""
     from rbtool.format.ranknames import rank_dir_name
     from rbtool.ops import checkpoint
 
-    opening = read_and_write(
-        [ckpt_arg], target_arg, storage_option, json=json, force=force, copy=copy, dry_run=dry_run
-    )
+    opening = read_and_write([ckpt_arg], target_arg, storage_option, output, writes, force=force)
     with opening as writer:
         src, dst = writer.sources[0], writer.dst
         target = dst.local
@@ -64,18 +55,18 @@ def shard(
             "upload": dst.upload,
             "world_size": world_size,
             "ranks": ranks,
-            "dry_run": dry_run,
-            "files": None if dry_run else report.as_json(),
+            "dry_run": writes.dry_run,
+            "files": None if writes.dry_run else report.as_json(),
         }
-        if json:
-            print_report(doc, pretty, all_items, each="ranks")
+        if output.json:
+            print_report(doc, output, each="ranks")
             return
         out.print(
             state_table(
-                f"{src.show()} {'would be ' if dry_run else ''}sharded over {world_size} ranks into "
+                f"{src.show()} {'would be ' if writes.dry_run else ''}sharded over {world_size} ranks into "
                 f"{dst.show()}",
                 [(rank_dir_name(r["rank"]), r) for r in ranks],
-                summary_limit(all_items),
+                output.limit,
             )
         )
         total = trajectories(sum(r["size"] for r in ranks))

@@ -13,14 +13,11 @@ from rbtool.cli._consoles import out
 from rbtool.cli._errors import print_error
 from rbtool.cli._json import bound, insert_after, print_json, print_jsonl
 from rbtool.cli._options import (
-    AllOpt,
     JobsOpt,
     JournalOpt,
-    JsonlOpt,
-    JsonOpt,
     KOpt,
+    Lines,
     PathsArg,
-    PrettyOpt,
     SeedOpt,
     StorageOpt,
     Strategy,
@@ -29,7 +26,6 @@ from rbtool.cli._options import (
     WideOpt,
     WindowOpt,
     refuse_k_without_topk,
-    summary_limit,
 )
 from rbtool.cli._output import (
     Column,
@@ -134,11 +130,8 @@ def stats(
     seed: SeedOpt = None,
     jobs: JobsOpt = None,
     journal: JournalOpt = None,
-    all_items: AllOpt = False,
     wide: WideOpt = False,
-    json: JsonOpt = False,
-    pretty: PrettyOpt = False,
-    jsonl: JsonlOpt = False,
+    output: Lines = Lines(),
     storage_option: StorageOpt = None,
 ) -> None:
     """Show checkpoints or buffer directories: index, trajectories, field schema, data statistics.
@@ -154,7 +147,7 @@ def stats(
             raise typer.BadParameter("--strategy, --k and --seed apply only with --sample-draws")
     else:
         refuse_k_without_topk(strategy, k)
-        if jsonl:
+        if output.jsonl:
             raise typer.BadParameter("--jsonl lists the trajectories only", param_hint="--sample-draws")
 
     from rbtool.errors import RbtoolError, UsageError
@@ -163,7 +156,7 @@ def stats(
     draws = None
     if sample_draws is not None:
         draws = DrawRequest(sample_draws, strategy.value, k, temperature, seed)
-    enabled = show_progress(json or jsonl) and not index_only
+    enabled = show_progress(output.json or output.jsonl) and not index_only
 
     from rbtool.passes.journal import input_journal
 
@@ -183,7 +176,7 @@ def stats(
                     # one journal per input: with several paths, each its own subdirectory of DIR
                     journal=journal if len(paths) == 1 else input_journal(journal, path),
                     as_json=False,  # numpy columns and lazy file names: cut or streamed below
-                    read_data=not jsonl,  # JSON Lines list the trajectories, not the data statistics
+                    read_data=not output.jsonl,  # JSON Lines list the trajectories, not the data statistics
                 )
             if "path" in doc:
                 doc["path"] = place.show(doc["path"])
@@ -193,12 +186,12 @@ def stats(
 
     if len(paths) == 1:  # one path: exactly the output (and errors) of a single checkpoint
         with one(paths[0]) as doc:
-            if jsonl:
+            if output.jsonl:
                 print_jsonl(trajectory_rows(doc["trajectories"], doc["path"]))
-            elif json:
-                print_json(summarised(doc, summary_limit(all_items)), pretty)
+            elif output.json:
+                print_json(summarised(doc, output.limit), output.pretty)
             else:
-                render(doc, every=all_items, wide=wide)
+                render(doc, every=output.all_items, wide=wide)
         return
 
     documents: list[dict[str, Any]] = []
@@ -214,19 +207,19 @@ def stats(
                 print_error(str(exc))
                 documents.append({"path": str(path), "error": str(exc)})
                 continue
-            if jsonl:
+            if output.jsonl:
                 print_jsonl(trajectory_rows(doc["trajectories"], doc["path"]))
-            elif json:
-                documents.append(summarised(doc, summary_limit(all_items)))
+            elif output.json:
+                documents.append(summarised(doc, output.limit))
             else:
                 if shown:
                     out.print()  # a blank line between sections
-                render(doc, every=all_items, wide=wide)
+                render(doc, every=output.all_items, wide=wide)
                 shown += 1
-    if json:
-        print_json({"ok": not failed, "paths": documents}, pretty)
+    if output.json:
+        print_json({"ok": not failed, "paths": documents}, output.pretty)
     if failed:
-        if not json and not jsonl:
+        if not output.json and not output.jsonl:
             print_error(f"{failed} of {len(paths)} paths could not be read")
         raise typer.Exit(1)
 

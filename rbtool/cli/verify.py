@@ -13,15 +13,11 @@ from rbtool.cli._consoles import out
 from rbtool.cli._errors import print_error
 from rbtool.cli._json import bound, insert_after, print_json, print_jsonl
 from rbtool.cli._options import (
-    AllOpt,
     JobsOpt,
     JournalOpt,
-    JsonlOpt,
-    JsonOpt,
+    Lines,
     PathsArg,
-    PrettyOpt,
     StorageOpt,
-    summary_limit,
 )
 from rbtool.cli._output import Column, Fitted, count, head, id_ranges, left_out, size
 from rbtool.cli._places import reading
@@ -143,10 +139,7 @@ def verify(
     ] = False,
     jobs: JobsOpt = None,
     journal: JournalOpt = None,
-    all_items: AllOpt = False,
-    json: JsonOpt = False,
-    pretty: PrettyOpt = False,
-    jsonl: JsonlOpt = False,
+    output: Lines = Lines(),
     storage_option: StorageOpt = None,
 ) -> None:
     """Check that checkpoints are consistent; exit 1 if any error is found in any of them.
@@ -163,7 +156,7 @@ def verify(
     from rbtool.ops.verify import verify as run_verify
     from rbtool.passes.journal import input_journal, journal_note
 
-    enabled = show_progress(json or jsonl)
+    enabled = show_progress(output.json or output.jsonl)
     single = len(paths) == 1
     documents: list[dict[str, Any]] = []
     failed: list[str] = []
@@ -194,14 +187,14 @@ def verify(
             result.path = place.url  # type: ignore[assignment]
             for report in result.checkpoints:
                 report.path = place.show(report.path)  # type: ignore[assignment]
-        if jsonl:
+        if output.jsonl:
             print_jsonl(problem_rows(result.checkpoints, str(path)))
-        elif json:
-            documents.append(summarised(result, summary_limit(all_items)))
+        elif output.json:
+            documents.append(summarised(result, output.limit))
         else:
             if i:
                 out.print()  # a blank line between paths
-            _print_human(result.checkpoints, all_items)
+            _print_human(result.checkpoints, output.all_items)
             if deep:
                 rate = result.bytes_read / result.seconds if result.seconds > 0 else 0.0
                 out.print(
@@ -214,14 +207,14 @@ def verify(
         if not result.ok:
             errors = sum(1 for c in result.checkpoints for p in c.problems if p.severity == "error")
             if single:
-                if json:
-                    print_json(documents[0], pretty)
+                if output.json:
+                    print_json(documents[0], output.pretty)
                 raise CheckpointError(
                     f"{path}: verification failed with {count(errors, 'error')}: {error_codes(result)}"
                 )
             failed.append(f"{path} ({error_codes(result)})")
-    if json:
-        print_json(documents[0] if single else {"ok": not failed, "paths": documents}, pretty)
+    if output.json:
+        print_json(documents[0] if single else {"ok": not failed, "paths": documents}, output.pretty)
     if failed:
         raise CheckpointError(
             f"verification failed for {len(failed)} of {len(paths)} paths: {', '.join(failed)}"

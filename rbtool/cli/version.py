@@ -5,12 +5,12 @@ from __future__ import annotations
 import rbtool
 from rbtool.cli._consoles import out
 from rbtool.cli._json import print_json
-from rbtool.cli._options import JsonOpt, PrettyOpt
+from rbtool.cli._options import Json
 
 
-def version(json: JsonOpt = False, pretty: PrettyOpt = False) -> None:
+def version(output: Json = Json()) -> None:
     """Print rbtool's version."""
-    if json:
-        print_json({"version": rbtool.__version__}, pretty)
+    if output.json:
+        print_json({"version": rbtool.__version__}, output.pretty)
     else:
         out.print(f"rbtool {rbtool.__version__}")
