@@ -20,6 +20,7 @@ from rbtool.files.index import Index, read_index
 from rbtool.files.writer import (
     AutoSaveWriter,
     BufferWriter,
+    Rules,
     Source,
     WriteReport,
     copied_entries,
@@ -206,7 +207,7 @@ def test_write_checkpoint_replaces_only_when_asked(tmp_path: Path) -> None:
         write_checkpoint(out, index_of({5: make_traj(seed=5)}), {5: make_traj(seed=5)}.__getitem__)
     assert (out / METADATA_FILE).read_bytes() == before and staging_left(tmp_path) == []
     write_checkpoint(
-        out, index_of({5: make_traj(seed=5)}), {5: make_traj(seed=5)}.__getitem__, overwrite=True
+        out, index_of({5: make_traj(seed=5)}), {5: make_traj(seed=5)}.__getitem__, Rules(overwrite=True)
     )
     assert read_index(out).id_list == [5] and staging_left(tmp_path) == []
     assert len(list(out.glob("trajectory_*.pt"))) == 1

@@ -35,6 +35,7 @@ from rbtool.files.index import DEFAULT_SEED, Index, init_buffer_dir, read_index,
 from rbtool.files.writer import (
     AutoSaveWriter,
     Progress,
+    Rules,
     WriteReport,
     place_trajectory,
     record_schema,
@@ -549,7 +550,7 @@ class TrajectoryReplayBuffer:
             index = self._index.subset(ids)
             index.entries = {i: copy.deepcopy(index.entries[i]) for i in ids}
         sources = {tid: self._store.source(tid) for tid in ids}
-        write_checkpoint(target, index, sources.__getitem__, overwrite=True)
+        write_checkpoint(target, index, sources.__getitem__, Rules(overwrite=True))
 
     def load_checkpoint(
         self,

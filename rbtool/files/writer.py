@@ -127,15 +127,24 @@ class OutputDir:
     source_of: Callable[[int], Source]
 
 
+@dataclass(frozen=True)
+class Rules:
+    """How a library writer treats its output: `overwrite` an existing one (only with something
+    of its own kind), report `progress`, hard-link the sources' files (`link`: all, none, or by
+    id; reflinks and copies otherwise), or with `dry_run` only check `out` and write nothing."""
+
+    overwrite: bool = False
+    progress: Progress | None = None
+    link: bool | Callable[[int], bool] = True
+    dry_run: bool = False
+
+
 def write_output(
     out: Path,
     dirs: Sequence[OutputDir],
+    rules: Rules = Rules(),
     *,
     renumbered: Mapping[int, dict[str, Any]] | None = None,
-    overwrite: bool = False,
-    progress: Progress | None = None,
-    link: bool | Callable[[int], bool] = True,
-    dry_run: bool = False,
 ) -> WriteReport:
     """The library writers' one way out: every directory of `dirs` filled (fill_dir) in a staging
     directory published at `out` at once, or, with `dry_run`, nothing written and `out` only
@@ -145,15 +154,16 @@ def write_output(
     directory records its ids' part of it in `merge_map.json` (SPEC §4).
     """
     report = WriteReport()
-    if dry_run:
-        check_target(out, overwrite=overwrite)
+    if rules.dry_run:
+        check_target(out, overwrite=rules.overwrite)
         return report
+    progress = rules.progress
     start_phase(progress, sum(d.index.size for d in dirs), "placing trajectory files")
-    with staged_dir(out, overwrite=overwrite) as staging:
+    with staged_dir(out, overwrite=rules.overwrite) as staging:
         for d in dirs:
             directory = staging / d.rel
             directory.mkdir(exist_ok=True)
-            report.add(fill_dir(directory, d.index, d.source_of, progress, link=link))
+            report.add(fill_dir(directory, d.index, d.source_of, progress, link=rules.link))
             if renumbered is not None:
                 part = [renumbered[i] for i in d.index.id_list]
                 write_bytes_atomic(directory / MERGE_MAP_FILE, dumps({"renumbered": part}))
@@ -164,12 +174,9 @@ def write_checkpoint(
     out: Path,
     index: Index,
     source_of: Callable[[int], Source],
+    rules: Rules = Rules(),
     *,
     renumbered: Mapping[int, dict[str, Any]] | None = None,
-    overwrite: bool = False,
-    progress: Progress | None = None,
-    link: bool | Callable[[int], bool] = True,
-    dry_run: bool = False,
 ) -> WriteReport:
     """Write a checkpoint listing `index` at `out`, published atomically.
 
@@ -178,10 +185,7 @@ def write_checkpoint(
     `link` False no file is a hard link of its source; `renumbered` and `dry_run` as for
     write_output.
     """
-    dirs = [OutputDir(".", index, source_of)]
-    return write_output(
-        out, dirs, renumbered=renumbered, overwrite=overwrite, progress=progress, link=link, dry_run=dry_run
-    )
+    return write_output(out, [OutputDir(".", index, source_of)], rules, renumbered=renumbered)
 
 
 def rank_layout(
@@ -237,24 +241,13 @@ def split_ranks(index: Index, world_size: int, split: str, source_world_size: in
     return parts
 
 
-def write_ranks(
-    out: Path,
-    parts: list[Index],
-    view: CheckpointView,
-    *,
-    overwrite: bool = False,
-    progress: Progress | None = None,
-    link: bool = True,
-    dry_run: bool = False,
-) -> WriteReport:
+def write_ranks(out: Path, parts: list[Index], view: CheckpointView, rules: Rules = Rules()) -> WriteReport:
     """Write `out/rank_r` for each part of `view`'s index, the whole tree published at once, each
     rank recording its part of the merge map when the view's ids were renumbered (`link` and
     `dry_run` as for write_output)."""
     dirs = [OutputDir(rank_dir_name(rank), part, view.file_of) for rank, part in enumerate(parts)]
-    renumbered = None if dry_run else view.merge_map()  # a dry run writes no map
-    return write_output(
-        out, dirs, renumbered=renumbered, overwrite=overwrite, progress=progress, link=link, dry_run=dry_run
-    )
+    renumbered = None if rules.dry_run else view.merge_map()  # a dry run writes no map
+    return write_output(out, dirs, rules, renumbered=renumbered)
 
 
 def copied_entries(index: Index) -> Index:

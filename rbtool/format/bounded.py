@@ -66,7 +66,7 @@ def json_error(exc: Exception) -> str:
     return one_line(str(exc)).removeprefix("JSON is malformed: ")
 
 
-def _env_bytes(name: str, default: int) -> int:
+def env_bytes(name: str, default: int) -> int:
     """A byte count from the environment (plain digits, optionally with a K/M/G suffix)."""
     from rbtool.errors import UsageError
 
@@ -82,7 +82,7 @@ def _env_bytes(name: str, default: int) -> int:
 
 def max_json_bytes() -> int:
     """The size limit of a small JSON document (RBTOOL_MAX_JSON_BYTES, default 16 MiB)."""
-    return _env_bytes(JSON_BYTES_ENV, MAX_JSON_BYTES)
+    return env_bytes(JSON_BYTES_ENV, MAX_JSON_BYTES)
 
 
 def human_bytes(n: float) -> str:
@@ -134,7 +134,7 @@ def index_size_problem(size: int) -> str | None:
     """
     need = size * INDEX_MEMORY_PER_BYTE
     if os.environ.get(INDEX_BYTES_ENV, "").strip():
-        limit = _env_bytes(INDEX_BYTES_ENV, 0)
+        limit = env_bytes(INDEX_BYTES_ENV, 0)
         if size <= limit:
             return None
         return (

@@ -26,6 +26,7 @@ from rbtool.files.sources import check_item as check_item
 from rbtool.files.sources import collect_items as collect_items
 from rbtool.files.writer import (
     Progress,
+    Rules,
     Source,
     WriteReport,
     check_split,
@@ -58,9 +59,7 @@ def save_from_autosave_dir(
     index = view.index
     sub = copied_entries(index.subset(window_of(index.id_list, window)))
     sub.extra_metadata.pop("shard", None)
-    report = write_checkpoint(
-        Path(out), sub, view.file_of, overwrite=overwrite, progress=progress, link=link, dry_run=dry_run
-    )
+    report = write_checkpoint(Path(out), sub, view.file_of, Rules(overwrite, progress, link, dry_run))
     return sub, report
 
 
@@ -111,15 +110,7 @@ def build_from_files(
     full.trajectory_counter = len(items)
     sub = full.subset(window_of(full.id_list, window))
     placed = from_checkpoint.__contains__ if link is None else link
-    report = write_checkpoint(
-        Path(out),
-        sub,
-        paths.__getitem__,
-        overwrite=overwrite,
-        progress=progress,
-        link=placed,
-        dry_run=dry_run,
-    )
+    report = write_checkpoint(Path(out), sub, paths.__getitem__, Rules(overwrite, progress, placed, dry_run))
     return sub, report
 
 
@@ -179,15 +170,7 @@ def restore(
         index = index.rank_block(world_size, rank)
     out = copied_entries(index)
     out.extra_metadata.pop("shard", None)
-    report = write_checkpoint(
-        Path(buffer_dir),
-        out,
-        view.file_of,
-        overwrite=overwrite,
-        progress=progress,
-        link=link,
-        dry_run=dry_run,
-    )
+    report = write_checkpoint(Path(buffer_dir), out, view.file_of, Rules(overwrite, progress, link, dry_run))
     return out, report
 
 
@@ -211,15 +194,7 @@ def shard(
     check_split(world_size)
     view = open_view(ckpt, strict=strict)
     shards = split_ranks(view.index, world_size, "count", len(view.dirs))
-    report = write_ranks(
-        Path(out),
-        shards,
-        view,
-        overwrite=overwrite,
-        progress=progress,
-        link=link,
-        dry_run=dry_run,
-    )
+    report = write_ranks(Path(out), shards, view, Rules(overwrite, progress, link, dry_run))
     return shards, report
 
 
@@ -265,11 +240,8 @@ def merge(
         Path(out),
         merged,
         view.file_of,
+        Rules(overwrite, progress, link, dry_run),
         renumbered=view.merge_map() if renumber and not dry_run else None,
-        overwrite=overwrite,
-        progress=progress,
-        link=link,
-        dry_run=dry_run,
     )
     return result
 

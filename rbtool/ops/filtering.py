@@ -17,7 +17,7 @@ from rbtool.errors import CheckpointError, UsageError
 from rbtool.files import trajfile
 from rbtool.files.dirs import CheckpointView, open_view
 from rbtool.files.index import Index
-from rbtool.files.writer import WriteReport, copied_entries, write_checkpoint
+from rbtool.files.writer import Rules, WriteReport, copied_entries, write_checkpoint
 from rbtool.progress import Progress, start_phase
 
 
@@ -158,11 +158,8 @@ def filter_checkpoint(
         Path(out),
         index,
         view.file_of,
+        Rules(overwrite, progress, link, dry_run),
         renumbered=kept_map or None,
-        overwrite=overwrite,
-        progress=progress,
-        link=link,
-        dry_run=dry_run,
     )
     return result
 

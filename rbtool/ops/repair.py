@@ -18,7 +18,7 @@ from rbtool.errors import InvalidTrajectoryError, RbtoolError, UsageError
 from rbtool.files import trajfile
 from rbtool.files.dirs import checkpoint_dirs
 from rbtool.files.index import DEFAULT_SEED, Index
-from rbtool.files.writer import OutputDir, WriteReport, new_entry, write_output
+from rbtool.files.writer import OutputDir, Rules, WriteReport, new_entry, write_output
 from rbtool.format import (
     FORMATS,
     METADATA_FILE,
@@ -349,7 +349,7 @@ def repair(
     throughput = Throughput(workers, sum(p.bytes_read for p in planners), sum(p.seconds for p in planners))
     result = RepairResult(source, target, plans, throughput=throughput)
     outputs = [OutputDir("." if single else p.source.name, p.index, p.sources.__getitem__) for p in plans]
-    result.report = write_output(target, outputs, overwrite=overwrite, link=link, dry_run=dry_run)
+    result.report = write_output(target, outputs, Rules(overwrite, link=link, dry_run=dry_run))
     return result
 
 

@@ -14,7 +14,15 @@ from typing import Any
 
 from rbtool.files.dirs import CheckpointView, open_view
 from rbtool.files.index import Index
-from rbtool.files.writer import SPLITS, WriteReport, check_split, split_blocks, split_ranks, write_ranks
+from rbtool.files.writer import (
+    SPLITS,
+    Rules,
+    WriteReport,
+    check_split,
+    split_blocks,
+    split_ranks,
+    write_ranks,
+)
 from rbtool.progress import Progress
 
 
@@ -79,15 +87,7 @@ def reshard(
     view, parts = plan(source, world_size, split=split, strict=strict)
     ranks = [RankPlan(r, p, sum(_size(view.file_of(i)) for i in p.id_list)) for r, p in enumerate(parts)]
     result = ReshardResult(view, world_size, split, ranks, dry_run)
-    result.report = write_ranks(
-        Path(out),
-        parts,
-        view,
-        overwrite=overwrite,
-        progress=progress,
-        link=link,
-        dry_run=dry_run,
-    )
+    result.report = write_ranks(Path(out), parts, view, Rules(overwrite, progress, link, dry_run))
     return result
 
 

@@ -270,13 +270,9 @@ def _scratch(name: str) -> Iterator[Path]:
 
 def cache_bytes() -> int:
     """The most bytes the cache holds: $RBTOOL_CACHE_BYTES (default 20 GiB)."""
-    text = os.environ.get("RBTOOL_CACHE_BYTES")
-    if not text:
-        return DEFAULT_CACHE_BYTES
-    try:
-        return int(text)
-    except ValueError:
-        raise UsageError(f"RBTOOL_CACHE_BYTES={text!r}: expected a number of bytes") from None
+    from rbtool.format.bounded import env_bytes
+
+    return env_bytes("RBTOOL_CACHE_BYTES", DEFAULT_CACHE_BYTES)
 
 
 _RESERVED = ".rbtool-reserved"  # in a cache entry: the bytes it may grow to

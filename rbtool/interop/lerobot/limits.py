@@ -6,12 +6,12 @@ metadata are bounded.
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path, PurePosixPath
 from typing import Any, TypeGuard
 
-from rbtool.errors import CheckpointError, UsageError
+from rbtool.errors import CheckpointError
+from rbtool.format.bounded import env_bytes, human_bytes
 
 MAX_BYTES_ENV = "RBTOOL_LEROBOT_MAX_BYTES"
 DEFAULT_MAX_BYTES = 4 << 30  # what one decoded file or episode may take
@@ -23,22 +23,7 @@ ID_LIMIT = 1 << 63  # ids and counters are int64, as in a checkpoint
 
 def max_bytes() -> int:
     """The memory budget of a LeRobot import (RBTOOL_LEROBOT_MAX_BYTES, default 4 GiB)."""
-    text = os.environ.get(MAX_BYTES_ENV, "").strip()
-    if not text:
-        return DEFAULT_MAX_BYTES
-    match = re.fullmatch(r"([0-9]{1,15})([KMG]i?B?|B)?", text, flags=re.IGNORECASE)
-    if match is None:
-        raise UsageError(f"{MAX_BYTES_ENV}={text!r} is not a byte count (for example 1048576, 512M or 8G)")
-    scale = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[(match.group(2) or "")[:1].upper()]
-    return int(match.group(1)) * scale
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
+    return env_bytes(MAX_BYTES_ENV, DEFAULT_MAX_BYTES)
 
 
 def within_budget(need: int, what: str) -> None:
