@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from rbtool.cli._options import Report
+from rbtool.cli._options import LocalWrites, Report
 from rbtool.cli._output import head, id_ranges, left_out
 
 _CHUNK_ITEMS = 65536  # a long list is serialised this many items at a time
@@ -144,7 +144,7 @@ def print_jsonl(rows: Iterable[Any]) -> None:
 
 
 def print_report(
-    doc: dict[str, Any], output: Report, *, each: str | None = None, also: Sequence[str] = ()
+    doc: dict[str, Any], output: Report | LocalWrites, *, each: str | None = None, also: Sequence[str] = ()
 ) -> None:
     """The --json document of checkpoint states: the trajectory id list cut to the summary unless
     --all (`bound_state`; with `each`, that of every item of `doc[each]`: ranks, checkpoints), and

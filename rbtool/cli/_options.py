@@ -80,7 +80,8 @@ ForceOpt = Annotated[
     bool, typer.Option("--force", help="Replace OUT if it is an existing checkpoint directory.")
 ]
 RanksForceOpt = Annotated[
-    bool, typer.Option("--force", help="Replace OUT if it is empty, a checkpoint or an earlier shard output.")
+    bool,
+    typer.Option("--force", help="Replace OUT if it is empty, a checkpoint or an earlier rank tree output."),
 ]
 SourceArg = Annotated[
     str, typer.Argument(metavar="IN", help="A checkpoint, or a folder of rank_* checkpoints (or a URL).")
@@ -232,8 +233,41 @@ class Lines(Report):
 
 
 @dataclass(frozen=True)
-class Writes:
-    """--copy and --dry-run: a command that writes a checkpoint from other checkpoints' files."""
+class BufferWrites:
+    """--copy and --dry-run: a command that adds to (or restores) a buffer directory."""
 
     copy: CopyOpt = False
     dry_run: DryRunOpt = False
+
+
+@dataclass(frozen=True)
+class LocalWrites:
+    """The options of a command that writes a checkpoint OUT from other checkpoints' files:
+    --force, --copy, --dry-run, --all, --json and --pretty."""
+
+    force: ForceOpt = False
+    copy: CopyOpt = False
+    dry_run: DryRunOpt = False
+    all_items: AllOpt = False
+    json: JsonOpt = False
+    pretty: PrettyOpt = False
+
+    @property
+    def limit(self) -> int | None:
+        """How many items a summarised list keeps (`summary_limit`)."""
+        return summary_limit(self.all_items)
+
+
+@dataclass(frozen=True)
+class Writes(LocalWrites):
+    """`LocalWrites` whose input and output may be URLs (--storage-option)."""
+
+    storage_option: StorageOpt = None
+
+
+@dataclass(frozen=True)
+class RankWrites(Writes):
+    """`Writes` of a command that may write a rank tree: --force also replaces an empty directory
+    or an earlier rank tree."""
+
+    force: RanksForceOpt = False

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from rbtool.cli._consoles import note, out, progress_line
-from rbtool.cli._options import Json, Report, Writes
+from rbtool.cli._options import LocalWrites
 from rbtool.cli._output import count, files_line
 from rbtool.cli._places import reading, refuse_overlap, upload_note, writing
 from rbtool.cli._progress import progress_bar, show_progress
@@ -56,14 +56,12 @@ class Writer:
     """A writing command at work: the input checkpoints it reads, the output it writes, and the
     options every writer takes."""
 
-    def __init__(
-        self, sources: list[Place], dst: Place, output: Json | Report, writes: Writes, force: bool
-    ) -> None:
+    def __init__(self, sources: list[Place], dst: Place, writes: LocalWrites) -> None:
         self.sources = sources
         self.dst = dst
-        self.output = output
-        self.json = output.json
-        self.force = force
+        self.writes = writes
+        self.json = writes.json
+        self.force = writes.force
         self.copy = writes.copy
         self.dry_run = writes.dry_run
 
@@ -106,26 +104,24 @@ class Writer:
 def read_and_write(
     sources: Sequence[str],
     target: str,
+    writes: LocalWrites,
     storage_options: list[str] | None,
-    output: Json | Report,
-    writes: Writes,
     *,
-    force: bool,
     stream: bool = False,
     data: bool | None = None,
     option: str = "--out",
 ) -> Iterator[Writer]:
     """A writer's opening: its input checkpoints read (a URL fetched; its files only when it is
     no dry run, unless `data` says otherwise; streamed passes allowed with `stream`), its output
-    opened (a URL staged for upload, an existing one refused without `force`), progress shown
+    opened (a URL staged for upload, an existing one refused without --force), progress shown
     unless --json, and an output that is, lies in or holds an input refused, named as `option`."""
-    enabled = show_progress(output.json)
+    enabled = show_progress(writes.json)
     fetch = not writes.dry_run if data is None else data
     with ExitStack() as stack:
         places = [
             stack.enter_context(reading(s, storage_options, data=fetch, enabled=enabled, stream=stream))
             for s in sources
         ]
-        dst = stack.enter_context(writing(target, storage_options, overwrite=force, enabled=enabled))
+        dst = stack.enter_context(writing(target, storage_options, overwrite=writes.force, enabled=enabled))
         refuse_overlap(dst.local, [p.local for p in places], option)
-        yield Writer(places, dst, output, writes, force)
+        yield Writer(places, dst, writes)

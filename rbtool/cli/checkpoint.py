@@ -13,10 +13,9 @@ from rbtool.cli._app import Command, sub_app
 from rbtool.cli._consoles import out
 from rbtool.cli._json import print_jsonl, print_report
 from rbtool.cli._options import (
-    ForceOpt,
+    BufferWrites,
     FormatOpt,
     Lines,
-    Report,
     StorageOpt,
     StrictOpt,
     TrajectoryFormat,
@@ -80,7 +79,6 @@ def save(
     seed: Annotated[
         int | None, typer.Option("--seed", help="Seed recorded by an in-memory save (default 1234).")
     ] = None,
-    force: ForceOpt = False,
     link: Annotated[
         bool,
         typer.Option(
@@ -90,17 +88,13 @@ def save(
         ),
     ] = False,
     writes: Writes = Writes(),
-    output: Report = Report(),
-    storage_option: StorageOpt = None,
 ) -> None:
     """Write the checkpoint a buffer's save_checkpoint would write, from files on disk."""
     refuse_link_with_copy(link, writes.copy)
     # a dry run of a save reads every file, as the save does
-    opening = read_and_write(
-        source_args, target_arg, storage_option, output, writes, force=force, data=True, option="OUT"
-    )
+    opening = read_and_write(source_args, target_arg, writes, writes.storage_option, data=True, option="OUT")
     with opening as writer:
-        _save(writer, window, mode, trajectory_format, seed, link, output)
+        _save(writer, window, mode, trajectory_format, seed, link)
 
 
 def _save(
@@ -110,7 +104,6 @@ def _save(
     trajectory_format: TrajectoryFormat | None,
     seed: int | None,
     link: bool,
-    output: Report,
 ) -> None:
     from rbtool.files.dirs import is_rank_tree, open_view
     from rbtool.files.index import DEFAULT_SEED
@@ -165,10 +158,10 @@ def _save(
         "files": None if dry_run else report.as_json(),
     }
     if writer.json:
-        print_report(doc, output)
+        print_report(doc, writer.writes)
         return
     title = f"{'would save' if dry_run else 'saved'} {dst.show()} ({chosen.value}, window {window})"
-    out.print(state_table(title, [("checkpoint", doc)], output.limit))
+    out.print(state_table(title, [("checkpoint", doc)], writer.writes.limit))
     out.print(window_line(window, index.id_list, listed), markup=False)
     saved = doc["trajectory_format"]
     writer.last_lines(f"{trajectories(index.size)}, format {saved}", doc["files"], f"format {saved}; ")
@@ -246,7 +239,7 @@ def load(
     force: Annotated[
         bool, typer.Option("--force", help="Replace the --buffer directory if it is a checkpoint or empty.")
     ] = False,
-    writes: Writes = Writes(),
+    writes: BufferWrites = BufferWrites(),
     output: Lines = Lines(),
     storage_option: StorageOpt = None,
 ) -> None:
@@ -267,7 +260,7 @@ def _load(
     strict: bool,
     buffer: Path | None,
     force: bool,
-    writes: Writes,
+    writes: BufferWrites,
     output: Lines,
 ) -> None:
     from rbtool.ops import checkpoint

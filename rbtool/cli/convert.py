@@ -11,12 +11,10 @@ from rbtool.cli._json import print_report
 from rbtool.cli._options import (
     JobsOpt,
     JournalOpt,
-    Report,
+    RankWrites,
     SourceArg,
-    StorageOpt,
     StrictOpt,
     TrajectoryFormat,
-    Writes,
 )
 from rbtool.cli._output import count, size, state_table
 from rbtool.cli._places import is_url
@@ -37,15 +35,7 @@ def convert(
     jobs: JobsOpt = None,
     journal: JournalOpt = None,
     strict: StrictOpt = True,
-    force: Annotated[
-        bool,
-        typer.Option(
-            "--force", help="Replace OUT if it is empty, a checkpoint or an earlier rank tree output."
-        ),
-    ] = False,
-    writes: Writes = Writes(),
-    output: Report = Report(),
-    storage_option: StorageOpt = None,
+    writes: RankWrites = RankWrites(),
 ) -> None:
     """Write OUT with every trajectory file of IN in FORMAT (a rank tree keeps its rank_* layout)."""
     if trajectory_format is None:  # one line, not the parser's list of choices on three lines
@@ -60,10 +50,8 @@ def convert(
     opening = read_and_write(
         [source_arg],
         target_arg,
-        storage_option,
-        output,
         writes,
-        force=force,
+        writes.storage_option,
         stream=stream,
     )
     with opening as writer:
@@ -97,15 +85,15 @@ def convert(
             "files": None if writes.dry_run else result.report.as_json(),
             "journal": result.journal,
         }
-        if output.json:
-            print_report(doc, output, each="checkpoints")
+        if writes.json:
+            print_report(doc, writes, each="checkpoints")
             return
         out.print(
             state_table(
                 f"{src.show()} {'would be ' if writes.dry_run else ''}converted to "
                 f"{doc['trajectory_format']} into {dst.show()} ({count(doc['jobs'], 'job')})",
                 [(c["path"].rstrip("/").rsplit("/", 1)[-1], c) for c in checkpoints],
-                output.limit,
+                writes.limit,
             )
         )
         total = sum(c["size"] for c in checkpoints)

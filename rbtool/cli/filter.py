@@ -9,10 +9,7 @@ import typer
 from rbtool.cli._consoles import out
 from rbtool.cli._json import print_report
 from rbtool.cli._options import (
-    ForceOpt,
-    Report,
     SourceArg,
-    StorageOpt,
     StrictOpt,
     Writes,
 )
@@ -61,15 +58,12 @@ def filter_(
         typer.Option("--min-samples", min=0, metavar="N", help="Keep trajectories with >= N samples (T*B)."),
     ] = None,
     strict: StrictOpt = True,
-    force: ForceOpt = False,
     writes: Writes = Writes(),
-    output: Report = Report(),
-    storage_option: StorageOpt = None,
 ) -> None:
     """Write OUT holding IN's trajectories that match every criterion given (files linked; see --copy)."""
     from rbtool.ops import filtering
 
-    opening = read_and_write([source_arg], target_arg, storage_option, output, writes, force=force)
+    opening = read_and_write([source_arg], target_arg, writes, writes.storage_option)
     with opening as writer:
         src, dst = writer.sources[0], writer.dst
         criteria = filtering.Criteria(
@@ -104,11 +98,11 @@ def filter_(
             "renumbered": result.view.renumbered,
             "files": None if writes.dry_run else result.report.as_json(),
         }
-        if output.json:
-            print_report(doc, output, also=("dropped_ids",))
+        if writes.json:
+            print_report(doc, writes, also=("dropped_ids",))
             return
         action = "would keep" if writes.dry_run else f"kept in {dst.show()}"
-        limit = output.limit
+        limit = writes.limit
         out.print(state_table(f"{src.show()}: {action}", [("kept", doc)], limit))
         out.print(
             f"dropped {len(result.dropped)} of {doc['source_size']}: ids {format_ids(result.dropped, limit)}"

@@ -12,10 +12,10 @@ import typer
 from rbtool.cli._consoles import out
 from rbtool.cli._json import print_json
 from rbtool.cli._options import (
+    BufferWrites,
     FormatOpt,
     Json,
     StorageOpt,
-    Writes,
     refuse_link_with_copy,
 )
 from rbtool.cli._output import files_line, format_ids, key_values
@@ -70,7 +70,7 @@ def ingest(
             "linked). Whoever writes such a file in place then changes the buffer's too.",
         ),
     ] = False,
-    writes: Writes = Writes(),
+    writes: BufferWrites = BufferWrites(),
     output: Json = Json(),
     storage_option: StorageOpt = None,
 ) -> None:

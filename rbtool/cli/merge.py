@@ -9,10 +9,7 @@ import typer
 from rbtool.cli._consoles import out
 from rbtool.cli._json import print_report
 from rbtool.cli._options import (
-    ForceOpt,
     FormatOpt,
-    Report,
-    StorageOpt,
     StrictOpt,
     Writes,
 )
@@ -30,17 +27,14 @@ def merge(
     target_arg: Annotated[str, typer.Option("--out", "-o", help="Checkpoint directory (or URL) to write.")],
     trajectory_format: FormatOpt = None,
     strict: StrictOpt = True,
-    force: ForceOpt = False,
     writes: Writes = Writes(),
-    output: Report = Report(),
-    storage_option: StorageOpt = None,
 ) -> None:
     """Merge checkpoints: unique ids are kept in input order, colliding ids renumbered from 0."""
     from rbtool.files.dirs import checkpoint_dirs
     from rbtool.ops import checkpoint
     from rbtool.remote.places import shown_in
 
-    opening = read_and_write(dir_args, target_arg, storage_option, output, writes, force=force)
+    opening = read_and_write(dir_args, target_arg, writes, writes.storage_option)
     with opening as writer:
         places, dst = writer.sources, writer.dst
         dirs = [p.local for p in places]
@@ -65,15 +59,15 @@ def merge(
             "dry_run": writes.dry_run,
             "files": None if writes.dry_run else result.report.as_json(),
         }
-        if output.json:
-            print_report(doc, output)
+        if writes.json:
+            print_report(doc, writes)
             return
         out.print(
             state_table(
                 f"{'would merge' if writes.dry_run else 'merged'} {count(len(inputs), 'checkpoint')} "
                 f"into {dst.show()}",
                 [("merged", doc)],
-                output.limit,
+                writes.limit,
             )
         )
         if result.renumbered:

@@ -11,10 +11,8 @@ from rich.text import Text
 from rbtool.cli._consoles import out
 from rbtool.cli._json import bound, print_json
 from rbtool.cli._options import (
-    ForceOpt,
     JobsOpt,
-    Report,
-    Writes,
+    LocalWrites,
 )
 from rbtool.cli._output import count, format_ids, head, key_values, left_out, size
 from rbtool.cli._places import local_path_arg
@@ -42,10 +40,8 @@ def repair(
             parser=local_path_arg,
         ),
     ],
-    force: ForceOpt = False,
+    writes: LocalWrites = LocalWrites(),
     jobs: JobsOpt = None,
-    writes: Writes = Writes(),
-    output: Report = Report(),
 ) -> None:
     """Write to OUT a consistent checkpoint of what PATH really holds; PATH is never modified.
 
@@ -54,14 +50,14 @@ def repair(
     """
     from rbtool.ops.repair import repair as run_repair
 
-    opening = read_and_write([str(path)], str(target), None, output, writes, force=force)
+    opening = read_and_write([str(path)], str(target), writes, None)
     with opening as writer:
         # a dry run checks the trajectory files as the repair does: that progress shows
         result = writer.run(
             "checking trajectory files", run_repair, path, target, jobs=jobs, dry_run_bar=True
         )
-        limit = output.limit
-        if output.json:
+        limit = writes.limit
+        if writes.json:
             doc = result.as_json()
             doc["dry_run"] = writes.dry_run
             if writes.dry_run:
@@ -70,7 +66,7 @@ def repair(
                 bound(ckpt_doc, "trajectory_id_list", limit, ranges="trajectory_id_ranges")
                 for key in ("dropped", "ignored", "fixed"):
                     bound(ckpt_doc, key, limit)
-            print_json(doc, output.pretty)
+            print_json(doc, writes.pretty)
             return
         for ckpt in result.checkpoints:
             rows: list[tuple[str, str | Text]] = []

@@ -10,13 +10,10 @@ import typer
 from rbtool.cli._consoles import out
 from rbtool.cli._json import print_report
 from rbtool.cli._options import (
-    RanksForceOpt,
-    Report,
+    RankWrites,
     SourceArg,
-    StorageOpt,
     StrictOpt,
     WorldSizeOpt,
-    Writes,
 )
 from rbtool.cli._output import Column, Fitted, count, format_ids, size
 from rbtool.cli._writing import read_and_write, trajectories
@@ -44,16 +41,13 @@ def reshard(
         ),
     ] = Balance.by_count,
     strict: StrictOpt = True,
-    force: RanksForceOpt = False,
-    writes: Writes = Writes(),
-    output: Report = Report(),
-    storage_option: StorageOpt = None,
+    writes: RankWrites = RankWrites(),
 ) -> None:
     """Write OUT/rank_r for N ranks from IN's trajectories (the merge of its ranks), files linked."""
     from rbtool.format.ranknames import rank_dir_name
     from rbtool.ops import resharding
 
-    opening = read_and_write([source_arg], target_arg, storage_option, output, writes, force=force)
+    opening = read_and_write([source_arg], target_arg, writes, writes.storage_option)
     with opening as writer:
         src, dst = writer.sources[0], writer.dst
         target = dst.local
@@ -82,8 +76,8 @@ def reshard(
             "ranks": ranks,
             "files": None if writes.dry_run else result.report.as_json(),
         }
-        if output.json:
-            print_report(doc, output, each="ranks")
+        if writes.json:
+            print_report(doc, writes, each="ranks")
             return
         action = "would write" if writes.dry_run else "wrote"
         title = (
@@ -102,7 +96,7 @@ def reshard(
                 f"{r['total_samples']}",
                 size(r["bytes"]),
                 f"{r['trajectory_counter']}",
-                format_ids(r["trajectory_id_list"], output.limit),
+                format_ids(r["trajectory_id_list"], writes.limit),
             ]
             for r in ranks
         ]

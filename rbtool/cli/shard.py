@@ -9,12 +9,9 @@ import typer
 from rbtool.cli._consoles import out
 from rbtool.cli._json import print_report
 from rbtool.cli._options import (
-    RanksForceOpt,
-    Report,
-    StorageOpt,
+    RankWrites,
     StrictOpt,
     WorldSizeOpt,
-    Writes,
 )
 from rbtool.cli._output import state_table
 from rbtool.cli._writing import read_and_write, trajectories
@@ -29,16 +26,13 @@ def shard(
         str, typer.Option("--out", "-o", help="Directory (or URL) to write rank_0 .. rank_{N-1} into.")
     ],
     strict: StrictOpt = True,
-    force: RanksForceOpt = False,
-    writes: Writes = Writes(),
-    output: Report = Report(),
-    storage_option: StorageOpt = None,
+    writes: RankWrites = RankWrites(),
 ) -> None:
     """Write OUT/rank_r for every rank: exactly what a distributed load of CKPT by rank r yields."""
     from rbtool.format.ranknames import rank_dir_name
     from rbtool.ops import checkpoint
 
-    opening = read_and_write([ckpt_arg], target_arg, storage_option, output, writes, force=force)
+    opening = read_and_write([ckpt_arg], target_arg, writes, writes.storage_option)
     with opening as writer:
         src, dst = writer.sources[0], writer.dst
         target = dst.local
@@ -58,15 +52,15 @@ def shard(
             "dry_run": writes.dry_run,
             "files": None if writes.dry_run else report.as_json(),
         }
-        if output.json:
-            print_report(doc, output, each="ranks")
+        if writes.json:
+            print_report(doc, writes, each="ranks")
             return
         out.print(
             state_table(
                 f"{src.show()} {'would be ' if writes.dry_run else ''}sharded over {world_size} ranks into "
                 f"{dst.show()}",
                 [(rank_dir_name(r["rank"]), r) for r in ranks],
-                output.limit,
+                writes.limit,
             )
         )
         total = trajectories(sum(r["size"] for r in ranks))
