@@ -241,21 +241,13 @@ class BufferWrites:
 
 
 @dataclass(frozen=True)
-class LocalWrites:
+class LocalWrites(Report):
     """The options of a command that writes a checkpoint OUT from other checkpoints' files:
-    --force, --copy, --dry-run, --all, --json and --pretty."""
+    `Report`'s, --force, --copy and --dry-run."""
 
     force: ForceOpt = False
     copy: CopyOpt = False
     dry_run: DryRunOpt = False
-    all_items: AllOpt = False
-    json: JsonOpt = False
-    pretty: PrettyOpt = False
-
-    @property
-    def limit(self) -> int | None:
-        """How many items a summarised list keeps (`summary_limit`)."""
-        return summary_limit(self.all_items)
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ must be local, and outputs that would overwrite their inputs.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,31 +26,23 @@ def _bars(enabled: bool) -> Callable[[str], AbstractContextManager[Advance]]:
     return lambda description: progress_bar(description, None, enabled)
 
 
-@contextmanager
 def reading(
-    value: str,
-    storage_options: list[str] | None,
-    *,
-    data: bool,
-    enabled: bool = False,
-    stream: bool = False,
-) -> Iterator[Place]:
-    """The directory `value` to read (`rbtool.remote.places.reading`), its fetching shown if `enabled`."""
+    value: str, storage_options: list[str] | None, *, enabled: bool = False, **how: bool
+) -> AbstractContextManager[Place]:
+    """The directory `value` to read (`rbtool.remote.places.reading`, `how`: data, stream), its
+    fetching shown if `enabled`."""
     from rbtool.remote import places
 
-    with places.reading(value, storage_options, data=data, stream=stream, bar=_bars(enabled)) as place:
-        yield place
+    return places.reading(value, storage_options, bar=_bars(enabled), **how)
 
 
-@contextmanager
 def writing(
     value: str, storage_options: list[str] | None, *, overwrite: bool, enabled: bool
-) -> Iterator[Place]:
+) -> AbstractContextManager[Place]:
     """The directory `value` to write (`rbtool.remote.places.writing`), its upload shown if `enabled`."""
     from rbtool.remote import places
 
-    with places.writing(value, storage_options, overwrite=overwrite, bar=_bars(enabled)) as place:
-        yield place
+    return places.writing(value, storage_options, overwrite=overwrite, bar=_bars(enabled))
 
 
 def is_url(value: str | os.PathLike[str]) -> bool:

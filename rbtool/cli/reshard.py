@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -16,7 +18,10 @@ from rbtool.cli._options import (
     WorldSizeOpt,
 )
 from rbtool.cli._output import Column, Fitted, count, format_ids, size
-from rbtool.cli._writing import read_and_write, trajectories
+from rbtool.cli._writing import Writer, read_and_write, trajectories
+
+if TYPE_CHECKING:
+    from rbtool.ops.resharding import ReshardResult
 
 
 class Balance(str, enum.Enum):
@@ -24,6 +29,22 @@ class Balance(str, enum.Enum):
 
     by_count = "count"
     by_samples = "samples"
+
+
+@contextmanager
+def rank_tree(
+    description: str, source: str, world_size: int, target: str, split: str, strict: bool, writes: RankWrites
+) -> Iterator[tuple[Writer, ReshardResult]]:
+    """What shard and reshard share (shard is reshard's count split): IN read, and OUT/rank_r
+    written for `world_size` ranks, blocks split by `split`, under `description`."""
+    from rbtool.ops import resharding
+
+    with read_and_write([source], target, writes, writes.storage_option) as writer:
+        local = writer.sources[0].local
+        result = writer.run(
+            description, resharding.reshard, local, world_size, writer.dst.local, split=split, strict=strict
+        )
+        yield writer, result
 
 
 def reshard(
@@ -45,21 +66,11 @@ def reshard(
 ) -> None:
     """Write OUT/rank_r for N ranks from IN's trajectories (the merge of its ranks), files linked."""
     from rbtool.format.ranknames import rank_dir_name
-    from rbtool.ops import resharding
 
-    opening = read_and_write([source_arg], target_arg, writes, writes.storage_option)
-    with opening as writer:
+    opening = rank_tree("resharding", source_arg, world_size, target_arg, balance.value, strict, writes)
+    with opening as (writer, result):
         src, dst = writer.sources[0], writer.dst
         target = dst.local
-        result = writer.run(
-            "resharding",
-            resharding.reshard,
-            src.local,
-            world_size,
-            target,
-            split=balance.value,
-            strict=strict,
-        )
         ranks: list[dict[str, Any]] = [
             {"path": dst.show(target / rank_dir_name(p.rank)), **p.as_json()} for p in result.ranks
         ]

@@ -14,7 +14,8 @@ from rbtool.cli._options import (
     WorldSizeOpt,
 )
 from rbtool.cli._output import state_table
-from rbtool.cli._writing import read_and_write, trajectories
+from rbtool.cli._writing import trajectories
+from rbtool.cli.reshard import rank_tree
 
 
 def shard(
@@ -30,18 +31,12 @@ def shard(
 ) -> None:
     """Write OUT/rank_r for every rank: exactly what a distributed load of CKPT by rank r yields."""
     from rbtool.format.ranknames import rank_dir_name
-    from rbtool.ops import checkpoint
 
-    opening = read_and_write([ckpt_arg], target_arg, writes, writes.storage_option)
-    with opening as writer:
+    with rank_tree("sharding", ckpt_arg, world_size, target_arg, "count", strict, writes) as (writer, result):
         src, dst = writer.sources[0], writer.dst
-        target = dst.local
-        shards, report = writer.run(
-            "sharding", checkpoint.shard, src.local, world_size, target, strict=strict
-        )
         ranks: list[dict[str, Any]] = [
-            {"rank": r, "path": dst.show(target / rank_dir_name(r)), **part.state()}
-            for r, part in enumerate(shards)
+            {"rank": p.rank, "path": dst.show(dst.local / rank_dir_name(p.rank)), **p.index.state()}
+            for p in result.ranks
         ]
         doc: dict[str, Any] = {
             "source": src.show(),
@@ -50,7 +45,7 @@ def shard(
             "world_size": world_size,
             "ranks": ranks,
             "dry_run": writes.dry_run,
-            "files": None if writes.dry_run else report.as_json(),
+            "files": None if writes.dry_run else result.report.as_json(),
         }
         if writes.json:
             print_report(doc, writes, each="ranks")
