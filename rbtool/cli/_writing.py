@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from rbtool.cli._consoles import note, out, progress_line
-from rbtool.cli._options import LocalWrites
+from rbtool.cli._options import LocalWrites, RankWrites
 from rbtool.cli._output import count, files_line
 from rbtool.cli._places import reading, refuse_overlap, upload_note, writing
 from rbtool.cli._progress import progress_bar, show_progress
 
 if TYPE_CHECKING:
+    from rbtool.ops.resharding import ReshardResult
     from rbtool.remote.places import Place
 
 T = TypeVar("T")
@@ -125,3 +126,19 @@ def read_and_write(
         dst = stack.enter_context(writing(target, storage_options, overwrite=writes.force, enabled=enabled))
         refuse_overlap(dst.local, [p.local for p in places], option)
         yield Writer(places, dst, writes)
+
+
+@contextmanager
+def rank_tree(
+    description: str, source: str, world_size: int, target: str, split: str, strict: bool, writes: RankWrites
+) -> Iterator[tuple[Writer, ReshardResult]]:
+    """What shard and reshard share (shard is reshard's count split): IN read, and OUT/rank_r
+    written for `world_size` ranks, blocks split by `split`, under `description`."""
+    from rbtool.ops import resharding
+
+    with read_and_write([source], target, writes, writes.storage_option) as writer:
+        local = writer.sources[0].local
+        result = writer.run(
+            description, resharding.reshard, local, world_size, writer.dst.local, split=split, strict=strict
+        )
+        yield writer, result

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 
@@ -18,10 +16,7 @@ from rbtool.cli._options import (
     WorldSizeOpt,
 )
 from rbtool.cli._output import Column, Fitted, count, format_ids, size
-from rbtool.cli._writing import Writer, read_and_write, trajectories
-
-if TYPE_CHECKING:
-    from rbtool.ops.resharding import ReshardResult
+from rbtool.cli._writing import rank_tree, trajectories
 
 
 class Balance(str, enum.Enum):
@@ -29,22 +24,6 @@ class Balance(str, enum.Enum):
 
     by_count = "count"
     by_samples = "samples"
-
-
-@contextmanager
-def rank_tree(
-    description: str, source: str, world_size: int, target: str, split: str, strict: bool, writes: RankWrites
-) -> Iterator[tuple[Writer, ReshardResult]]:
-    """What shard and reshard share (shard is reshard's count split): IN read, and OUT/rank_r
-    written for `world_size` ranks, blocks split by `split`, under `description`."""
-    from rbtool.ops import resharding
-
-    with read_and_write([source], target, writes, writes.storage_option) as writer:
-        local = writer.sources[0].local
-        result = writer.run(
-            description, resharding.reshard, local, world_size, writer.dst.local, split=split, strict=strict
-        )
-        yield writer, result
 
 
 def reshard(

@@ -14,8 +14,7 @@ from rbtool.cli._options import (
     WorldSizeOpt,
 )
 from rbtool.cli._output import state_table
-from rbtool.cli._writing import trajectories
-from rbtool.cli.reshard import rank_tree
+from rbtool.cli._writing import rank_tree, trajectories
 
 
 def shard(
