@@ -17,6 +17,12 @@ from rbtool.errors import (
 )
 
 if TYPE_CHECKING:
+    from rbtool.buffer.dataset import (
+        PreloadReplayBufferDataset,
+        ReplayBufferDataset,
+        replay_buffer_collate_fn,
+        seed_workers,
+    )
     from rbtool.buffer.replay import TrajectoryReplayBuffer
     from rbtool.files.dirs import CheckpointView, open_view
     from rbtool.files.index import Index, read_index
@@ -38,6 +44,10 @@ if TYPE_CHECKING:
 # loads only what a command needs.
 _LAZY = {
     "TrajectoryReplayBuffer": "rbtool.buffer.replay",
+    "ReplayBufferDataset": "rbtool.buffer.dataset",
+    "PreloadReplayBufferDataset": "rbtool.buffer.dataset",
+    "replay_buffer_collate_fn": "rbtool.buffer.dataset",
+    "seed_workers": "rbtool.buffer.dataset",
     "build_from_files": "rbtool.ops.checkpoint",
     "load_state": "rbtool.ops.checkpoint",
     "merge": "rbtool.ops.checkpoint",
@@ -77,7 +87,9 @@ __all__ = [
     "Index",
     "InvalidTrajectoryError",
     "MissingTrajectoryFilesError",
+    "PreloadReplayBufferDataset",
     "RbtoolError",
+    "ReplayBufferDataset",
     "TrajectoryFileError",
     "TrajectoryReplayBuffer",
     "UnsafePickleError",
@@ -92,8 +104,10 @@ __all__ = [
     "merge",
     "open_view",
     "read_index",
+    "replay_buffer_collate_fn",
     "reshard",
     "restore",
     "save_from_autosave_dir",
+    "seed_workers",
     "shard",
 ]

@@ -73,6 +73,10 @@ class FieldsLeftOutWarning(UserWarning):
         self.fields = fields
 
 
+class DroppedKeysWarning(UserWarning):
+    """A replay+demo batch leaves out a key only one of the two batches holds."""
+
+
 class RankLayoutWarning(UserWarning):
     """A rank directory is loaded in a layout other than the one its shard was written for."""
 

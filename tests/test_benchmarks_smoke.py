@@ -292,3 +292,21 @@ def test_ranks_reports_every_figure(tmp_path: Path) -> None:
     assert all(positive(doc["median_seconds"][k]) for k in runs)
     assert positive(doc["speedup_1_to_2_ranks"]) and positive(doc["torchrun_overhead_1_rank"])
     assert doc["same_report"] is True
+
+
+def test_dataset_reports_every_figure(tmp_path: Path) -> None:
+    doc = run_script(
+        "bench_dataset.py",
+        *TINY_CKPT,
+        *("--batches", "4", "--step-ms", "1", "--num-chunks", "16", "--workdir", str(tmp_path)),
+    )
+    assert doc["num_chunks"] == 16 and doc["step_s"] == 0.001 and positive(doc["checkpoint_bytes"])
+    assert set(doc["consumers"]) == {"sleep", "compute"}
+    for consumer in doc["consumers"].values():
+        assert positive(consumer["ratio"])
+        for kind in ("plain", "preload"):
+            side = consumer[kind]
+            assert side["batches"] == 4
+            for key in ("median_wait_s", "p90_wait_s", "max_wait_s", "median_step_s"):
+                assert positive(side[key]), (kind, key)
+    check_goals(doc, {"preload_median_wait_sleep"})

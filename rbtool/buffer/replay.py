@@ -131,6 +131,8 @@ class TrajectoryReplayBuffer:
         self._publish_cost = 0.0
         self._publish_now = threading.Event()
         self._closed = False
+        # notified whenever the size may have changed (add, load, clear, close): wait_until_ready
+        self._size_changed = threading.Condition(threading.Lock())
         self._unloaded_size = 0
         self._warned_left_out = False
         # Window bookkeeping, updated from what is added and what leaves the window (never
@@ -238,6 +240,20 @@ class TrajectoryReplayBuffer:
         """is_ready() for async callers."""
         return self.is_ready(min_size)
 
+    def wait_until_ready(self, min_size: int, timeout: float | None = None) -> bool:
+        """Block until is_ready(min_size), the buffer is closed, or `timeout` seconds passed.
+
+        Returns is_ready(min_size). The wait sleeps on a condition that adds, loads, clear()
+        and close() notify, so a waiter costs no CPU and wakes as soon as an add makes it ready.
+        """
+        with self._size_changed:
+            self._size_changed.wait_for(lambda: self._closed or self.is_ready(min_size), timeout)
+        return self.is_ready(min_size)
+
+    def _notify_size_changed(self) -> None:
+        with self._size_changed:
+            self._size_changed.notify_all()
+
     # ---------------------------------------------------------------- adding
     def _check_open(self) -> None:
         if self._closed:
@@ -296,6 +312,7 @@ class TrajectoryReplayBuffer:
                 self._writer.submit(lambda: self._publish(upto, counter))
             else:
                 self._evict_outside_window()
+        self._notify_size_changed()
         return ids
 
     def _evict_outside_window(self) -> None:
@@ -604,6 +621,7 @@ class TrajectoryReplayBuffer:
             self._index = new
             self._unloaded_size = 0
             self._new_generation()
+        self._notify_size_changed()
 
     def _adopt_files(self, new: Index, files: dict[int, Path]) -> dict[int, Path]:
         """auto_save on: bring the loaded files into the auto-save directory and publish its index."""
@@ -638,6 +656,7 @@ class TrajectoryReplayBuffer:
                 for path in old_files:
                     if path.parent == self.auto_save_path:
                         path.unlink(missing_ok=True)
+        self._notify_size_changed()
 
     def close(self, wait: bool = True) -> None:
         """Finish background writes (unless wait=False) and release the auto-save directory."""
@@ -654,6 +673,7 @@ class TrajectoryReplayBuffer:
                     self._writer.close(wait=wait)
                 self._store.clear()
                 self._batch_memory.clear()
+            self._notify_size_changed()
 
     def __enter__(self) -> TrajectoryReplayBuffer:
         return self

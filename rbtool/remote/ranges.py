@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from rbtool.errors import CheckpointError, RbtoolError
 
 if TYPE_CHECKING:
+    from rbtool.buffer.replay import TrajectoryReplayBuffer
     from rbtool.buffer.sampling import Draw
     from rbtool.files.dirs import CheckpointView
     from rbtool.files.ptheader import ZipRecord
@@ -308,3 +309,41 @@ def drawn_rows(
                 ranges_cache.check_crc(rel, start, record)
 
     return before_gather
+
+
+class RangeReads:
+    """A buffer loaded from an IndexMirror, sampled by byte ranges: what a training dataset samples from.
+
+    `sample(n)` is the buffer's uniform sample with `drawn_rows` fetching what each draw
+    reads, so `ReplayBufferDataset(RangeReads(buffer, mirror, view), ...)` trains from a remote
+    checkpoint fetching only the drawn rows. When the index does not record every schema the
+    window's headers are read before the first draw, so then every object is fetched up front
+    (as `sample` does). Readiness, waiting and the generator are the buffer's.
+    """
+
+    def __init__(
+        self,
+        buffer: TrajectoryReplayBuffer,
+        mirror: IndexMirror,
+        view: CheckpointView,
+        *,
+        cache: RangeCache | None = None,
+    ) -> None:
+        self.buffer = buffer
+        index = view.index
+        if not all(e.get("schema") in index.schemas for e in index.entries.values()):
+            mirror.fetch()
+        self._before_gather = drawn_rows(mirror, view, extra_fields=buffer.extra_fields, cache=cache)
+
+    @property
+    def random_generator(self) -> Any:
+        return self.buffer.random_generator
+
+    def sample(self, num_chunks: int) -> dict[str, Any]:
+        return self.buffer.sample_with_draw(num_chunks, before_gather=self._before_gather)[1]
+
+    def is_ready(self, min_size: int) -> bool:
+        return self.buffer.is_ready(min_size)
+
+    def wait_until_ready(self, min_size: int, timeout: float | None = None) -> bool:
+        return self.buffer.wait_until_ready(min_size, timeout)
