@@ -170,6 +170,11 @@ class _Sampler:
             yield self.sample()
 
 
+def _read_through(name: str) -> Any:
+    """A read-only attribute of a dataset that is its sampler's `name`."""
+    return property(lambda dataset: getattr(dataset._sampler, name), doc=f"RLinf's `{name}` (read-only).")
+
+
 class ReplayBufferDataset(IterableDataset[Batch]):
     """An infinite iterable of batches sampled from a replay buffer, and a demo buffer if given.
 
@@ -195,25 +200,11 @@ class ReplayBufferDataset(IterableDataset[Batch]):
         )
 
     # RLinf's attributes, read through to what the iterators use
-    @property
-    def replay_buffer(self) -> SampleSource:
-        return self._sampler.replay_buffer
-
-    @property
-    def demo_buffer(self) -> SampleSource | None:
-        return self._sampler.demo_buffer
-
-    @property
-    def batch_size(self) -> int:
-        return self._sampler.batch_size
-
-    @property
-    def min_replay_buffer_size(self) -> int:
-        return self._sampler.min_replay_buffer_size
-
-    @property
-    def min_demo_buffer_size(self) -> int:
-        return self._sampler.min_demo_buffer_size
+    replay_buffer = _read_through("replay_buffer")
+    demo_buffer = _read_through("demo_buffer")
+    batch_size = _read_through("batch_size")
+    min_replay_buffer_size = _read_through("min_replay_buffer_size")
+    min_demo_buffer_size = _read_through("min_demo_buffer_size")
 
     @property
     def closed(self) -> bool:

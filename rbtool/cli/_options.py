@@ -199,7 +199,7 @@ def refuse_output_mix(json: bool, jsonl: bool = False, pretty: bool = False) -> 
 
 # ------------------------------------------------------------ option groups
 # Options that go together on many commands, taken as one parameter: a command declares
-# `report: Report = Report()` and gets --all, --json and --pretty (`_app.Typer` spells a group
+# `output: Report = Report()` and gets --all, --json and --pretty (`_app.Typer` spells a group
 # out as its options for the parser and gathers their values back into the group).
 
 
@@ -241,13 +241,16 @@ class BufferWrites:
 
 
 @dataclass(frozen=True)
-class LocalWrites(Report):
-    """The options of a command that writes a checkpoint OUT from other checkpoints' files:
-    `Report`'s, --force, --copy and --dry-run."""
+class Replacing(BufferWrites):
+    """--copy, --dry-run and --force: how a command treats the checkpoint OUT it writes."""
 
     force: ForceOpt = False
-    copy: CopyOpt = False
-    dry_run: DryRunOpt = False
+
+
+@dataclass(frozen=True)
+class LocalWrites(Report, Replacing):
+    """The options of a command that writes a checkpoint OUT from other checkpoints' files:
+    `Replacing`'s, then `Report`'s."""
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,8 @@ def repair(
             parser=local_path_arg,
         ),
     ],
-    writes: LocalWrites = LocalWrites(),
     jobs: JobsOpt = None,
+    writes: LocalWrites = LocalWrites(),
 ) -> None:
     """Write to OUT a consistent checkpoint of what PATH really holds; PATH is never modified.
 
