@@ -17,6 +17,8 @@ from rbtool.errors import (
 )
 
 if TYPE_CHECKING:
+    from rbtool.buffer.cache import TrajectoryCache
+    from rbtool.buffer.priority import PriorityStore
     from rbtool.buffer.replay import TrajectoryReplayBuffer
     from rbtool.files.dirs import CheckpointView, open_view
     from rbtool.files.index import Index, read_index
@@ -38,6 +40,8 @@ if TYPE_CHECKING:
 # loads only what a command needs.
 _LAZY = {
     "TrajectoryReplayBuffer": "rbtool.buffer.replay",
+    "TrajectoryCache": "rbtool.buffer.cache",
+    "PriorityStore": "rbtool.buffer.priority",
     "build_from_files": "rbtool.ops.checkpoint",
     "load_state": "rbtool.ops.checkpoint",
     "merge": "rbtool.ops.checkpoint",
@@ -77,7 +81,9 @@ __all__ = [
     "Index",
     "InvalidTrajectoryError",
     "MissingTrajectoryFilesError",
+    "PriorityStore",
     "RbtoolError",
+    "TrajectoryCache",
     "TrajectoryFileError",
     "TrajectoryReplayBuffer",
     "UnsafePickleError",
