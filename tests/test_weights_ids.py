@@ -193,3 +193,21 @@ def test_object_storage_refuses_an_id_with_a_control_character_saying_why(
     result = run("checkpoint", "save", tmp_path / "buf", f"{bucket}/ckpt", "--window", "0")
     assert_one_error(result)
     assert "control character" in result.stderr and "\\x07" in result.stderr
+
+
+def test_a_lerobot_export_and_import_keep_such_ids(tmp_path: Path) -> None:
+    pytest.importorskip("pyarrow")
+    pytest.importorskip("PIL")
+    from rbtool.interop.lerobot import export_lerobot, import_lerobot
+
+    ckpt = rlinf_checkpoint(tmp_path / "ckpt")
+    export_lerobot(ckpt, tmp_path / "ds", fps=10)
+    import_lerobot(tmp_path / "ds", tmp_path / "back")
+    back = read_index(tmp_path / "back")
+    assert [back.entries[i]["model_weights_id"] for i in back.id_list] == IDS
+    import_lerobot(tmp_path / "ds", tmp_path / "plain", use_sidecar=False, model_weights_id="demo v1+ds:2")
+    plain = read_index(tmp_path / "plain")
+    assert {e["model_weights_id"] for e in plain.entries.values()} == {"demo v1+ds:2"}
+    with pytest.raises(Exception, match="path separator"):
+        import_lerobot(tmp_path / "ds", tmp_path / "bad", use_sidecar=False, model_weights_id="a/b")
+    assert not (tmp_path / "bad").exists()
