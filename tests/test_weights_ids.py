@@ -192,7 +192,12 @@ def test_object_storage_refuses_an_id_with_a_control_character_saying_why(
     run_json("ingest", src, "--buffer", tmp_path / "buf")
     result = run("checkpoint", "save", tmp_path / "buf", f"{bucket}/ckpt", "--window", "0")
     assert_one_error(result)
-    assert "control character" in result.stderr and "\\x07" in result.stderr
+    assert "control character" in result.stderr and "\\x07" in result.stderr, result.stderr
+    assert "nothing was uploaded" in result.stderr
+    from rbtool import remote
+
+    r = remote.open_remote(f"{bucket}/ckpt")
+    assert not r.fs.exists(r.root) or r.fs.find(r.root) == []
 
 
 def test_a_lerobot_export_and_import_keep_such_ids(tmp_path: Path) -> None:
