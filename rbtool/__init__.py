@@ -17,12 +17,14 @@ from rbtool.errors import (
 )
 
 if TYPE_CHECKING:
+    from rbtool.buffer.cache import TrajectoryCache
     from rbtool.buffer.dataset import (
         PreloadReplayBufferDataset,
         ReplayBufferDataset,
         replay_buffer_collate_fn,
         seed_workers,
     )
+    from rbtool.buffer.priority import PriorityStore
     from rbtool.buffer.replay import TrajectoryReplayBuffer
     from rbtool.files.dirs import CheckpointView, open_view
     from rbtool.files.index import Index, read_index
@@ -48,6 +50,8 @@ _LAZY = {
     "PreloadReplayBufferDataset": "rbtool.buffer.dataset",
     "replay_buffer_collate_fn": "rbtool.buffer.dataset",
     "seed_workers": "rbtool.buffer.dataset",
+    "TrajectoryCache": "rbtool.buffer.cache",
+    "PriorityStore": "rbtool.buffer.priority",
     "build_from_files": "rbtool.ops.checkpoint",
     "load_state": "rbtool.ops.checkpoint",
     "merge": "rbtool.ops.checkpoint",
@@ -88,8 +92,10 @@ __all__ = [
     "InvalidTrajectoryError",
     "MissingTrajectoryFilesError",
     "PreloadReplayBufferDataset",
+    "PriorityStore",
     "RbtoolError",
     "ReplayBufferDataset",
+    "TrajectoryCache",
     "TrajectoryFileError",
     "TrajectoryReplayBuffer",
     "UnsafePickleError",

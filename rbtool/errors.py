@@ -9,6 +9,10 @@ class CheckpointError(RbtoolError):
     """A checkpoint or buffer directory is missing, malformed or inconsistent."""
 
 
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The checkpoint, buffer directory or source does not exist (a FileNotFoundError, as RLinf raises)."""
+
+
 class DamagedCheckpointError(CheckpointError):
     """A checkpoint's metadata or index is missing, unreadable or inconsistent (repair rebuilds them)."""
 

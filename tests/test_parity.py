@@ -189,24 +189,123 @@ def test_auto_save_after_loading_writes_the_checkpoints_format(tmp_path: Path) -
 
 
 # ----------------------------------------------------------------------------- window changes
-def test_window_shrinks_and_grows_without_breaking(tmp_path: Path) -> None:
+def test_a_window_shrunk_and_grown_holds_what_rlinfs_cache_holds(tmp_path: Path) -> None:
+    """RLinf's cache keeps its construction-time size; so does what rbtool holds (SPEC §3)."""
     buffer = TrajectoryReplayBuffer(sample_window_size=3)
-    buffer.add_trajectories([make_traj(seed=i) for i in range(5)])
-    buffer.sample(4)
+    buffer.add_trajectories([make_traj(seed=i) for i in range(3)])
     buffer.sample_window_size = 1
-    buffer.add_trajectories([make_traj(seed=9)])
-    assert buffer.window_ids() == [5]
-    buffer.sample(4)
-    buffer.sample_window_size = 3  # ids 3 and 4 were let go when the window was 1
-    assert buffer.window_ids() == [5]
-    buffer.sample(4)
+    buffer.add_trajectories([make_traj(seed=3)])
+    assert buffer.window_ids() == [3]
+    buffer.sample_window_size = 3
+    assert buffer.window_ids() == [1, 2, 3]
+    assert buffer.get_stats()["cache_size"] == 3
+    state = buffer.random_generator.get_state()
+    draw, _ = buffer.sample_with_draw(8)
+    g = torch.Generator()
+    g.set_state(state)
+    assert draw.global_indices.tolist() == torch.randint(0, 24, (8,), generator=g).tolist()
+    assert draw.trajectory_ids == [[1, 2, 3][i // 8] for i in draw.global_indices.tolist()]
     buffer.save_checkpoint(tmp_path / "c")
-    assert read_index(tmp_path / "c").id_list == [5]
-    buffer.add_trajectories([make_traj(seed=10), make_traj(seed=11)])
-    assert buffer.window_ids() == [5, 6, 7]
+    assert read_index(tmp_path / "c").id_list == [1, 2, 3]
+    assert len(list((tmp_path / "c").glob("trajectory_*_*.pt"))) == 3
+    buffer.sample_window_size = 10  # beyond what is held: the held trajectories
+    assert buffer.window_ids() == [1, 2, 3]
     buffer.sample(4)
+    buffer.add_trajectories([make_traj(seed=4), make_traj(seed=5)])
+    assert buffer.window_ids() == [3, 4, 5]
     buffer.save_checkpoint(tmp_path / "c")
-    assert read_index(tmp_path / "c").id_list == [5, 6, 7]
+    assert read_index(tmp_path / "c").id_list == [3, 4, 5]
+
+
+def test_a_loaded_buffer_holds_the_last_of_its_constructors_window(tmp_path: Path) -> None:
+    buffer = TrajectoryReplayBuffer(sample_window_size=2)
+    buffer.sample_window_size = 3
+    buffer.load_checkpoint(FIXTURES / "seedless_pt")  # ids 0-3
+    assert buffer.window_ids() == [2, 3] and buffer.get_stats()["cache_size"] == 2
+    buffer.save_checkpoint(tmp_path / "c")
+    assert read_index(tmp_path / "c").id_list == [2, 3]
+
+
+def test_a_window_at_run_time_is_read_as_rlinf_reads_it() -> None:
+    """`max(0, int(window))`: -1 (any negative) samples the whole buffer, 2.0 acts as 2."""
+    buffer = TrajectoryReplayBuffer(sample_window_size=0)
+    buffer.add_trajectories([make_traj(seed=i) for i in range(4)])
+    cases = [(-1, [0, 1, 2, 3]), (2.0, [2, 3]), (2.9, [2, 3]), (np.int64(3), [1, 2, 3]), (-7, [0, 1, 2, 3])]
+    for window, ids in cases:
+        buffer.sample_window_size = window
+        assert buffer.window_ids() == ids, window
+        draw, _ = buffer.sample_with_draw(5)
+        assert set(draw.trajectory_ids) <= set(ids)
+    state = buffer.random_generator.get_state()
+    for bad in (float("nan"), "3", None, True):
+        buffer.sample_window_size = bad
+        with pytest.raises(ValueError, match="sample_window_size must be a number"):
+            buffer.sample(2)
+    assert torch.equal(buffer.random_generator.get_state(), state)
+
+
+@pytest.mark.parametrize("auto_save", [False, True])
+def test_a_negative_window_in_the_constructor_means_every_trajectory(tmp_path: Path, auto_save: bool) -> None:
+    path = str(tmp_path / "a")
+    buffer = TrajectoryReplayBuffer(sample_window_size=-1, auto_save=auto_save, auto_save_path=path)
+    buffer.add_trajectories([make_traj(seed=i) for i in range(5)])
+    assert buffer.window_ids() == [0, 1, 2, 3, 4]
+    buffer.save_checkpoint(tmp_path / "c")
+    assert read_index(tmp_path / "c").id_list == [0, 1, 2, 3, 4]
+    buffer.close()
+
+
+# ----------------------------------------------------------------------------- num_chunks
+NUM_CHUNKS = [np.int64(5), np.int32(5), torch.tensor(5), torch.tensor(5, dtype=torch.int32)]
+
+
+@pytest.mark.parametrize("num_chunks", NUM_CHUNKS)
+def test_num_chunks_as_numpy_integers_or_a_0d_tensor_works_as_an_int(num_chunks: Any) -> None:
+    buffers = [TrajectoryReplayBuffer(sample_window_size=0) for _ in range(2)]
+    for buffer in buffers:
+        buffer.add_trajectories([make_traj(seed=1), make_traj(seed=2)])
+    assert_batches_equal(buffers[0].sample(num_chunks), buffers[1].sample(5))
+    assert_batches_equal(buffers[0].sample_chunks(num_chunks), buffers[1].sample_chunks(5))
+
+
+def test_sample_chunks_of_zero_is_empty_and_draws_nothing() -> None:
+    buffer = TrajectoryReplayBuffer(sample_window_size=0)
+    with pytest.raises(RuntimeError, match="empty"):
+        buffer.sample_chunks(0)  # RLinf checks for an empty buffer first
+    buffer.add_trajectories([make_traj(seed=1)])
+    state = buffer.random_generator.get_state()
+    assert buffer.sample_chunks(0) == {} and buffer.sample_chunks(np.int64(0)) == {}
+    with pytest.raises(ValueError):
+        buffer.sample(0)  # RLinf asserts num_chunks > 0
+    for bad in (-1, True, 2.0, torch.tensor([2]), torch.tensor(2.0), "2"):
+        with pytest.raises(ValueError, match="num_chunks"):
+            buffer.sample_chunks(bad)
+    assert torch.equal(buffer.random_generator.get_state(), state)
+
+
+# ----------------------------------------------------------------------------- get_stats
+def test_cache_size_is_what_rlinfs_cache_holds(tmp_path: Path) -> None:
+    auto = TrajectoryReplayBuffer(sample_window_size=0, auto_save=True, auto_save_path=str(tmp_path / "a"))
+    auto.add_trajectories([make_traj(seed=i) for i in range(2)])
+    assert auto.get_stats()["cache_size"] == 2
+    auto.add_trajectories([make_traj(seed=i) for i in range(2, 7)])
+    assert auto.get_stats()["cache_size"] == 5  # cache_size's default
+    auto.clear_cache()
+    assert auto.get_stats()["cache_size"] == 0
+    auto.save_checkpoint(tmp_path / "c")
+    auto.load_checkpoint(FIXTURES / "seedless_pt")
+    assert auto.get_stats()["cache_size"] == 4
+    auto.clear()
+    assert auto.get_stats()["cache_size"] == 0
+    auto.close()
+    off = TrajectoryReplayBuffer(enable_cache=False, auto_save=True, auto_save_path=str(tmp_path / "b"))
+    off.add_trajectories([make_traj(seed=1)])
+    assert off.get_stats()["cache_size"] == 0
+    off.close()
+    small = TrajectoryReplayBuffer(cache_size=3, auto_save=True, auto_save_path=str(tmp_path / "d"))
+    small.load_checkpoint(tmp_path / "c")
+    assert small.get_stats()["cache_size"] == 3
+    small.close()
 
 
 def test_a_failed_sample_draws_nothing() -> None:
@@ -222,6 +321,39 @@ def test_a_failed_sample_draws_nothing() -> None:
 
 
 # ----------------------------------------------------------------------------- the loaded directory
+def test_loading_a_missing_directory_is_a_file_not_found_error(tmp_path: Path) -> None:
+    from rbtool.errors import CheckpointError
+
+    with pytest.raises(FileNotFoundError, match="no such file or directory") as caught:
+        TrajectoryReplayBuffer().load_checkpoint(tmp_path / "nowhere")
+    assert isinstance(caught.value, CheckpointError)
+
+
+def test_saving_over_the_loaded_directory_with_a_window_keeps_what_the_buffer_holds(tmp_path: Path) -> None:
+    """auto_save off, window 2: the save writes the two held trajectories over the directory
+    they are read from; index and files agree, and sampling goes on from the held data."""
+    ckpt = copy_fixture("seedless_pt", tmp_path / "ckpt")
+    twin_dir = copy_fixture("seedless_pt", tmp_path / "twin")
+    buffer, twin = (TrajectoryReplayBuffer(seed=1234, sample_window_size=2) for _ in range(2))
+    buffer.load_checkpoint(ckpt)
+    twin.load_checkpoint(twin_dir)
+    assert_batches_equal(buffer.sample(6), twin.sample(6))
+    for _ in range(2):  # the second time over its own output
+        buffer.save_checkpoint(ckpt)
+        index = read_index(ckpt)
+        assert index.id_list == [2, 3] and index.size == 2 and index.trajectory_counter == 4
+        assert sorted(p.name for p in ckpt.iterdir() if p.suffix == ".pt") == sorted(
+            index.file_name(i) for i in index.id_list
+        )
+        assert metadata(ckpt)["total_samples"] == sum(index.entries[i]["num_samples"] for i in index.id_list)
+        assert_batches_equal(buffer.sample(7), twin.sample(7))
+    again = TrajectoryReplayBuffer(seed=1234, sample_window_size=2)
+    again.load_checkpoint(ckpt)
+    fresh = TrajectoryReplayBuffer(seed=1234, sample_window_size=2)
+    fresh.load_checkpoint(FIXTURES / "seedless_pt")
+    assert_batches_equal(again.sample(8), fresh.sample(8))
+
+
 def test_saving_into_the_loaded_directory_keeps_every_listed_file(tmp_path: Path) -> None:
     ckpt = copy_fixture("seedless_pt", tmp_path / "ckpt")
     buffer = TrajectoryReplayBuffer(seed=1234, sample_window_size=0)

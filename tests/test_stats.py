@@ -359,7 +359,7 @@ def test_columns_follow_the_list_order_not_the_file_order(tmp_path: Path) -> Non
         ({"0": entry(0)}, [0, 3], "which has no entry"),
         ({"0": {**entry(0), "num_samples": 5}}, [0], "num_samples 5"),
         ({"0": entry(1)}, [0], "trajectory_id 1"),
-        ({"0": {**entry(0), "model_weights_id": "../x"}}, [0], "not file-name safe"),
+        ({"0": {**entry(0), "model_weights_id": "../x"}}, [0], "holds a path separator"),
         ({"0": {**entry(0), "shape": [4]}}, [0], "invalid shape"),
     ],
 )

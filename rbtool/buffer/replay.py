@@ -17,7 +17,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rbtool.buffer.batchmem import BatchMemory
-from rbtool.buffer.sampling import Draw, SampleCounts, check_draw, check_num_chunks, draw_range
+from rbtool.buffer.cache import CachedIds
+from rbtool.buffer.sampling import (
+    Draw,
+    SampleCounts,
+    as_num_chunks,
+    check_draw,
+    check_num_chunks,
+    draw_range,
+    effective_window,
+)
 from rbtool.buffer.storage import (
     FlatView,
     RawTrajectory,
@@ -89,14 +98,18 @@ class TrajectoryReplayBuffer:
 
         if trajectory_format not in FORMATS:
             raise UsageError(f"trajectory_format must be 'pt' or 'pkl', got {trajectory_format!r}")
-        if sample_window_size < 0:
-            raise UsageError(f"sample_window_size must be >= 0, got {sample_window_size}")
+        window = effective_window(sample_window_size)  # negative: every trajectory, as 0
         if auto_save and not auto_save_path:
             raise UsageError("auto_save=True needs an auto_save_path")
         self.seed = seed
         self.enable_cache = enable_cache
         self.cache_size = cache_size
-        self.sample_window_size = int(sample_window_size)
+        self.sample_window_size = sample_window_size
+        # auto_save off: how many trajectories are held (the last ones added or loaded). As in
+        # RLinf, whose cache is this size, it is the constructor's window for the buffer's life.
+        self._capacity = window
+        # the ids RLinf's cache would hold, for get_stats() (auto_save off: what is held)
+        self._cached = CachedIds(window if not auto_save else cache_size if enable_cache else 0)
         self.auto_save = auto_save
         self.auto_save_path = Path(auto_save_path) if auto_save else None
         self.trajectory_format = trajectory_format
@@ -200,7 +213,7 @@ class TrajectoryReplayBuffer:
         """
         ids = self._index.id_list
         n = len(ids)
-        want = n - window_start(n, self.sample_window_size, "sample_window_size")
+        want = n - window_start(n, effective_window(self.sample_window_size))
         if self.auto_save:
             return n - want, n
         held = len(self._store.memory) + len(self._store.files)
@@ -210,8 +223,14 @@ class TrajectoryReplayBuffer:
         raise CheckpointError("the buffer's held trajectories are not the end of its id list")
 
     def get_stats(self) -> dict[str, int]:
-        """RLinf's statistics: `num_trajectories`, `total_samples`, `cache_size`, all numbers."""
-        cached = len(self._store.views) if self.auto_save else len(self._store)
+        """RLinf's statistics: `num_trajectories`, `total_samples`, `cache_size`, all numbers.
+
+        `cache_size` is what RLinf reports: with auto_save off the trajectories held, with it
+        on the trajectories its cache of `cache_size` would hold (the last added or loaded
+        since the last load, clear or clear_cache; 0 with enable_cache=False).
+        """
+        held = len(self._store.memory) + len(self._store.files)
+        cached = len(self._cached) if self.auto_save else held
         return {"num_trajectories": self.size, "total_samples": self.total_samples, "cache_size": cached}
 
     def info(self) -> dict[str, Any]:
@@ -292,6 +311,7 @@ class TrajectoryReplayBuffer:
                 self._index.id_list.append(tid)
                 self._store.put(tid, traj)
                 ids.append(tid)
+                self._cached.put((tid,))
                 t, b = info.shape[:2]
                 self._rows.append(
                     position,
@@ -316,14 +336,14 @@ class TrajectoryReplayBuffer:
         return ids
 
     def _evict_outside_window(self) -> None:
-        """auto_save off: hold only the sampling window's trajectories.
+        """auto_save off: hold only the last `_capacity` trajectories (RLinf's cache size).
 
         What is held is a run at the end of the id list: only its front can leave.
         """
         ids = self._index.id_list
         n = len(ids)
         held = len(self._store.memory) + len(self._store.files)
-        keep_from = n - min(self.sample_window_size or n, n)
+        keep_from = n - min(self._capacity or n, n)
         for position in range(n - held, keep_from):
             self._store.drop(ids[position])
 
@@ -436,7 +456,12 @@ class TrajectoryReplayBuffer:
         return self.sample_with_draw(num_chunks, strategy, k, temperature)[1]
 
     def sample_chunks(self, num_chunks: int) -> dict[str, Any]:
-        """RLinf's name for a uniform sample()."""
+        """RLinf's name for a uniform sample(); as RLinf's, 0 chunks is an empty dict."""
+        self._check_open()
+        if not as_num_chunks(num_chunks):
+            if not self._index.total_samples:
+                raise EmptyBufferError("cannot sample from an empty buffer")
+            return {}
         return self.sample(num_chunks)
 
     def sample_with_draw(
@@ -463,6 +488,7 @@ class TrajectoryReplayBuffer:
 
         self._check_open()
         check_strategy(strategy, k, temperature)
+        num_chunks = as_num_chunks(num_chunks)  # numpy integers and 0-d tensors too
         check_num_chunks(num_chunks)
         with self._window_lock:
             return self._sample_with_draw(num_chunks, strategy, k, temperature, progress, before_gather)
@@ -538,6 +564,7 @@ class TrajectoryReplayBuffer:
         with self._window_lock:
             self._store.clear_views()
             self._batch_memory.clear()
+            self._cached.reset()
 
     def _new_generation(self) -> None:
         """The id list was replaced: window bookkeeping (reward scores too) starts again from it."""
@@ -616,8 +643,9 @@ class TrajectoryReplayBuffer:
                 files = self._adopt_files(new, {i: view.file_of(i) for i in index.id_list})
                 self._store.set_files(files, pin=False)
             else:
-                held = window_of(new.id_list, self.sample_window_size)
+                held = window_of(new.id_list, self._capacity)
                 self._store.set_files({i: view.file_of(i) for i in held}, pin=True)
+            self._cached.reset(new.id_list)
             self._index = new
             self._unloaded_size = 0
             self._new_generation()
@@ -649,6 +677,7 @@ class TrajectoryReplayBuffer:
             old_files = list(self._store.files.values())
             self._index = Index(seed=self.seed, trajectory_format=self.trajectory_format)
             self._store.clear()
+            self._cached.reset()
             self._unloaded_size = 0
             self._new_generation()
             if self._writer is not None and self.auto_save_path is not None:

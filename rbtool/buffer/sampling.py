@@ -8,6 +8,7 @@ A sampler only computes draws; reading the drawn rows is the storage's job
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, overload
@@ -36,6 +37,39 @@ class Draw:
 def check_num_chunks(num_chunks: int) -> None:
     if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
         raise UsageError(f"num_chunks must be an integer >= 1, got {num_chunks!r}")
+
+
+def _is_bool(value: object) -> bool:
+    dtype = getattr(value, "dtype", None)
+    return isinstance(value, bool) or (dtype is not None and str(dtype) in ("bool", "torch.bool"))
+
+
+def as_num_chunks(value: object) -> int:
+    """A number of chunks as an int: any integer RLinf's sampler takes (int, numpy integers,
+    a 0-d integer tensor), >= 0. Booleans, floats and tensors of other shapes are refused."""
+    shape = getattr(value, "shape", ())
+    try:
+        if _is_bool(value) or tuple(shape) != ():
+            raise TypeError
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise UsageError(f"num_chunks must be an integer >= 0, got {value!r}") from None
+    if number < 0:
+        raise UsageError(f"num_chunks must be an integer >= 0, got {number}")
+    return number
+
+
+def effective_window(value: object, name: str = "sample_window_size") -> int:
+    """The window a `sample_window_size` gives, as RLinf reads it (`max(0, int(value))`): a
+    number truncated to an int, 0 and anything negative meaning every trajectory.
+    Booleans, strings and numbers that are no int (NaN, infinities) are refused."""
+    if _is_bool(value) or isinstance(value, (str, bytes)):
+        raise UsageError(f"{name} must be a number, got {value!r}")
+    try:
+        number = int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError, OverflowError):
+        raise UsageError(f"{name} must be a number, got {value!r}") from None
+    return max(0, number)
 
 
 def check_total(total: int) -> int:

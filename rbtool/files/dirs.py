@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rbtool.errors import CheckpointError, LooseFilesError, MissingTrajectoryFilesError, RankLayoutWarning
+from rbtool.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    LooseFilesError,
+    MissingTrajectoryFilesError,
+    RankLayoutWarning,
+)
 from rbtool.files.index import Index, read_index
 from rbtool.format import escapes, is_checkpoint_dir, parse_trajectory_file_name
 from rbtool.format.ranknames import rank_number
@@ -37,7 +43,7 @@ def checkpoint_dirs(path: str | os.PathLike[str]) -> list[Path]:
     """The checkpoints at `path`: itself if it is one, else its rank_* children in rank order."""
     root = Path(path)
     if not root.exists():
-        raise CheckpointError(f"{root}: no such file or directory")
+        raise CheckpointNotFoundError(f"{root}: no such file or directory")
     if not root.is_dir():
         raise CheckpointError(f"{root}: not a directory; give a checkpoint or buffer directory")
     if is_checkpoint_dir(root) or has_trajectory_files(root):

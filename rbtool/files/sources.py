@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rbtool.errors import CheckpointError
+from rbtool.errors import CheckpointError, CheckpointNotFoundError
 from rbtool.files import trajfile
 from rbtool.files.dirs import is_rank_tree, open_checkpoint, open_view, parent_of_checkpoints
 from rbtool.files.ptheader import TensorSpec, UnusualLayout, read_header
@@ -133,7 +133,7 @@ def collect_sources(
                 raise CheckpointError(f"{path}: not a trajectory file (expected .pt or .pkl)")
             found.items.append(Item(path))
         else:
-            raise CheckpointError(f"{path}: no such file or directory")
+            raise CheckpointNotFoundError(f"{path}: no such file or directory")
     return found
 
 

@@ -454,15 +454,13 @@ def check_json(directory: str | os.PathLike[str]) -> IndexCheck:
     Never raises for what the files hold: every problem is in the result (`raise_first`
     turns the first error into the loaders' CheckpointError).
     """
-    from rbtool.errors import CheckpointError
+    from rbtool.errors import CheckpointError, CheckpointNotFoundError
 
     path = Path(directory)
+    if not path.exists():
+        raise CheckpointNotFoundError(f"{path}: no such file or directory")
     if not path.is_dir():
-        raise CheckpointError(
-            f"{path}: not a directory; give a checkpoint or buffer directory"
-            if path.exists()
-            else f"{path}: no such file or directory"
-        )
+        raise CheckpointError(f"{path}: not a directory; give a checkpoint or buffer directory")
     found: list[Problem] = []
     raw_meta = parse_json_file(path / METADATA_FILE, "metadata_missing", "metadata_unreadable", found)
     meta, meta_problems = check_metadata(raw_meta)

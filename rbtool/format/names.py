@@ -16,24 +16,48 @@ LEGACY_INDEX_FILE = "trajector_index.json"
 MERGE_MAP_FILE = "merge_map.json"
 FORMATS = ("pt", "pkl")
 
-_SAFE_WEIGHTS_ID = re.compile(r"[A-Za-z0-9._-]*")
-TRAJECTORY_FILE_RE = re.compile(r"^trajectory_(\d+)_([A-Za-z0-9._-]*)\.(pt|pkl)$")
+# A trajectory file's name is `trajectory_<id>_<model_weights_id>.<fmt>`, one path component
+# of at most NAME_BYTES. The longest id (2**63 - 1, 19 digits) and the longer format (`.pkl`)
+# take 35 bytes and a writer's temporary name (`.<name>.<12 hex>.tmp`) 18 more, so whatever id
+# or format a name gets later (merge renumbering, convert) it can still be written.
+NAME_BYTES = 255
+TEMP_NAME_BYTES = len("..123456789abc.tmp")
+WEIGHTS_ID_BYTES = NAME_BYTES - len("trajectory__.pkl") - len(str(2**63 - 1)) - TEMP_NAME_BYTES
+TRAJECTORY_FILE_RE = re.compile(r"^trajectory_([0-9]+)_(.*)\.(pt|pkl)$", re.DOTALL)
 
 
 def weights_id_problem(value: object) -> str | None:
-    """Why `value` cannot be a model_weights_id (it goes into a file name), or None."""
+    """Why `value` cannot be a model_weights_id, or None.
+
+    It goes into a file name, so it must keep that name one path component: no `/`, no `\\`
+    (a separator where the checkpoint may be read on Windows), no NUL, not `.` or `..`, and
+    at most WEIGHTS_ID_BYTES of UTF-8. Spaces, `+`, `:`, `=`, non-ASCII and other characters
+    are fine, as RLinf writes them (printing escapes control characters).
+    """
     if not isinstance(value, str):
         return f"model_weights_id must be a string, got {shown(value)}"
-    if not _SAFE_WEIGHTS_ID.fullmatch(value) or ".." in value:
-        return (
-            f"model_weights_id {shown(value)} is not file-name safe "
-            "(allowed: letters, digits, '.', '_', '-', and no '..')"
-        )
-    return None
+    why = None
+    if value in (".", ".."):
+        why = "is a directory name"
+    elif "/" in value or "\\" in value:
+        why = "holds a path separator ('/' or '\\')"
+    elif "\0" in value:
+        why = "holds a NUL character"
+    else:
+        try:
+            size = len(value.encode("utf-8"))
+        except UnicodeEncodeError:
+            why = "is not valid Unicode (a lone surrogate)"
+        else:
+            if size > WEIGHTS_ID_BYTES:
+                why = f"is {size} bytes of UTF-8, more than the {WEIGHTS_ID_BYTES} a file name leaves it"
+    if why is None:
+        return None
+    return f"model_weights_id {shown(value)} {why}; it must be one safe path component of a file name"
 
 
 def check_weights_id(value: object, where: str) -> str:
-    """Return `value` if it is a file-name-safe model_weights_id, else raise naming `where`."""
+    """Return `value` if it is a safe model_weights_id (`weights_id_problem`), else raise naming `where`."""
     from rbtool.errors import CheckpointError
 
     problem = weights_id_problem(value)
@@ -53,6 +77,8 @@ def parse_trajectory_file_name(name: str) -> tuple[int, str, str] | None:
     match = TRAJECTORY_FILE_RE.match(name)
     if match is None or not is_id_text(match.group(1), leading_zeros=True):
         return None  # an id beyond int64 names no trajectory: the file is a stray
+    if weights_id_problem(match.group(2)) is not None:
+        return None  # a name no writer makes (`trajectory_0_...pt`): a stray
     return int(match.group(1)), match.group(2), match.group(3)
 
 

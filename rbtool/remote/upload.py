@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rbtool.errors import CheckpointError, OutputExistsError
+from rbtool.errors import CheckpointError, OutputExistsError, UnsafeKeyError
 from rbtool.format import METADATA_FILE
 from rbtool.progress import Progress
 from rbtool.remote.cache import _scratch
@@ -117,10 +117,14 @@ def _upload(
 ) -> dict[str, int]:
     from rbtool.progress import start_phase
 
-    check_target(remote, overwrite=overwrite)
     files = sorted(
         str(p.relative_to(local)) for p in local.rglob("*") if p.is_file() and p.name not in _CONTROL
     )
+    for rel in files:  # what a reader would refuse is not uploaded at all
+        problem = key_problem(rel)
+        if problem is not None:
+            raise UnsafeKeyError(f"{remote.url}: object key {shown_key(rel)} {problem}; nothing was uploaded")
+    check_target(remote, overwrite=overwrite)
     workers = _workers(jobs)
     with ThreadPoolExecutor(workers) as pool:
         digests = dict(zip(files, pool.map(lambda rel: digest_file(local / rel), files), strict=True))

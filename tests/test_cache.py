@@ -1,0 +1,102 @@
+"""TrajectoryCache: RLinf's FIFO cache of flattened trajectories, its behaviour reproduced
+(each expectation here is what RLinf's own class gives for the same calls)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rbtool import TrajectoryCache
+from rbtool.buffer.cache import CachedIds
+
+
+def flat(n: int, base: float = 0.0, **extra: torch.Tensor) -> dict:
+    return {
+        "rewards": torch.arange(n, dtype=torch.float32).unsqueeze(1) + base,
+        "curr_obs": {"states": torch.full((n, 3), base)},
+        "note": "kept",
+        **extra,
+    }
+
+
+def test_put_and_get_views_of_one_preallocated_buffer() -> None:
+    cache = TrajectoryCache(max_size=3)
+    assert cache.get(0) is None and cache.get_buffer() is None and cache.get_slot_length() is None
+    cache.put(7, flat(4, 10.0))
+    assert cache.get_slot_length() == 4
+    buffer = cache.get_buffer()
+    assert buffer is not None and buffer["rewards"].shape == (12, 1) and buffer["note"] == "kept"
+    got = cache.get(7)
+    assert got is not None and torch.equal(got["rewards"][:, 0], torch.arange(4.0) + 10)
+    assert got["rewards"].data_ptr() == buffer["rewards"].data_ptr()  # a view, not a copy
+    assert cache.cache == {7: 0}
+
+
+def test_slots_are_used_in_turn_and_the_oldest_put_is_evicted() -> None:
+    cache = TrajectoryCache(max_size=2)
+    for tid in (0, 1):
+        cache.put(tid, flat(2, float(tid)))
+    cache.get(0)  # reading does not matter: FIFO, not LRU
+    cache.put(2, flat(2, 2.0))
+    assert cache.cache == {1: 1, 2: 0} and cache.get(0) is None
+    cache.put(1, flat(2, 5.0))  # an id already held keeps its slot
+    assert cache.cache == {1: 1, 2: 0}
+    got = cache.get(1)
+    assert got is not None and float(got["curr_obs"]["states"][0, 0]) == 5.0
+    cache.put(3, flat(2, 3.0))  # the next slot in turn is 1: id 1 goes, though just rewritten
+    assert cache.cache == {2: 0, 3: 1}
+
+
+def test_a_longer_trajectory_grows_every_slot_keeping_what_they_hold() -> None:
+    cache = TrajectoryCache(max_size=2)
+    cache.put(0, flat(2, 1.0))
+    cache.put(1, flat(5, 2.0))
+    assert cache.get_slot_length() == 5
+    buffer = cache.get_buffer()
+    assert buffer is not None and buffer["rewards"].shape == (10, 1)
+    first = cache.get(0)
+    assert first is not None and first["rewards"].shape == (2, 1)  # each key its own length
+    assert torch.equal(first["rewards"][:, 0], torch.tensor([1.0, 2.0]))
+    second = cache.get(1)
+    assert second is not None and torch.equal(second["rewards"][:, 0], torch.arange(5.0) + 2)
+
+
+def test_clear_starts_again_from_slot_zero() -> None:
+    cache = TrajectoryCache(max_size=2)
+    cache.put(0, flat(2))
+    cache.put(1, flat(2))
+    cache.clear()
+    assert cache.cache == {} and cache.get_buffer() is None and cache.get_slot_length() is None
+    cache.put(9, flat(3))
+    assert cache.cache == {9: 0} and cache.get_slot_length() == 3
+
+
+@pytest.mark.parametrize("trajectory", [{"note": "x"}, {"rewards": torch.zeros(2, 1), "curr_obs": {}}])
+def test_a_trajectory_or_dict_without_a_tensor_is_a_value_error(trajectory: dict) -> None:
+    with pytest.raises(ValueError, match="no tensor fields"):
+        TrajectoryCache(2).put(0, trajectory)
+
+
+def test_max_size_zero_fails_as_rlinfs_does() -> None:
+    with pytest.raises(ZeroDivisionError):
+        TrajectoryCache(0).put(0, flat(2))
+
+
+def test_default_size_is_five() -> None:
+    assert TrajectoryCache().max_size == 5
+
+
+def test_cached_ids_count_what_such_a_cache_holds() -> None:
+    ids = CachedIds(3)
+    ids.put(range(5))
+    assert len(ids) == 3
+    ids.reset([10, 11])
+    assert len(ids) == 2
+    ids.put([11, 12, 13])
+    assert len(ids) == 3
+    ids.reset()
+    assert len(ids) == 0
+    none = CachedIds(0)
+    none.put(range(4))
+    none.reset(range(4))
+    assert len(none) == 0
