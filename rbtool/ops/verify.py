@@ -43,6 +43,7 @@ from rbtool.format import (
     problem,
     trajectory_file_name,
 )
+from rbtool.format.agreement import entry_disagreements
 from rbtool.format.ranknames import rank_dir_name, rank_number
 from rbtool.passes.journal import Journal, open_journal
 from rbtool.passes.pool import Timer, check_jobs
@@ -469,30 +470,12 @@ def _deep_check_file(
 def _compare_entry(
     name: str, tid: int, info: Any, traj: dict[str, Any], entry: Any, report: CheckpointReport
 ) -> None:
-    if list(info.shape[:2]) != list(entry["shape"][:2]):
-        report.add(
-            "shape_mismatch",
-            f"{name}: tensors are [T, B] = {list(info.shape[:2])} but the index entry says "
-            f"{list(entry['shape'][:2])}",
-            trajectory_id=tid,
-            file=name,
-        )
-    if info.model_weights_id != entry["model_weights_id"]:
-        report.add(
-            "field_mismatch",
-            f"{name}: model_weights_id {info.model_weights_id!r} but the index entry says "
-            f"{entry['model_weights_id']!r}",
-            trajectory_id=tid,
-            file=name,
-        )
-    mel = traj.get("max_episode_length")
-    if type(mel) is int and type(entry["max_episode_length"]) is int and mel != entry["max_episode_length"]:
-        report.add(
-            "field_mismatch",
-            f"{name}: max_episode_length {mel} but the index entry says {entry['max_episode_length']}",
-            trajectory_id=tid,
-            file=name,
-        )
+    found = entry_disagreements(
+        name, info.shape, info.model_weights_id, traj.get("max_episode_length"), entry
+    )
+    for key, message in found:
+        code = "shape_mismatch" if key in ("shape", "num_samples") else "field_mismatch"
+        report.add(code, message, trajectory_id=tid, file=name)
 
 
 def _compare_schemas(schemas: list[tuple[int, str, dict[str, str]]], report: CheckpointReport) -> None:
