@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     )
     from rbtool.ops.compare import diff
     from rbtool.ops.conversion import convert
+    from rbtool.ops.doctor import doctor
     from rbtool.ops.filtering import Criteria, filter_checkpoint
     from rbtool.ops.ingestion import ingest
     from rbtool.ops.resharding import reshard
@@ -60,6 +61,7 @@ _LAZY = {
     "shard": "rbtool.ops.checkpoint",
     "diff": "rbtool.ops.compare",
     "convert": "rbtool.ops.conversion",
+    "doctor": "rbtool.ops.doctor",
     "CheckpointView": "rbtool.files.dirs",
     "open_view": "rbtool.files.dirs",
     "Criteria": "rbtool.ops.filtering",
@@ -104,6 +106,7 @@ __all__ = [
     "build_from_files",
     "convert",
     "diff",
+    "doctor",
     "filter_checkpoint",
     "ingest",
     "load_state",

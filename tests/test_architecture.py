@@ -22,6 +22,7 @@ OPERATIONS = {
     "rbtool.ops.checkpoint",
     "rbtool.ops.compare",
     "rbtool.ops.conversion",
+    "rbtool.ops.doctor",
     "rbtool.ops.filtering",
     "rbtool.ops.ingestion",
     "rbtool.ops.repair",

@@ -1,0 +1,213 @@
+"""Check what is in the trajectories, not only that the files are whole (`rbtool doctor`).
+
+`verify --deep` proves a checkpoint whole; doctor reads the same files once more, on the same
+pass machinery (workers, torchrun ranks, journals, rank trees), and looks at the data: NaN,
+frozen actions, blank cameras, done flags, observation pairing, policy identity and staleness,
+duplicates, rewards, episodes and the index's agreement with the files. docs/cli.md gives
+each check's exact rule.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from rbtool.errors import RbtoolError
+from rbtool.files.dirs import checkpoint_dirs, missing_files
+from rbtool.files.index import read_index
+from rbtool.format import one_line
+from rbtool.ops.doctor.findings import (
+    CHECKS,
+    ERROR,
+    INFO,
+    LEVELS,
+    WARNING,
+    Finding,
+    Report,
+    runs,
+    select_checks,
+)
+from rbtool.ops.doctor.trajectory import Options, Result, Task, Traits, check_file, weights_id_of
+from rbtool.passes.journal import open_journal
+from rbtool.passes.pool import Timer, check_jobs
+from rbtool.passes.ranks import ranked_pass, total_jobs
+from rbtool.progress import Progress, start_phase
+
+
+def _file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _tasks(directory: Path, options: Options, report: Report) -> list[Task]:
+    """One task per listed trajectory whose file exists; an unreadable index or missing files
+    become findings of the index check."""
+    try:
+        index = read_index(directory)
+        missing = missing_files(directory, index)
+    except RbtoolError as exc:
+        report.findings.append(
+            Finding(
+                "index",
+                ERROR,
+                [],
+                f"{directory}: cannot read the index: {one_line(str(exc))}",
+                "run `rbtool verify` on the checkpoint and repair it",
+                checkpoint=str(directory),
+            )
+        )
+        return []
+    if missing:
+        report.findings.append(
+            Finding(
+                "index",
+                INFO,
+                missing,
+                f"{directory}: {len(missing)} listed trajectories have no file (ids {runs(missing)}); "
+                "the others were checked",
+                "run `rbtool verify` for the whole picture and `rbtool repair` to drop them",
+                checkpoint=str(directory),
+            )
+        )
+    gone = set(missing)
+    tasks = []
+    for tid in dict.fromkeys(i for i in index.id_list if i not in gone):
+        entry = index.entries.get(tid)
+        plain = None if entry is None else {k: entry.get(k) for k in _ENTRY_KEYS}
+        tasks.append(Task(directory / index.file_name(tid), tid, plain, options))
+    return tasks
+
+
+_ENTRY_KEYS = ("shape", "num_samples", "model_weights_id", "max_episode_length")
+
+
+def _buffer_checks(
+    report: Report, tasks: list[Task], results: list[Result], options: Options, max_staleness: float | None
+) -> None:
+    """The checks across trajectories: duplicates and staleness."""
+    if "duplicates" in options.checks:
+        seen: dict[str, Task] = {}
+        for task, result in zip(tasks, results, strict=True):
+            fp = result.traits.fingerprint
+            if fp is None:
+                continue
+            first = seen.setdefault(fp, task)
+            if first is task:
+                continue
+            same_dir = first.path.parent == task.path.parent
+            where = "" if same_dir else f" in {first.path.parent}"
+            report.findings.append(
+                Finding(
+                    "duplicates",
+                    WARNING,
+                    [first.tid, task.tid],
+                    f"{task.path.name}: its tensors equal those of trajectory {first.tid}{where} byte for "
+                    "byte",
+                    "the same rollout was ingested twice: drop one (`rbtool filter`) so it is not sampled "
+                    "twice as often",
+                    checkpoint=str(task.path.parent),
+                )
+            )
+    if "policy" in options.checks and max_staleness is not None:
+        newest_of = [(t, r.traits.newest_version) for t, r in zip(tasks, results, strict=True)]
+        known = [v for _, v in newest_of if v is not None]
+        if not known:
+            return
+        newest = max(known)
+        for task, version in newest_of:
+            if version is not None and newest - version > max_staleness:
+                report.findings.append(
+                    Finding(
+                        "policy",
+                        WARNING,
+                        [task.tid],
+                        f"{task.path.name}: newest version {version:g} is {newest - version:g} behind the "
+                        f"newest in the checkpoint ({newest:g}), more than {max_staleness:g}",
+                        "stale data trains an off-policy learner on an old policy: shrink the sampling "
+                        "window or drop the old trajectories",
+                        field="versions",
+                        checkpoint=str(task.path.parent),
+                    )
+                )
+
+
+def doctor(
+    path: str | os.PathLike[str],
+    *,
+    checks: Iterable[str] | None = None,
+    skip: Iterable[str] = (),
+    frozen_fields: Iterable[str] = ("actions",),
+    reward_range: tuple[float, float] | None = None,
+    max_staleness: float | None = None,
+    progress: Progress | None = None,
+    jobs: int | None = None,
+    journal: str | os.PathLike[str] | None = None,
+) -> Report:
+    """Check the data of a checkpoint, a buffer directory or a folder of rank_* directories.
+
+    `checks` (default: all of CHECKS) less `skip` run; `frozen_fields` are the dotted field
+    paths the frozen check looks at; `reward_range` (low, high) turns the rewards check on;
+    `max_staleness` (versions) turns the staleness half of the policy check on. The pass runs
+    on `jobs` workers, over torchrun ranks when started by torchrun, and with `journal` (a
+    directory) a rerun takes the recorded findings of unchanged files.
+    """
+    chosen = select_checks(checks, skip)
+    if reward_range is not None and not reward_range[0] <= reward_range[1]:
+        raise RbtoolError(f"reward range {list(reward_range)}: the low end is above the high end")
+    if jobs is not None:
+        check_jobs(jobs)
+    root = Path(path)
+    options = Options(
+        chosen,
+        tuple(frozen_fields),
+        None if reward_range is None else (float(reward_range[0]), float(reward_range[1])),
+    )
+    opened = open_journal(journal, {"command": "doctor", "input": str(root.absolute())})
+    timer = Timer()
+    report = Report(root, chosen, jobs=total_jobs(jobs))
+    tasks: list[Task] = []
+    for directory in checkpoint_dirs(root):
+        report.checkpoints.append(str(directory))
+        tasks.extend(_tasks(directory, options, report))
+    report.trajectories = len(tasks)
+    start_phase(progress, len(tasks), "checking trajectory files")
+    results = ranked_pass(
+        check_file,
+        tasks,
+        jobs=jobs,
+        weights=[_file_size(t.path) for t in tasks],
+        progress=progress,
+        preload=("torch", "rbtool.ops.doctor.trajectory"),
+        journal=opened,
+        files=lambda t: (t.path,),
+        types=(Finding, Result, Traits),
+    )
+    for task, result in zip(tasks, results, strict=True):
+        for finding in result.findings:
+            finding.checkpoint = str(task.path.parent)
+        report.findings.extend(result.findings)
+        report.bytes_read += result.size
+    _buffer_checks(report, tasks, results, options, max_staleness)
+    report.findings = [f for f in report.findings if f.check in chosen]
+    report.sort()
+    report.journal = None if opened is None else opened.counts()
+    report.seconds = timer.elapsed()
+    return report
+
+
+__all__ = [
+    "CHECKS",
+    "ERROR",
+    "INFO",
+    "LEVELS",
+    "WARNING",
+    "Finding",
+    "Report",
+    "doctor",
+    "runs",
+    "select_checks",
+    "weights_id_of",
+]

@@ -1,0 +1,151 @@
+"""What doctor reports: the checks it knows, its findings and the report that holds them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rbtool.errors import UsageError
+
+ERROR, WARNING, INFO = "error", "warning", "info"
+LEVELS = (ERROR, WARNING, INFO)
+
+# Every check, in report order, with what it looks for (docs/cli.md gives each exact rule).
+CHECKS: dict[str, str] = {
+    "index": "a file that disagrees with its index entry, or a trajectory that cannot be checked",
+    "non-finite": "NaN or +-Inf in a float field",
+    "frozen": "an action field (or a named field) constant over a trajectory's env column",
+    "blank-camera": "an image field constant over a trajectory's env column",
+    "done-flags": "dones != terminations | truncations on some row",
+    "pairing": "next_obs[t] differs from curr_obs[t + 1] where no episode ended at t",
+    "policy": "model_weights_id not derived from versions; versions far behind the newest",
+    "duplicates": "trajectories whose tensors are equal byte for byte",
+    "rewards": "rewards outside the given range",
+    "episodes": "episodes longer than max_episode_length; env columns that never end",
+}
+
+
+def select_checks(checks: Iterable[str] | None = None, skip: Iterable[str] = ()) -> tuple[str, ...]:
+    """The checks to run, in report order: `checks` (default all) less `skip`; unknown names refused."""
+    chosen = list(CHECKS) if checks is None else list(checks)
+    skipped = list(skip)
+    unknown = [c for c in [*chosen, *skipped] if c not in CHECKS]
+    if unknown:
+        raise UsageError(f"unknown check {unknown[0]!r}; the checks are {', '.join(CHECKS)}")
+    return tuple(c for c in CHECKS if c in chosen and c not in skipped)
+
+
+def runs(ids: Sequence[int]) -> str:
+    """Ids as runs, `0-4, 7`, in ascending order."""
+    parts: list[str] = []
+    ordered = sorted(set(ids))
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ", ".join(parts)
+
+
+@dataclass
+class Finding:
+    """One thing doctor found: which check, how bad, where (trajectory ids, field, env columns,
+    steps, i.e. stored rows) and one sentence on what to do."""
+
+    check: str
+    level: str
+    ids: list[int]
+    message: str
+    advice: str
+    field: str | None = None
+    envs: list[int] | None = None
+    steps: list[int] | None = None
+    checkpoint: str = ""
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "check": self.check,
+            "level": self.level,
+            "checkpoint": self.checkpoint,
+            "ids": self.ids,
+            "field": self.field,
+            "envs": self.envs,
+            "steps": self.steps,
+            "message": self.message,
+            "advice": self.advice,
+        }
+
+
+def _order(f: Finding) -> tuple[int, int, str, list[int], str]:
+    return LEVELS.index(f.level), list(CHECKS).index(f.check), f.checkpoint, f.ids, f.field or ""
+
+
+@dataclass
+class Report:
+    """doctor's result on one path: every finding, and what the pass read."""
+
+    path: Path
+    checks: tuple[str, ...]
+    findings: list[Finding] = field(default_factory=list)
+    checkpoints: list[str] = field(default_factory=list)
+    trajectories: int = 0
+    bytes_read: int = 0
+    seconds: float = 0.0
+    jobs: int = 1
+    journal: dict[str, int] | None = None
+
+    def sort(self) -> None:
+        self.findings.sort(key=_order)
+
+    def counts(self) -> dict[str, int]:
+        counts = dict.fromkeys(LEVELS, 0)
+        for f in self.findings:
+            counts[f.level] += 1
+        return counts
+
+    def fails(self, fail_on: str = ERROR) -> bool:
+        """True when a finding reaches `fail_on` (error, or warning: warnings and errors)."""
+        if fail_on not in (ERROR, WARNING):
+            raise UsageError(f"fail_on must be error or warning, not {fail_on!r}")
+        worst = LEVELS.index(fail_on)
+        return any(LEVELS.index(f.level) <= worst for f in self.findings)
+
+    @property
+    def ok(self) -> bool:
+        return not self.fails(ERROR)
+
+    def summary(self) -> list[dict[str, Any]]:
+        """One row per (level, check, field): how many findings, and their trajectory ids as runs."""
+        groups: dict[tuple[str, str, str | None], list[Finding]] = {}
+        for f in self.findings:
+            groups.setdefault((f.level, f.check, f.field), []).append(f)
+        return [
+            {
+                "level": level,
+                "check": check,
+                "field": fld,
+                "findings": len(found),
+                "ids": runs([i for f in found for i in f.ids]),
+                "advice": found[0].advice,
+            }
+            for (level, check, fld), found in groups.items()
+        ]
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "ok": self.ok,
+            "checks": list(self.checks),
+            "checkpoints": self.checkpoints,
+            "trajectories": self.trajectories,
+            "counts": self.counts(),
+            "findings": [f.as_json() for f in self.findings],
+            "bytes_read": self.bytes_read,
+            "seconds": round(self.seconds, 6),
+            "jobs": self.jobs,
+            "journal": self.journal,
+        }

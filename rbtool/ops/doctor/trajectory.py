@@ -1,0 +1,455 @@
+"""The checks on one trajectory file, run on a worker process: everything doctor can tell
+from the file alone, plus what the buffer-wide checks need of it (`Traits`).
+
+Steps are stored rows of the field named (for done-like fields, rows of `[T + E, B]`);
+env columns are indices along B.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rbtool.errors import RbtoolError
+from rbtool.format import one_line
+from rbtool.ops.doctor.findings import ERROR, INFO, WARNING, Finding
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the checks are told: which run, the fields `frozen` looks at, the reward range."""
+
+    checks: tuple[str, ...]
+    frozen_fields: tuple[str, ...] = ("actions",)
+    reward_range: tuple[float, float] | None = None
+
+
+@dataclass(frozen=True)
+class Task:
+    """One file of the pass (it pickles: it is sent to a worker process)."""
+
+    path: Path
+    tid: int
+    entry: dict[str, Any] | None
+    options: Options
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+@dataclass
+class Traits:
+    """What the buffer-wide checks need of one trajectory: its content fingerprint and its newest
+    policy version (None without a finite `versions`)."""
+
+    fingerprint: str | None = None
+    newest_version: float | None = None
+
+
+@dataclass
+class Result:
+    findings: list[Finding] = field(default_factory=list)
+    traits: Traits = field(default_factory=Traits)
+    size: int = 0
+
+
+def weights_id_of(versions: Any) -> str:
+    """The model_weights_id RLinf's `get_model_weights_id` derives: uuid5 of the DNS namespace and
+    the hex of the tensor's bytes (`versions`, or a float32 zero `[1]` when there is none)."""
+    import torch
+
+    tensor = versions if versions is not None else torch.zeros(1, dtype=torch.float32)
+    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return str(uuid.uuid5(uuid.NAMESPACE_DNS, data.hex()))
+
+
+def _nonzero(mask: Any) -> list[int]:
+    return [int(i) for i in mask.nonzero().flatten().tolist()]
+
+
+def _columns(mask: Any, b: int) -> tuple[list[int], list[int]]:
+    """(env columns, rows) where a `[rows, B, ...]` bool mask holds anywhere."""
+    cells = mask.reshape(mask.shape[0], b, -1).any(-1)
+    return _nonzero(cells.any(0)), _nonzero(cells.any(1))
+
+
+class _Checker:
+    def __init__(self, task: Task, traj: dict[str, Any], t: int, b: int) -> None:
+        self.task, self.traj, self.t, self.b = task, traj, t, b
+        self.name = task.path.name
+        self.findings: list[Finding] = []
+
+    def add(self, check: str, level: str, message: str, advice: str, **where: Any) -> None:
+        self.findings.append(
+            Finding(check, level, [self.task.tid], f"{self.name}: {message}", advice, **where)
+        )
+
+    def on(self, check: str) -> bool:
+        return check in self.task.options.checks
+
+    def columned(self, tensor: Any) -> bool:
+        """A tensor laid out [T, B, ...] (not a per-env vector, not a done-like field)."""
+        return tensor.dim() >= 2 and tensor.shape[0] == self.t and tensor.shape[1] == self.b
+
+    # ------------------------------------------------------------ per field
+    def non_finite(self, tensors: list[tuple[str, Any]]) -> None:
+        import torch
+
+        for path, tensor in tensors:
+            if not (tensor.is_floating_point() or tensor.is_complex()):
+                continue
+            bad = ~torch.isfinite(tensor)
+            count = int(bad.sum())
+            if not count:
+                continue
+            envs, steps = _columns(bad, tensor.shape[1]) if tensor.dim() >= 2 else (None, None)
+            self.add(
+                "non-finite",
+                ERROR,
+                f"field {path!r} holds {count} NaN/Inf value(s)",
+                "find the step that produced them (env reset, reward or value overflow) and drop or "
+                "recollect this trajectory before training on it",
+                field=path,
+                envs=envs,
+                steps=steps,
+            )
+
+    def frozen(self, tensors: dict[str, Any]) -> None:
+        if self.t < 2:
+            return
+        for path in self.task.options.frozen_fields:
+            tensor = tensors.get(path)
+            if tensor is None or not self.columned(tensor):
+                continue
+            flat = tensor.reshape(self.t, self.b, -1)
+            constant = (flat == flat[:1]).all(-1).all(0)
+            envs = _nonzero(constant)
+            if envs:
+                self.add(
+                    "frozen",
+                    WARNING,
+                    f"field {path!r} is the same at all {self.t} steps of env column(s) {envs}",
+                    "check the policy and the action path of those envs (a stuck policy, a dropped "
+                    "action, a default action sent instead)",
+                    field=path,
+                    envs=envs,
+                )
+
+    def blank_camera(self, tensors: dict[str, Any]) -> None:
+        for path, tensor in tensors.items():
+            if not self.columned(tensor) or not _is_image(path, tensor):
+                continue
+            flat = tensor.reshape(self.t, self.b, -1)
+            one_value = (flat == flat[:1, :, :1]).all(-1).all(0)
+            same_frames = (flat == flat[:1]).all(-1).all(0) if self.t >= 2 else one_value
+            envs = _nonzero(one_value | same_frames)
+            if not envs:
+                continue
+            blank = _nonzero(one_value)
+            what = (
+                "one value everywhere (a black or white camera)" if blank else "the same frame at every step"
+            )
+            self.add(
+                "blank-camera",
+                WARNING,
+                f"image field {path!r} holds {what} in env column(s) {envs}",
+                "check the camera and the renderer of those envs; a blank or frozen camera trains the "
+                "policy on no observation",
+                field=path,
+                envs=envs,
+            )
+
+    # ------------------------------------------------------------ done flags and episodes
+    def done_flags(self, dones: Any, terms: Any, truncs: Any) -> None:
+        if dones.shape != terms.shape or dones.shape != truncs.shape:
+            self.add(
+                "done-flags",
+                ERROR,
+                f"dones {list(dones.shape)}, terminations {list(terms.shape)} and truncations "
+                f"{list(truncs.shape)} differ in shape",
+                "rewrite the trajectory with the three flags from the same steps",
+                field="dones",
+            )
+            return
+        bad = dones.bool() != (terms.bool() | truncs.bool())
+        if bool(bad.any()):
+            envs, steps = _columns(bad, self.b)
+            self.add(
+                "done-flags",
+                ERROR,
+                f"dones differs from terminations | truncations at {int(bad.sum())} value(s) "
+                f"(stored rows {steps} of [T + E, B])",
+                "fix the collector so that dones = terminations | truncations; returns and bootstrap "
+                "values computed from these flags are wrong",
+                field="dones",
+                envs=envs,
+                steps=steps,
+            )
+
+    def pairing(self, ends: Any, epoch_len: int) -> None:
+        """next_obs[t, b] == curr_obs[t + 1, b] wherever no episode ended at (t, b) and t + 1
+        starts no new epoch (RLinf's env worker pairs each chunk step's observation with the
+        observation after it, the final observation of an episode that just ended)."""
+        import torch
+
+        curr, nxt = self.traj.get("curr_obs"), self.traj.get("next_obs")
+        if not isinstance(curr, dict) or not isinstance(nxt, dict) or self.t < 2:
+            return
+        from rbtool.format.layout import iter_tensors
+
+        currs = {".".join(p): v for p, v in iter_tensors(curr)}
+        pairs = [
+            (k, v, currs[k])
+            for k, v in ((".".join(p), v) for p, v in iter_tensors(nxt))
+            if k in currs and self.columned(v) and self.columned(currs[k]) and v.shape == currs[k].shape
+        ]
+        if not pairs:
+            return
+        rows = torch.arange(self.t - 1)
+        boundary = ((rows + 1) % epoch_len == 0).reshape(-1, 1)
+        compared = ~ends[:-1] & ~boundary
+        if not bool(compared.any()):
+            return
+        equal_by_key = {}
+        for key, n, c in pairs:
+            a, b = n[:-1].reshape(self.t - 1, self.b, -1), c[1:].reshape(self.t - 1, self.b, -1)
+            same = a == b
+            if a.is_floating_point():
+                same |= a.isnan() & b.isnan()
+            equal_by_key[key] = same.all(-1)
+        paired = torch.stack(list(equal_by_key.values())).all(0) & compared
+        if not bool(paired.any()):
+            self.add(
+                "pairing",
+                INFO,
+                f"next_obs never equals the following curr_obs ({int(compared.sum())} pairs compared): "
+                "the observations were not recorded as transitions, so their pairing was not checked",
+                "nothing to do unless this buffer was filled by RLinf's env worker; then its transitions "
+                "are broken",
+                field="next_obs",
+            )
+            return
+        for key, same in equal_by_key.items():
+            broken = compared & ~same
+            if bool(broken.any()):
+                envs, steps = _nonzero(broken.any(0)), _nonzero(broken.any(1))
+                self.add(
+                    "pairing",
+                    ERROR,
+                    f"next_obs.{key}[t] differs from curr_obs.{key}[t + 1] at {int(broken.sum())} "
+                    f"step(s) where no episode ended (t = {steps})",
+                    "the collector paired observations wrongly; recollect or drop this trajectory",
+                    field=f"next_obs.{key}",
+                    envs=envs,
+                    steps=steps,
+                )
+
+    def episodes(self, ends: Any, chunk: int) -> None:
+        """Episodes longer than max_episode_length env steps (a row is `chunk` env steps), and env
+        columns with no episode end where other columns end."""
+        mel = self.traj.get("max_episode_length")
+        steps_end = ends  # [T, B, chunk] in time order per column
+        per_column = steps_end.permute(1, 0, 2).reshape(self.b, -1)
+        ended = per_column.any(1)
+        if type(mel) is int and mel > 0:
+            long_envs: list[int] = []
+            long_rows: list[int] = []
+            for column in range(self.b):
+                run = 0
+                for i, flag in enumerate(per_column[column].tolist()):
+                    run += 1
+                    if run > mel:
+                        long_envs.append(column)
+                        long_rows.append(i // chunk)
+                        break
+                    if flag:
+                        run = 0
+            if long_envs:
+                self.add(
+                    "episodes",
+                    WARNING,
+                    f"an episode runs past max_episode_length {mel} env steps in env column(s) {long_envs}",
+                    "check the env's time limit (truncation) and max_episode_length; an episode that "
+                    "never truncates collects unbounded returns",
+                    field="dones",
+                    envs=long_envs,
+                    steps=sorted(set(long_rows)),
+                )
+        if bool(ended.any()) and not bool(ended.all()):
+            never = _nonzero(~ended)
+            self.add(
+                "episodes",
+                INFO,
+                f"env column(s) {never} have no episode end in this trajectory while others end",
+                "nothing to do if those episodes are long; if they never end, check the env's "
+                "termination and time limit",
+                field="dones",
+                envs=never,
+            )
+
+    def rewards(self, rewards: Any) -> None:
+        limits = self.task.options.reward_range
+        if limits is None or rewards.dim() < 2:
+            return
+        low, high = limits
+        out = (rewards < low) | (rewards > high)
+        if bool(out.any()):
+            envs, steps = _columns(out, rewards.shape[1])
+            self.add(
+                "rewards",
+                WARNING,
+                f"{int(out.sum())} reward(s) outside [{low}, {high}] (from {float(rewards.min())} to "
+                f"{float(rewards.max())})",
+                "check the reward function and its scaling, or widen the range if it is right",
+                field="rewards",
+                envs=envs,
+                steps=steps,
+            )
+
+    def policy(self) -> None:
+        versions = self.traj.get("versions")
+        expected = weights_id_of(versions)
+        actual = self.traj.get("model_weights_id")
+        if actual != expected:
+            source = "versions" if versions is not None else "a float32 zero (no versions)"
+            self.add(
+                "policy",
+                WARNING,
+                f"model_weights_id {actual!r} is not {expected!r}, the id RLinf derives from {source}",
+                "the data and its policy tag disagree: check which policy collected it before weighting "
+                "or filtering by model_weights_id",
+                field="model_weights_id",
+            )
+
+
+def _is_image(path: str, tensor: Any) -> bool:
+    """An image field: named like one (`image` in its last name) with H, W after [T, B], or any
+    tensor with H, W, C after [T, B]."""
+    name = path.rsplit(".", 1)[-1].lower()
+    return tensor.dim() >= 5 or ("image" in name and tensor.dim() >= 4)
+
+
+def fingerprint(tensors: list[tuple[str, Any]]) -> str:
+    """sha256 over every tensor's path, dtype, shape and bytes, in path order."""
+    import torch
+
+    digest = hashlib.sha256()
+    for path, tensor in sorted(tensors, key=lambda item: item[0]):
+        digest.update(f"{path}|{tensor.dtype}|{list(tensor.shape)}|".encode())
+        digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def check_file(task: Task) -> Result:
+    """Load one file safely and run every chosen check on it."""
+    import torch
+
+    from rbtool.errors import InvalidTrajectoryError
+    from rbtool.files import trajfile
+    from rbtool.format import layout
+    from rbtool.format.agreement import entry_disagreements
+
+    result = Result()
+    name = task.path.name
+    try:
+        data = trajfile.read_file_bytes(task.path)
+        result.size = len(data)
+        traj = trajfile.load_bytes(data, task.path)
+    except RbtoolError as exc:
+        result.findings.append(_unchecked(task, one_line(str(exc))))
+        return result
+    traj = layout.with_stored_defaults(traj, name)
+    plain = {k: v for k, v in traj.items() if k not in layout.DONE_LIKE}
+    try:
+        info = layout.describe(plain, name)
+    except InvalidTrajectoryError as exc:
+        result.findings.append(_unchecked(task, one_line(str(exc))))
+        return result
+    t, b = info.shape[0], info.shape[1]
+    checker = _Checker(task, traj, t, b)
+    tensors = [(".".join(p), v) for p, v in layout.iter_tensors(traj)]
+    by_path = dict(tensors)
+    if checker.on("index") and task.entry is not None:
+        mel = traj.get("max_episode_length")
+        for key, message in entry_disagreements(name, info.shape, info.model_weights_id, mel, task.entry):
+            checker.findings.append(
+                Finding(
+                    "index",
+                    ERROR,
+                    [task.tid],
+                    message,
+                    "rewrite the entry from the file (`rbtool repair`) or restore the file",
+                    field=key,
+                )
+            )
+    if checker.on("non-finite"):
+        checker.non_finite(tensors)
+    if checker.on("frozen"):
+        checker.frozen(by_path)
+    if checker.on("blank-camera"):
+        checker.blank_camera(by_path)
+    flags = {k: traj.get(k) for k in layout.DONE_LIKE}
+    present = {k: v for k, v in flags.items() if isinstance(v, torch.Tensor) and v.dim() >= 2}
+    if checker.on("done-flags") and len(present) == 3:
+        checker.done_flags(present["dones"], present["terminations"], present["truncations"])
+    ends, epoch_len, chunk = _ends(present, t, b)
+    if ends is not None:
+        flat = ends.reshape(t, b, -1).any(-1)
+        if checker.on("pairing"):
+            checker.pairing(flat, epoch_len)
+        if checker.on("episodes"):
+            checker.episodes(ends.reshape(t, b, chunk), chunk)
+    rewards = traj.get("rewards")
+    if checker.on("rewards") and isinstance(rewards, torch.Tensor):
+        checker.rewards(rewards)
+    if checker.on("policy"):
+        checker.policy()
+        versions = traj.get("versions")
+        if isinstance(versions, torch.Tensor) and versions.numel():
+            newest = float(versions.max())
+            result.traits.newest_version = (
+                newest if newest == newest and abs(newest) != float("inf") else None
+            )
+    if checker.on("duplicates"):
+        result.traits.fingerprint = fingerprint(tensors)
+    result.findings.extend(checker.findings)
+    return result
+
+
+def _ends(present: dict[str, Any], t: int, b: int) -> tuple[Any, int, int]:
+    """(episode ends `[T, B, K]` bool with bootstrap rows dropped, rows per epoch, K) or
+    (None, t, 1) when the flags are absent or not laid out `[T + E, B, ...]` alike."""
+    from rbtool.format import layout
+
+    arrays: dict[str, Any] = {}
+    extra = None
+    for key, value in present.items():
+        try:
+            e = layout.done_extra_rows(int(value.shape[0]), t, int(value.shape[1]), b)
+        except ValueError:
+            return None, t, 1
+        if extra is not None and e != extra:
+            return None, t, 1
+        extra = e
+        arrays[key] = layout.drop_bootstrap_rows(value, t).bool().reshape(t, b, -1)
+    shapes = {tuple(a.shape) for a in arrays.values()}
+    if not arrays or len(shapes) != 1:
+        return None, t, 1
+    ends = layout.episode_ends(arrays.get("dones"), arrays.get("terminations"), arrays.get("truncations"))
+    if ends is None:
+        return None, t, 1
+    epoch_len = t // extra if extra else t
+    return ends, epoch_len, int(ends.shape[2])
+
+
+def _unchecked(task: Task, why: str) -> Finding:
+    return Finding(
+        "index",
+        ERROR,
+        [task.tid],
+        f"{task.path.name}: cannot be checked: {why}",
+        "run `rbtool verify --deep` on the checkpoint and repair or drop this file",
+    )

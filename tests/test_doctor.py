@@ -1,0 +1,274 @@
+"""rbtool.doctor: one seeded defect per copy of a clean RLinf-shaped checkpoint, found and named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import rbtool
+from rbtool.ops.doctor import CHECKS, ERROR, INFO, WARNING, Report, runs, select_checks, weights_id_of
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "rlinf"
+RLINF_CHECKPOINTS = [
+    "autosave_pt/autosave",
+    "nested_obs_pt",
+    "nosave_window2_pt/ckpt",
+    "nosave_window2_pkl/ckpt",
+    "pkl_format_switch",
+    "ranks",
+    "seedless_pt",
+    "varying_shapes_pt/autosave",
+    "varying_shapes_pt/ckpt",
+]
+
+
+def clean_traj(t: int = 6, b: int = 3, seed: int = 0, version: float = 0.0, extra: int = 1) -> dict[str, Any]:
+    """A trajectory as RLinf's env worker records it: dones = terminations | truncations,
+    next_obs[t] = curr_obs[t + 1] unless an episode ended at t (then a final observation),
+    model_weights_id derived from versions."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    epoch = t // extra if extra else t
+    rows = t + extra
+    terms = torch.rand(rows, b, 1, generator=g) < 0.15
+    truncs = torch.rand(rows, b, 1, generator=g) < 0.1
+    dones = terms | truncs
+    from rbtool.format.layout import drop_bootstrap_rows
+
+    ends = drop_bootstrap_rows(dones, t).reshape(t, b)
+    states = torch.randn(t + 1, b, 8, generator=g)
+    images = torch.randint(0, 255, (t + 1, b, 4, 4, 3), generator=g, dtype=torch.uint8)
+    final_states = torch.randn(t, b, 8, generator=g)
+    final_images = torch.randint(0, 255, (t, b, 4, 4, 3), generator=g, dtype=torch.uint8)
+    next_states, next_images = states[1:].clone(), images[1:].clone()
+    for step in range(t):
+        for env in range(b):
+            if ends[step, env] or (step + 1) % epoch == 0:
+                next_states[step, env] = final_states[step, env]
+                next_images[step, env] = final_images[step, env]
+    versions = torch.full((t, b, 1), float(version))
+    return {
+        "max_episode_length": 4 * t,
+        "model_weights_id": weights_id_of(versions),
+        "actions": torch.randn(t, b, 7, generator=g),
+        "rewards": torch.rand(t, b, 1, generator=g),
+        "terminations": terms,
+        "truncations": truncs,
+        "dones": dones,
+        "prev_logprobs": torch.randn(t, b, 7, generator=g),
+        "prev_values": torch.randn(t, b, 1, generator=g),
+        "versions": versions,
+        "curr_obs": {"states": states[:-1].clone(), "main_images": images[:-1].clone()},
+        "next_obs": {"states": next_states, "main_images": next_images},
+    }
+
+
+def write(directory: Path, trajs: list[dict[str, Any]]) -> Path:
+    buffer = rbtool.TrajectoryReplayBuffer(seed=1, sample_window_size=0)
+    buffer.add_trajectories(trajs)
+    buffer.save_checkpoint(str(directory))
+    buffer.close()
+    return directory
+
+
+def clean(tmp_path: Path, n: int = 4) -> list[dict[str, Any]]:
+    return [clean_traj(seed=i, version=float(i)) for i in range(n)]
+
+
+def serious(report: Report) -> list[Any]:
+    return [f for f in report.findings if f.level in (ERROR, WARNING)]
+
+
+def test_importing_rbtool_leaves_torch_alone_and_doctor_is_exported() -> None:
+    import subprocess
+    import sys
+
+    code = "import rbtool, sys; rbtool.doctor; assert 'torch' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+@pytest.mark.parametrize("name", RLINF_CHECKPOINTS)
+def test_every_rlinf_checkpoint_is_clean(name: str) -> None:
+    report = rbtool.doctor(FIXTURES / name, jobs=1)
+    assert serious(report) == []
+    assert not report.fails("warning")
+    assert report.trajectories > 0
+
+
+def test_a_clean_checkpoint_has_no_finding_at_all(tmp_path: Path) -> None:
+    path = write(tmp_path / "ck", clean(tmp_path))
+    report = rbtool.doctor(path, jobs=1, reward_range=(0.0, 1.0), max_staleness=5)
+    assert [f for f in report.findings if f.check != "episodes"] == []
+    assert serious(report) == []
+
+
+def _seeded(tmp_path: Path, change: Any, victim: int = 2) -> Path:
+    trajs = clean(tmp_path)
+    change(trajs[victim])
+    trajs[victim]["model_weights_id"] = weights_id_of(trajs[victim]["versions"])
+    return write(tmp_path / "ck", trajs)
+
+
+def _nan(traj: dict[str, Any]) -> None:
+    traj["rewards"][3, 1, 0] = float("nan")
+
+
+def _frozen(traj: dict[str, Any]) -> None:
+    traj["actions"][:, 2] = traj["actions"][0, 2]
+
+
+def _black(traj: dict[str, Any]) -> None:
+    traj["curr_obs"]["main_images"][:, 0] = 0
+    traj["next_obs"]["main_images"][:, 0] = 0  # still paired: only the camera is blank
+
+
+def _dones(traj: dict[str, Any]) -> None:
+    # a termination that dones misses (episode ends, read from dones, stay as they were)
+    row, env = (int(i) for i in (~traj["dones"][:, :, 0]).nonzero()[0])
+    traj["terminations"][row, env, 0] = True
+
+
+def _pairing(traj: dict[str, Any]) -> None:
+    import torch
+
+    from rbtool.format.layout import drop_bootstrap_rows
+
+    ends = drop_bootstrap_rows(traj["dones"], 6).reshape(6, 3)
+    t = next(s for s in range(4) if not bool(ends[s, 0]))
+    traj["next_obs"]["states"][t, 0] = torch.full((8,), 7.0)
+
+
+def _rewards(traj: dict[str, Any]) -> None:
+    traj["rewards"][1, 0, 0] = 5.0
+
+
+def _episodes(traj: dict[str, Any]) -> None:
+    traj["max_episode_length"] = 1  # every episode of more than one step is too long
+
+
+@pytest.mark.parametrize(
+    ("check", "change", "field", "level"),
+    [
+        ("non-finite", _nan, "rewards", ERROR),
+        ("frozen", _frozen, "actions", WARNING),
+        ("blank-camera", _black, "curr_obs.main_images", WARNING),
+        ("done-flags", _dones, "dones", ERROR),
+        ("pairing", _pairing, "next_obs.states", ERROR),
+        ("rewards", _rewards, "rewards", WARNING),
+        ("episodes", _episodes, "dones", WARNING),
+    ],
+)
+def test_one_seeded_defect_is_found_and_named(
+    tmp_path: Path, check: str, change: Any, field: str, level: str
+) -> None:
+    path = _seeded(tmp_path, change)
+    report = rbtool.doctor(path, jobs=1, reward_range=(0.0, 1.0))
+    found = serious(report)
+    assert {(f.check, f.level, tuple(f.ids)) for f in found} == {(check, level, (2,))}
+    assert field in [f.field for f in found]
+    assert found[0].advice and found[0].message.startswith("trajectory_2_")
+    assert report.fails("warning") and report.fails("error") == (level == ERROR)
+
+
+def test_a_model_weights_id_not_derived_from_versions(tmp_path: Path) -> None:
+    trajs = clean(tmp_path)
+    trajs[1]["model_weights_id"] = "v1"
+    report = rbtool.doctor(write(tmp_path / "ck", trajs), jobs=1)
+    assert [(f.check, f.field, f.ids) for f in serious(report)] == [("policy", "model_weights_id", [1])]
+
+
+def test_weights_id_is_rlinfs_derivation() -> None:
+    import torch
+
+    # RLinf's fixtures name trajectory 0 (versions all zero) and the no-versions default alike.
+    assert weights_id_of(torch.zeros(4, 2, 1)) != weights_id_of(None)
+    assert weights_id_of(None) == weights_id_of(torch.zeros(1))
+    loaded = torch.load(next((FIXTURES / "seedless_pt").glob("trajectory_2_*.pt")), weights_only=True)
+    assert weights_id_of(loaded["versions"]) == loaded["model_weights_id"]
+
+
+def test_staleness_names_the_old_trajectories(tmp_path: Path) -> None:
+    path = write(tmp_path / "ck", clean(tmp_path))  # versions 0, 1, 2, 3
+    report = rbtool.doctor(path, jobs=1, max_staleness=1.5)
+    assert [(f.check, f.field, f.ids) for f in serious(report)] == [
+        ("policy", "versions", [0]),
+        ("policy", "versions", [1]),
+    ]
+    assert serious(rbtool.doctor(path, jobs=1)) == []
+
+
+def test_duplicates_name_both_ids(tmp_path: Path) -> None:
+    trajs = clean(tmp_path)
+    trajs.append({k: v for k, v in trajs[1].items()})
+    report = rbtool.doctor(write(tmp_path / "ck", trajs), jobs=1)
+    assert [(f.check, f.ids) for f in serious(report)] == [("duplicates", [1, 4])]
+
+
+def test_index_disagreement_is_reported_as_verify_words_it(tmp_path: Path) -> None:
+    import json
+
+    path = write(tmp_path / "ck", clean(tmp_path))
+    index_file = path / "trajectory_index.json"
+    doc = json.loads(index_file.read_text())
+    doc["trajectory_index"]["3"]["max_episode_length"] = 99
+    index_file.write_text(json.dumps(doc))
+    report = rbtool.doctor(path, jobs=1)
+    found = serious(report)
+    assert [(f.check, f.level, f.field, f.ids) for f in found] == [
+        ("index", ERROR, "max_episode_length", [3])
+    ]
+    from rbtool.ops.verify import verify
+
+    verified = verify(path, deep=True, jobs=1)
+    messages = [p.message for c in verified.checkpoints for p in c.problems if p.code == "field_mismatch"]
+    assert messages == [found[0].message]
+
+
+def test_an_unreadable_file_is_an_error_of_the_index_check(tmp_path: Path) -> None:
+    path = write(tmp_path / "ck", clean(tmp_path))
+    victim = next(path.glob("trajectory_1_*.pt"))
+    victim.write_bytes(victim.read_bytes()[:100])
+    found = serious(rbtool.doctor(path, jobs=1))
+    assert [(f.check, f.level, f.ids) for f in found] == [("index", ERROR, [1])]
+
+
+def test_checks_and_skip_choose_what_runs(tmp_path: Path) -> None:
+    path = _seeded(tmp_path, _nan)
+    assert serious(rbtool.doctor(path, jobs=1, skip=["non-finite"])) == []
+    assert rbtool.doctor(path, jobs=1, checks=["frozen"]).findings == []
+    assert select_checks(None, ["pairing"]) == tuple(c for c in CHECKS if c != "pairing")
+    with pytest.raises(rbtool.UsageError, match="unknown check 'nope'"):
+        select_checks(["nope"])
+
+
+def test_random_observations_are_info_not_a_broken_pairing(tmp_path: Path) -> None:
+    import torch
+
+    trajs = clean(tmp_path)
+    for traj in trajs:
+        traj["next_obs"] = {k: torch.rand_like(v.float()) for k, v in traj["next_obs"].items()}
+        traj["curr_obs"] = {k: v.float() for k, v in traj["curr_obs"].items()}
+    report = rbtool.doctor(write(tmp_path / "ck", trajs), jobs=1)
+    pairing = [f for f in report.findings if f.check == "pairing"]
+    assert pairing and all(f.level == INFO for f in pairing)
+
+
+def test_a_rank_tree_and_workers_give_the_same_findings(tmp_path: Path) -> None:
+    trajs = clean(tmp_path)
+    _nan(trajs[0])
+    a = write(tmp_path / "tree" / "rank_0", trajs[:2])
+    write(tmp_path / "tree" / "rank_1", trajs[2:])
+    one = rbtool.doctor(a.parent, jobs=1)
+    two = rbtool.doctor(a.parent, jobs=2, journal=tmp_path / "journal")
+    again = rbtool.doctor(a.parent, jobs=2, journal=tmp_path / "journal")
+    assert [f.as_json() for f in one.findings] == [f.as_json() for f in two.findings]
+    assert [f.as_json() for f in again.findings] == [f.as_json() for f in one.findings]
+    assert again.journal is not None and again.journal["reused"] == 4
+    assert len(one.checkpoints) == 2 and one.trajectories == 4
+
+
+def test_runs_and_summary() -> None:
+    assert runs([7, 0, 1, 2, 3, 4, 9, 10]) == "0-4, 7, 9-10"
