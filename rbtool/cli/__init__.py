@@ -18,6 +18,7 @@ from rbtool.cli import (
     checkpoint,
     convert,
     diff,
+    doctor,
     filter,
     ingest,
     lerobot,
@@ -79,6 +80,7 @@ app.add_typer(lerobot.import_app)  # import lerobot
 app.command(cls=Command)(stats.stats)
 app.command(cls=Command)(sample.sample)
 app.command(cls=Command)(verify.verify)
+app.command(cls=Command)(doctor.doctor)
 app.command(cls=Command)(repair.repair)
 app.command(cls=Command)(version.version)
 

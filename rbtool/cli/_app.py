@@ -42,7 +42,7 @@ _COMMAND = "rbtool.command"
 
 # Commands that may run under torchrun with more than one rank: the passes spread over the
 # ranks (rbtool.passes.ranks) and read-only commands; a writer started K times would race itself.
-OVER_RANKS = frozenset({"verify", "stats", "convert", "export", "diff", "version"})
+OVER_RANKS = frozenset({"verify", "doctor", "stats", "convert", "export", "diff", "version"})
 
 
 def _world_size() -> int:

@@ -95,6 +95,14 @@ EXAMPLES: dict[str, tuple[tuple[str, str], ...]] = {
         ("check a checkpoint's index and files", "rbtool verify ckpt"),
         ("also read every trajectory file, 2 at a time", "rbtool verify ckpt --deep -j 2"),
     ),
+    "doctor": (
+        ("check what a checkpoint's trajectories hold", "rbtool doctor ckpt"),
+        (
+            "a CI gate: fail on warnings too, with a Markdown summary",
+            "rbtool doctor ranks --fail-on warning --markdown",
+        ),
+        ("two checks only, as JSON", "rbtool doctor ckpt --check non-finite --check done-flags --json"),
+    ),
     "repair": (
         ("write a consistent copy of a checkpoint with missing files", "rbtool repair broken --out repaired"),
     ),

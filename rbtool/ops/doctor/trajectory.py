@@ -301,8 +301,8 @@ class _Checker:
             self.add(
                 "rewards",
                 WARNING,
-                f"{int(out.sum())} reward(s) outside [{low}, {high}] (from {float(rewards.min())} to "
-                f"{float(rewards.max())})",
+                f"{int(out.sum())} reward(s) outside [{low:g}, {high:g}] (from {float(rewards.min()):g} to "
+                f"{float(rewards.max()):g})",
                 "check the reward function and its scaling, or widen the range if it is right",
                 field="rewards",
                 envs=envs,
