@@ -91,3 +91,16 @@ def test_rank_tree_ids_carry_their_directory(tmp_path: Path) -> None:
     result = run("doctor", tmp_path / "tree", "--markdown", "-j", "1")
     assert result.exit_code == 1
     assert any(line.startswith("| error | non-finite | rank_0: 0 |") for line in result.stdout.splitlines())
+
+
+def test_stats_says_run_doctor_when_rewards_are_not_finite(tmp_path: Path) -> None:
+    trajs = clean(tmp_path)
+    trajs[2]["rewards"][0, 1, 0] = float("nan")
+    path = write(tmp_path / "ck", trajs)
+    doc = json.loads(run("stats", path, "--json", "-j", "1").stdout)
+    assert doc["data"]["doctor_hints"] == ["1 NaN/Inf reward(s)"]
+    human = run("stats", path, "-j", "1")
+    assert human.exit_code == 0 and "run rbtool doctor: 1 NaN/Inf reward(s)" in human.stdout
+    clean_doc = json.loads(run("stats", FIXTURES / "seedless_pt", "--json", "-j", "1").stdout)
+    assert clean_doc["data"]["doctor_hints"] == []
+    assert "run rbtool doctor" not in run("stats", FIXTURES / "seedless_pt", "-j", "1").stdout

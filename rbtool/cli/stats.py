@@ -353,6 +353,14 @@ def render(doc: dict[str, Any], every: bool = False, wide: bool = False) -> None
             out.print(journal_note(doc["journal"]), markup=False)
         out.print(episode_line(data))
         version_line(data)
+        if data.get("doctor_hints"):
+            out.print(
+                f"run rbtool doctor: {', '.join(data['doctor_hints'])} (it names the trajectories, "
+                "fields and steps)",
+                style="yellow",
+                markup=False,
+                highlight=False,
+            )
     out.print(weights_table(doc, every, wide))
     if doc["draws"] is not None:
         draws_view(doc["draws"], every, wide)

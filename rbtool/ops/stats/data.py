@@ -207,5 +207,18 @@ def data_report(
         "episodes": episodes_report(EpisodeTally.combine(tallies), len(tallies), bins) if tallies else None,
         "versions": version_doc,
     }
+    data["doctor_hints"] = doctor_hints(data, int(v.size - finite.size) if versions else 0)
     window_ids = set(table.ids[in_window].tolist())
     return schema_report(per_fields, window_ids), data, scores
+
+
+def doctor_hints(data: dict[str, Any], nonfinite_versions: int) -> list[str]:
+    """What in the quick statistics hints at trouble in the data, one phrase each: the cue to
+    run `rbtool doctor`, which finds the trajectories, fields and steps."""
+    hints = []
+    rewards = data.get("rewards")
+    if rewards is not None and rewards["nonfinite"]:
+        hints.append(f"{rewards['nonfinite']} NaN/Inf reward(s)")
+    if nonfinite_versions:
+        hints.append(f"{nonfinite_versions} NaN/Inf version(s)")
+    return hints
