@@ -272,3 +272,17 @@ def test_a_rank_tree_and_workers_give_the_same_findings(tmp_path: Path) -> None:
 
 def test_runs_and_summary() -> None:
     assert runs([7, 0, 1, 2, 3, 4, 9, 10]) == "0-4, 7, 9-10"
+
+
+def test_a_frozen_camera_is_told_from_a_blank_one(tmp_path: Path) -> None:
+    def freeze(traj: dict[str, Any]) -> None:
+        frame = traj["curr_obs"]["main_images"][0, 1].clone()
+        traj["curr_obs"]["main_images"][:, 1] = frame
+        traj["next_obs"]["main_images"][:, 1] = frame
+
+    found = serious(rbtool.doctor(_seeded(tmp_path, freeze), jobs=1))
+    assert {(f.check, f.field, tuple(f.envs or ())) for f in found} == {
+        ("blank-camera", "curr_obs.main_images", (1,)),
+        ("blank-camera", "next_obs.main_images", (1,)),
+    }
+    assert all("the same frame at every step" in f.message for f in found)

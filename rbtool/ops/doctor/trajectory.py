@@ -139,12 +139,28 @@ class _Checker:
                 )
 
     def blank_camera(self, tensors: dict[str, Any]) -> None:
+        import torch
+
         for path, tensor in tensors.items():
             if not self.columned(tensor) or not _is_image(path, tensor):
                 continue
             flat = tensor.reshape(self.t, self.b, -1)
-            one_value = (flat == flat[:1, :, :1]).all(-1).all(0)
-            same_frames = (flat == flat[:1]).all(-1).all(0) if self.t >= 2 else one_value
+            if self.t >= 2:
+                # only a column whose second frame is its first can hold the same frame throughout
+                # (a one-value camera does too): the full comparison runs on those columns alone
+                maybe = _nonzero((flat[1] == flat[0]).all(-1))
+                if not maybe:
+                    continue
+                sub = flat[:, maybe]
+                same = (sub == sub[:1]).all(-1).all(0)
+                flat_one = (sub[0] == sub[0, :, :1]).all(-1) & same
+                same_frames = torch.zeros(self.b, dtype=torch.bool)
+                one_value = torch.zeros(self.b, dtype=torch.bool)
+                same_frames[maybe] = same
+                one_value[maybe] = flat_one
+            else:
+                one_value = (flat[0] == flat[0, :, :1]).all(-1)
+                same_frames = one_value
             envs = _nonzero(one_value | same_frames)
             if not envs:
                 continue
@@ -339,7 +355,7 @@ def fingerprint(tensors: list[tuple[str, Any]]) -> str:
     digest = hashlib.sha256()
     for path, tensor in sorted(tensors, key=lambda item: item[0]):
         digest.update(f"{path}|{tensor.dtype}|{list(tensor.shape)}|".encode())
-        digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
 
 
