@@ -310,3 +310,15 @@ def test_dataset_reports_every_figure(tmp_path: Path) -> None:
             for key in ("median_wait_s", "p90_wait_s", "max_wait_s", "median_step_s"):
                 assert positive(side[key]), (kind, key)
     check_goals(doc, {"preload_median_wait_sleep"})
+
+
+def test_doctor_reports_every_figure(tmp_path: Path) -> None:
+    doc = run_script(
+        "bench_doctor.py",
+        *("--quick", "--trajectories", "4", "--t", "2", "--b", "2", "--image", "8"),
+        *("--repeats", "1", "--workdir", str(tmp_path)),
+    )
+    assert doc["files"] == 4 and positive(doc["bytes"]) and doc["jobs"] >= 2
+    assert set(doc["median_seconds"]) == {"verify_deep", "doctor"}
+    assert all(positive(v) for v in doc["median_seconds"].values())
+    assert positive(doc["doctor_vs_verify_deep"]) and doc["goal"] == 2.0 and doc["met"] in (True, False)

@@ -383,6 +383,19 @@ def test_verify_deep_over_two_ranks_is_one_process_report(rel: str, status: int,
 
 
 @needs_torchrun
+@pytest.mark.parametrize(("rel", "status"), [("fixtures", 0), ("ckpt200", 1)])
+def test_doctor_over_two_ranks_is_one_process_report(
+    rel: str, status: int, ckpt200: Path, tmp_path: Path
+) -> None:
+    # the reference's rank tree is clean; ckpt200's random trajectories have findings at error level
+    path = FIXTURES / "ranks" if rel == "fixtures" else ckpt200
+    one = single("doctor", path, "--json", "--fail-on", "warning")
+    two = torchrun("doctor", path, "--json", "--fail-on", "warning", "--journal", tmp_path)
+    assert one.returncode == status and two.returncode == status, two.stderr[-2000:]
+    assert untimed(json.loads(two.stdout)) == untimed(json.loads(one.stdout))
+
+
+@needs_torchrun
 def test_the_human_view_over_two_ranks_is_printed_once() -> None:
     path = FIXTURES / "autosave_pt" / "autosave"
     one, two = single("stats", path), torchrun("stats", path)
