@@ -286,3 +286,13 @@ def test_a_frozen_camera_is_told_from_a_blank_one(tmp_path: Path) -> None:
         ("blank-camera", "next_obs.main_images", (1,)),
     }
     assert all("the same frame at every step" in f.message for f in found)
+
+
+def test_unpaired_observations_are_one_info_per_checkpoint() -> None:
+    report = rbtool.doctor(FIXTURES / "ranks", jobs=1)
+    unpaired = [f for f in report.findings if f.check == "pairing"]
+    assert [(f.level, f.ids, Path(f.checkpoint).name) for f in unpaired] == [
+        (INFO, [0, 1, 2], "rank_0"),
+        (INFO, [0, 1, 2, 3], "rank_1"),
+    ]
+    assert unpaired[1].message.startswith("4 trajectories (ids 0-3): next_obs never equals")

@@ -134,6 +134,34 @@ def _buffer_checks(
                 )
 
 
+UNPAIRED = "never equals the following curr_obs"
+
+
+def _unpaired_once(findings: list[Finding]) -> list[Finding]:
+    """The pairing check's info that observations were not recorded as transitions, once per
+    checkpoint directory with every id it holds for, not once per trajectory."""
+    merged: dict[str, Finding] = {}
+    kept = []
+    for f in findings:
+        if f.check != "pairing" or f.level != INFO or UNPAIRED not in f.message:
+            kept.append(f)
+            continue
+        first = merged.get(f.checkpoint)
+        if first is None:
+            merged[f.checkpoint] = Finding(
+                f.check, f.level, list(f.ids), "", f.advice, field=f.field, checkpoint=f.checkpoint
+            )
+        else:
+            first.ids.extend(f.ids)
+    for finding in merged.values():
+        n = len(finding.ids)
+        finding.message = (
+            f"{n} trajector{'y' if n == 1 else 'ies'} (ids {runs(finding.ids)}): next_obs {UNPAIRED} "
+            "anywhere: the observations were not recorded as transitions, so their pairing was not checked"
+        )
+    return kept + list(merged.values())
+
+
 def doctor(
     path: str | os.PathLike[str],
     *,
@@ -191,6 +219,7 @@ def doctor(
         report.findings.extend(result.findings)
         report.bytes_read += result.size
     _buffer_checks(report, tasks, results, options, max_staleness)
+    report.findings = _unpaired_once(report.findings)
     report.findings = [f for f in report.findings if f.check in chosen]
     report.sort()
     report.journal = None if opened is None else opened.counts()
