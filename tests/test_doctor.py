@@ -242,6 +242,8 @@ def test_checks_and_skip_choose_what_runs(tmp_path: Path) -> None:
     assert select_checks(None, ["pairing"]) == tuple(c for c in CHECKS if c != "pairing")
     with pytest.raises(rbtool.UsageError, match="unknown check 'nope'"):
         select_checks(["nope"])
+    with pytest.raises(rbtool.UsageError, match="the low end is above the high end"):
+        rbtool.doctor(path, reward_range=(1.0, 0.0))
 
 
 def test_random_observations_are_info_not_a_broken_pairing(tmp_path: Path) -> None:

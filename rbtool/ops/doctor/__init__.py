@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from rbtool.errors import RbtoolError
+from rbtool.errors import RbtoolError, UsageError
 from rbtool.files.dirs import checkpoint_dirs, missing_files
 from rbtool.files.index import read_index
 from rbtool.format import one_line
@@ -184,7 +184,7 @@ def doctor(
     """
     chosen = select_checks(checks, skip)
     if reward_range is not None and not reward_range[0] <= reward_range[1]:
-        raise RbtoolError(f"reward range {list(reward_range)}: the low end is above the high end")
+        raise UsageError(f"reward range {list(reward_range)}: the low end is above the high end")
     if jobs is not None:
         check_jobs(jobs)
     root = Path(path)
