@@ -104,3 +104,15 @@ def test_stats_says_run_doctor_when_rewards_are_not_finite(tmp_path: Path) -> No
     clean_doc = json.loads(run("stats", FIXTURES / "seedless_pt", "--json", "-j", "1").stdout)
     assert clean_doc["data"]["doctor_hints"] == []
     assert "run rbtool doctor" not in run("stats", FIXTURES / "seedless_pt", "-j", "1").stdout
+
+
+def test_a_remote_checkpoint_is_read_like_verify_reads_it(bucket: str, tmp_path: Path) -> None:
+    url = f"{bucket}/ckpt"
+    saved = run("checkpoint", "save", _defect(tmp_path), url, "--json")
+    assert saved.exit_code == 0, saved.stderr
+    result = run("doctor", url, "--json", "-j", "1")
+    assert result.exit_code == 1
+    doc = json.loads(result.stdout)
+    assert doc["path"] == url and doc["checkpoints"] == [url]
+    serious = [(f["check"], f["ids"], f["checkpoint"]) for f in doc["findings"] if f["level"] != "info"]
+    assert serious == [("non-finite", [1], url), ("frozen", [3], url)]
