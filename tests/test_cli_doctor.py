@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from conftest import FIXTURES, run
-from test_doctor import clean, write
+from test_doctor import clean, clean_traj, write
 
 
 def _defect(tmp_path: Path) -> Path:
@@ -116,3 +116,23 @@ def test_a_remote_checkpoint_is_read_like_verify_reads_it(bucket: str, tmp_path:
     assert doc["path"] == url and doc["checkpoints"] == [url]
     serious = [(f["check"], f["ids"], f["checkpoint"]) for f in doc["findings"] if f["level"] != "info"]
     assert serious == [("non-finite", [1], url), ("frozen", [3], url)]
+
+
+def test_a_finding_naming_many_trajectories_is_summarised(tmp_path: Path) -> None:
+    import torch
+
+    trajs = [clean_traj(t=3, b=1, seed=i, version=0.0) for i in range(25)]
+    for traj in trajs:
+        traj["next_obs"] = {k: torch.rand_like(v.float()) for k, v in traj["next_obs"].items()}
+        traj["curr_obs"] = {k: v.float() for k, v in traj["curr_obs"].items()}
+        for key in ("dones", "terminations", "truncations"):  # no episode end: every pair is compared
+            traj[key] = torch.zeros_like(traj[key])
+    path = write(tmp_path / "ck", trajs)
+    doc = json.loads(run("doctor", path, "--json", "--check", "pairing", "-j", "1").stdout)
+    [finding] = doc["findings"]
+    assert finding["ids"] == list(range(20)) and finding["ids_left_out"] == 5
+    assert finding["message"].startswith("25 trajectories (ids 0-24): next_obs never equals")
+    every = json.loads(run("doctor", path, "--json", "--all", "--check", "pairing", "-j", "1").stdout)
+    assert every["findings"][0]["ids"] == list(range(25))
+    human = run("doctor", path, "--check", "pairing", "-j", "1")
+    assert human.exit_code == 0 and "  0-24  " in human.stdout

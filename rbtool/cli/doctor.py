@@ -14,7 +14,7 @@ from rbtool.cli._consoles import out
 from rbtool.cli._errors import print_error
 from rbtool.cli._json import bound, insert_after, print_json, print_jsonl
 from rbtool.cli._options import JobsOpt, JournalOpt, Lines, PathsArg, StorageOpt, refuse_output_mix
-from rbtool.cli._output import Column, Fitted, count, head, id_ranges, left_out, size
+from rbtool.cli._output import Column, Fitted, count, head, id_ranges, id_runs, left_out, size
 from rbtool.cli._places import reading
 from rbtool.cli._progress import progress_bar, show_progress
 
@@ -39,9 +39,10 @@ def _where(f: Finding) -> str:
     return "; ".join(parts)
 
 
-def _ids(f: Finding, report: Report) -> str:
-    """The ids, after their rank directory's name when the report covers several directories."""
-    ids = ", ".join(map(str, f.ids))
+def _ids(f: Finding, report: Report, every: bool) -> str:
+    """The ids as runs (the first 20 unless --all), after their rank directory's name when the
+    report covers several directories."""
+    ids = ", ".join(map(str, f.ids)) if len(f.ids) <= 2 else id_runs(f.ids, None if every else 20)
     if len(report.checkpoints) > 1 and f.checkpoint:
         return f"{f.checkpoint.rstrip('/').rsplit('/', 1)[-1]}: {ids}"
     return ids
@@ -57,7 +58,7 @@ def _summary(report: Report, fail_on: str) -> Text:
     return line
 
 
-def _table(findings: list[Finding], report: Report) -> Fitted:
+def _table(findings: list[Finding], report: Report, every: bool) -> Fitted:
     columns = [
         Column("level"),
         Column("check", drop=2),
@@ -68,7 +69,7 @@ def _table(findings: list[Finding], report: Report) -> Fitted:
         [
             Text(f.level, style=_STYLE[f.level]),
             Text(f.check),
-            Text(_ids(f, report)),
+            Text(_ids(f, report, every)),
             Text(f"{f.message}" + (f" ({_where(f)})" if _where(f) else "") + f". {f.advice}"),
         ]
         for f in findings
@@ -87,7 +88,7 @@ def _print_human(report: Report, fail_on: str, every: bool) -> None:
     if not report.findings:
         return
     limit = None if every else MAX_ROWS
-    out.print(_table(head(report.findings, limit), report))
+    out.print(_table(head(report.findings, limit), report, every))
     hidden = report.findings[MAX_ROWS:] if limit is not None else []
     if hidden:
         out.print(_hidden_note(hidden), markup=False)
@@ -114,7 +115,7 @@ def markdown_lines(report: Report, fail_on: str, every: bool) -> Iterator[str]:
     yield "|---|---|---|---|---|---|---|"
     limit = None if every else MAX_ROWS
     for f in head(report.findings, limit):
-        cells = [f.level, f.check, _ids(f, report), f.field or "", _where(f), f.message, f.advice]
+        cells = [f.level, f.check, _ids(f, report, every), f.field or "", _where(f), f.message, f.advice]
         yield "| " + " | ".join(_cell(c) for c in cells) + " |"
     hidden = report.findings[MAX_ROWS:] if limit is not None else []
     if hidden:
@@ -148,6 +149,9 @@ def summarised(report: Report, limit: int | None, fail_on: str) -> dict[str, Any
     doc = report.as_json()
     doc["ok"] = not report.fails(fail_on)
     bound(doc, "findings", limit)
+    for finding in doc["findings"]:  # one finding may name every trajectory (unpaired observations)
+        finding["ids_left_out"] = left_out(finding["ids"], limit)
+        finding["ids"] = head(finding["ids"], limit)
     insert_after(doc, "counts", {"by_check": by_check(report, limit)})
     return doc
 

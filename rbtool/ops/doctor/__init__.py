@@ -156,7 +156,7 @@ def _unpaired_once(findings: list[Finding]) -> list[Finding]:
     for finding in merged.values():
         n = len(finding.ids)
         finding.message = (
-            f"{n} trajector{'y' if n == 1 else 'ies'} (ids {runs(finding.ids)}): next_obs {UNPAIRED} "
+            f"{n} trajector{'y' if n == 1 else 'ies'} (ids {runs(finding.ids, 10)}): next_obs {UNPAIRED} "
             "anywhere: the observations were not recorded as transitions, so their pairing was not checked"
         )
     return kept + list(merged.values())

@@ -37,8 +37,8 @@ def select_checks(checks: Iterable[str] | None = None, skip: Iterable[str] = ())
     return tuple(c for c in CHECKS if c in chosen and c not in skipped)
 
 
-def runs(ids: Sequence[int]) -> str:
-    """Ids as runs, `0-4, 7`, in ascending order."""
+def runs(ids: Sequence[int], limit: int | None = None) -> str:
+    """Ids as runs, `0-4, 7`, in ascending order; past `limit` runs, how many runs are left out."""
     parts: list[str] = []
     ordered = sorted(set(ids))
     i = 0
@@ -48,6 +48,8 @@ def runs(ids: Sequence[int]) -> str:
             j += 1
         parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
         i = j + 1
+    if limit is not None and len(parts) > limit:
+        return ", ".join(parts[:limit]) + f", ... ({len(parts) - limit} more runs)"
     return ", ".join(parts)
 
 
