@@ -272,8 +272,9 @@ def test_a_rank_tree_and_workers_give_the_same_findings(tmp_path: Path) -> None:
     assert len(one.checkpoints) == 2 and one.trajectories == 4
 
 
-def test_runs_and_summary() -> None:
+def test_ids_read_as_runs() -> None:
     assert runs([7, 0, 1, 2, 3, 4, 9, 10]) == "0-4, 7, 9-10"
+    assert runs([0, 2, 4, 6], limit=2) == "0, 2, ... (2 more runs)"
 
 
 def test_a_frozen_camera_is_told_from_a_blank_one(tmp_path: Path) -> None:

@@ -120,23 +120,6 @@ class Report:
     def ok(self) -> bool:
         return not self.fails(ERROR)
 
-    def summary(self) -> list[dict[str, Any]]:
-        """One row per (level, check, field): how many findings, and their trajectory ids as runs."""
-        groups: dict[tuple[str, str, str | None], list[Finding]] = {}
-        for f in self.findings:
-            groups.setdefault((f.level, f.check, f.field), []).append(f)
-        return [
-            {
-                "level": level,
-                "check": check,
-                "field": fld,
-                "findings": len(found),
-                "ids": runs([i for f in found for i in f.ids]),
-                "advice": found[0].advice,
-            }
-            for (level, check, fld), found in groups.items()
-        ]
-
     def as_json(self) -> dict[str, Any]:
         return {
             "path": str(self.path),
