@@ -233,6 +233,9 @@ def test_an_unreadable_file_is_an_error_of_the_index_check(tmp_path: Path) -> No
     victim.write_bytes(victim.read_bytes()[:100])
     found = serious(rbtool.doctor(path, jobs=1))
     assert [(f.check, f.level, f.ids) for f in found] == [("index", ERROR, [1])]
+    # whatever checks were chosen: a file that could not be read was checked by none of them
+    only = serious(rbtool.doctor(path, jobs=1, checks=["frozen"]))
+    assert [(f.check, f.level, f.ids) for f in only] == [("index", ERROR, [1])]
 
 
 def test_checks_and_skip_choose_what_runs(tmp_path: Path) -> None:

@@ -137,6 +137,11 @@ def _buffer_checks(
 UNPAIRED = "never equals the following curr_obs"
 
 
+def _unread(f: Finding) -> bool:
+    """An index or file that could not be read (not an entry disagreement, which names its key)."""
+    return f.check == "index" and f.field is None
+
+
 def _unpaired_once(findings: list[Finding]) -> list[Finding]:
     """The pairing check's info that observations were not recorded as transitions, once per
     checkpoint directory with every id it holds for, not once per trajectory."""
@@ -220,7 +225,8 @@ def doctor(
         report.bytes_read += result.size
     _buffer_checks(report, tasks, results, options, max_staleness)
     report.findings = _unpaired_once(report.findings)
-    report.findings = [f for f in report.findings if f.check in chosen]
+    # what could not be read is said whatever was chosen: a check left out is not a file skipped
+    report.findings = [f for f in report.findings if f.check in chosen or _unread(f)]
     report.sort()
     report.journal = None if opened is None else opened.counts()
     report.seconds = timer.elapsed()
