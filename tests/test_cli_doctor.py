@@ -19,7 +19,7 @@ def _defect(tmp_path: Path) -> Path:
 def test_a_clean_rlinf_checkpoint_exits_0_even_failing_on_warnings() -> None:
     result = run("doctor", FIXTURES / "ranks", "--fail-on", "warning", "-j", "1")
     assert result.exit_code == 0, result.stderr
-    assert result.stdout.startswith("OK ") and "7 trajectories" in result.stdout
+    assert result.stdout.startswith("OK ") and "(7 trajectories; 4 info)" in result.stdout
 
 
 def test_an_error_exits_1_with_the_report_and_one_error_line(tmp_path: Path) -> None:

@@ -48,9 +48,14 @@ def _ids(f: Finding, report: Report, every: bool) -> str:
     return ids
 
 
+def _level_count(n: int, level: str) -> str:
+    """`2 errors`, `1 warning`, `3 info`."""
+    return count(n, level, "info" if level == "info" else None)
+
+
 def _summary(report: Report, fail_on: str) -> Text:
     counts = report.counts()
-    parts = [count(n, level) for level, n in counts.items() if n]
+    parts = [_level_count(n, level) for level, n in counts.items() if n]
     failed = report.fails(fail_on)
     line = Text("FAILED" if failed else "OK", style="bold red" if failed else "green")
     trajectories = count(report.trajectories, "trajectory", "trajectories")
@@ -104,7 +109,7 @@ def markdown_lines(report: Report, fail_on: str, every: bool) -> Iterator[str]:
     failed = report.fails(fail_on)
     yield f"## rbtool doctor: `{report.path}`"
     yield ""
-    tally = ", ".join(count(n, level) for level, n in counts.items() if n) or "no findings"
+    tally = ", ".join(_level_count(n, level) for level, n in counts.items() if n) or "no findings"
     verdict = "FAILED" if failed else "OK"
     trajectories = count(report.trajectories, "trajectory", "trajectories")
     yield f"**{verdict}** (fail on {fail_on}): {trajectories}, {tally}."
