@@ -9,13 +9,17 @@ import os
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import typer
 
 from rbtool.cli._consoles import out
+from rbtool.cli._errors import print_error
+from rbtool.cli._json import print_json
 from rbtool.cli._output import count, size
 from rbtool.cli._progress import Advance, progress_bar
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from rbtool.remote.places import Place
@@ -96,3 +100,76 @@ def upload_note(upload: dict[str, int] | None) -> None:
     """The human view's upload line of a write to a URL (none for a local OUT)."""
     if upload is not None:
         out.print(upload_line(upload), markup=False)
+
+
+class EachPath:
+    """What the commands that check several paths in turn share (verify, doctor): each path
+    read (a URL fetched) and its pass run under a progress bar; with several paths, an
+    unreadable one reported on its own line and passed over; at the end one JSON document
+    (with --json) and one error naming every path that failed."""
+
+    def __init__(self, paths: Sequence[str], storage_options: list[str] | None, *, data: bool, enabled: bool):
+        self.paths = paths
+        self.storage_options = storage_options
+        self.data = data
+        self.enabled = enabled
+        self.single = len(paths) == 1
+        self.documents: list[dict[str, Any]] = []  # each path's --json document, in order
+        self.failed: list[str] = []
+
+    def run(
+        self,
+        path: str,
+        description: str,
+        check: Callable[[Place, Advance | None, Path | None], T],
+        journal: Path | None = None,
+    ) -> tuple[T, Place] | None:
+        """`check(place, progress, journal)` on `path` read, or None when it could not be read
+        and other paths remain (reported; with one path the error is the command's). The
+        journal is `journal` itself for one path, else its subdirectory for this input."""
+        from rbtool.errors import RbtoolError, UsageError
+        from rbtool.passes.journal import input_journal
+
+        own = journal if self.single else input_journal(journal, path)
+        try:
+            with (
+                reading(
+                    path, self.storage_options, data=self.data, enabled=self.enabled, stream=True
+                ) as place,
+                progress_bar(description, None, self.enabled) as advance,
+            ):
+                return check(place, advance if self.enabled else None, own), place
+        except UsageError:
+            raise
+        except RbtoolError as exc:
+            if self.single:
+                raise
+            print_error(str(exc))
+            self.failed.append(f"{path} (unreadable)")
+            self.documents.append({"path": str(path), "ok": False, "error": str(exc)})
+            return None
+
+    def fail(self, path: str, reason: str, message: str, pretty: bool | None) -> None:
+        """`path`'s report fails for `reason`: with one path the command ends with `message`
+        (after its JSON document, when `pretty` is not None: --json was given), else it is noted."""
+        from rbtool.errors import CheckpointError
+
+        if not self.single:
+            self.failed.append(f"{path} ({reason})")
+            return
+        if pretty is not None:
+            print_json(self.documents[0], pretty)
+        raise CheckpointError(message)
+
+    def finish(self, what: str, pretty: bool | None) -> None:
+        """The end: the JSON document of every path (when `pretty` is not None), then the error
+        naming each failed path (`what failed for N of M paths: ...`)."""
+        from rbtool.errors import CheckpointError
+
+        if pretty is not None:
+            doc = self.documents[0] if self.single else {"ok": not self.failed, "paths": self.documents}
+            print_json(doc, pretty)
+        if self.failed:
+            raise CheckpointError(
+                f"{what} failed for {len(self.failed)} of {len(self.paths)} paths: {', '.join(self.failed)}"
+            )

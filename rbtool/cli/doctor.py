@@ -11,12 +11,11 @@ import typer
 from rich.text import Text
 
 from rbtool.cli._consoles import out
-from rbtool.cli._errors import print_error
-from rbtool.cli._json import bound, insert_after, print_json, print_jsonl
+from rbtool.cli._json import bound, insert_after, print_jsonl
 from rbtool.cli._options import JobsOpt, JournalOpt, Lines, PathsArg, StorageOpt, refuse_output_mix
 from rbtool.cli._output import Column, Fitted, count, head, id_ranges, id_runs, left_out, size
-from rbtool.cli._places import reading
-from rbtool.cli._progress import progress_bar, show_progress
+from rbtool.cli._places import EachPath
+from rbtool.cli._progress import show_progress
 
 if TYPE_CHECKING:
     from rbtool.ops.doctor import Finding, Report
@@ -222,43 +221,34 @@ def doctor(
         raise typer.BadParameter("give --markdown, --json or --jsonl, not two", param_hint="--markdown")
     if reward_range is not None and reward_range[0] > reward_range[1]:
         raise typer.BadParameter("LOW must not be above HIGH", param_hint="--reward-range")
-    from rbtool.errors import CheckpointError, RbtoolError, UsageError
     from rbtool.ops.doctor import doctor as run_doctor
     from rbtool.ops.doctor import select_checks
-    from rbtool.passes.journal import input_journal, journal_note
+    from rbtool.passes.journal import journal_note
 
     select_checks(check, skip or ())  # an unknown name is a usage error before anything is read
     enabled = show_progress(output.json or output.jsonl or markdown)
-    single = len(paths) == 1
-    documents: list[dict[str, Any]] = []
-    failed: list[str] = []
+    each = EachPath(paths, storage_option, data=True, enabled=enabled)
     level = fail_on.value
     for i, path in enumerate(paths):
-        try:
-            with (
-                reading(path, storage_option, data=True, enabled=enabled, stream=True) as place,
-                progress_bar("checking trajectory files", None, enabled) as advance,
-            ):
-                report = run_doctor(
-                    place.local,
-                    checks=check,
-                    skip=skip or (),
-                    frozen_fields=frozen_field or ("actions",),
-                    reward_range=reward_range,
-                    max_staleness=max_staleness,
-                    progress=advance if enabled else None,
-                    jobs=jobs,
-                    journal=journal if single else input_journal(journal, path),
-                )
-        except UsageError:
-            raise
-        except RbtoolError as exc:
-            if single:
-                raise
-            print_error(str(exc))
-            failed.append(f"{path} (unreadable)")
-            documents.append({"path": str(path), "ok": False, "error": str(exc)})
+        done = each.run(
+            path,
+            "checking trajectory files",
+            lambda place, advance, own: run_doctor(
+                place.local,
+                checks=check,
+                skip=skip or (),
+                frozen_fields=frozen_field or ("actions",),
+                reward_range=reward_range,
+                max_staleness=max_staleness,
+                progress=advance,
+                jobs=jobs,
+                journal=own,
+            ),
+            journal,
+        )
+        if done is None:
             continue
+        report, place = done
         if place.url is not None:  # reports name the URL, not the local mirror they were made from
             report.path = place.url  # type: ignore[assignment]
             report.checkpoints = [str(place.show(c)) for c in report.checkpoints]
@@ -267,7 +257,7 @@ def doctor(
         if output.jsonl:
             print_jsonl(finding_rows(report, str(path)))
         elif output.json:
-            documents.append(summarised(report, output.limit, level))
+            each.documents.append(summarised(report, output.limit, level))
         elif markdown:
             if i:
                 out.print()
@@ -288,12 +278,6 @@ def doctor(
         if report.fails(level):
             counts = report.counts()
             reached = ", ".join(count(counts[lv], lv) for lv in ("error", "warning") if counts[lv])
-            if single:
-                if output.json:
-                    print_json(documents[0], output.pretty)
-                raise CheckpointError(f"{path}: doctor found {reached} (--fail-on {level})")
-            failed.append(f"{path} ({reached})")
-    if output.json:
-        print_json(documents[0] if single else {"ok": not failed, "paths": documents}, output.pretty)
-    if failed:
-        raise CheckpointError(f"doctor failed for {len(failed)} of {len(paths)} paths: {', '.join(failed)}")
+            message = f"{path}: doctor found {reached} (--fail-on {level})"
+            each.fail(path, reached, message, output.pretty if output.json else None)
+    each.finish("doctor", output.pretty if output.json else None)

@@ -10,8 +10,7 @@ import typer
 from rich.text import Text
 
 from rbtool.cli._consoles import out
-from rbtool.cli._errors import print_error
-from rbtool.cli._json import bound, insert_after, print_json, print_jsonl
+from rbtool.cli._json import bound, insert_after, print_jsonl
 from rbtool.cli._options import (
     JobsOpt,
     JournalOpt,
@@ -20,8 +19,8 @@ from rbtool.cli._options import (
     StorageOpt,
 )
 from rbtool.cli._output import Column, Fitted, count, head, id_ranges, left_out, size
-from rbtool.cli._places import reading
-from rbtool.cli._progress import progress_bar, show_progress
+from rbtool.cli._places import EachPath
+from rbtool.cli._progress import show_progress
 
 if TYPE_CHECKING:
     from rbtool.ops.verify import CheckpointReport
@@ -152,37 +151,23 @@ def verify(
         raise typer.BadParameter(
             "the quick check reads no trajectory file: add --deep", param_hint="--journal"
         )
-    from rbtool.errors import CheckpointError, RbtoolError, UsageError
     from rbtool.ops.verify import verify as run_verify
-    from rbtool.passes.journal import input_journal, journal_note
+    from rbtool.passes.journal import journal_note
 
     enabled = show_progress(output.json or output.jsonl)
-    single = len(paths) == 1
-    documents: list[dict[str, Any]] = []
-    failed: list[str] = []
+    each = EachPath(paths, storage_option, data=deep, enabled=enabled)
     for i, path in enumerate(paths):
-        try:
-            with (
-                reading(path, storage_option, data=deep, enabled=enabled, stream=True) as place,
-                progress_bar("checking index files and listings", None, enabled) as advance,
-            ):
-                result = run_verify(
-                    place.local,
-                    deep=deep,
-                    progress=advance if enabled else None,
-                    jobs=jobs,
-                    # one journal per input: with several paths, each its own subdirectory of DIR
-                    journal=journal if single else input_journal(journal, path),
-                )
-        except UsageError:
-            raise
-        except RbtoolError as exc:
-            if single:
-                raise
-            print_error(str(exc))
-            failed.append(f"{path} (unreadable)")
-            documents.append({"path": str(path), "ok": False, "error": str(exc)})
+        done = each.run(
+            path,
+            "checking index files and listings",
+            lambda place, advance, own: run_verify(
+                place.local, deep=deep, progress=advance, jobs=jobs, journal=own
+            ),
+            journal,
+        )
+        if done is None:
             continue
+        result, place = done
         if place.url is not None:  # reports name the URL, not the local mirror they were made from
             result.path = place.url  # type: ignore[assignment]
             for report in result.checkpoints:
@@ -190,7 +175,7 @@ def verify(
         if output.jsonl:
             print_jsonl(problem_rows(result.checkpoints, str(path)))
         elif output.json:
-            documents.append(summarised(result, output.limit))
+            each.documents.append(summarised(result, output.limit))
         else:
             if i:
                 out.print()  # a blank line between paths
@@ -206,16 +191,6 @@ def verify(
                     out.print(journal_note(result.journal), markup=False)
         if not result.ok:
             errors = sum(1 for c in result.checkpoints for p in c.problems if p.severity == "error")
-            if single:
-                if output.json:
-                    print_json(documents[0], output.pretty)
-                raise CheckpointError(
-                    f"{path}: verification failed with {count(errors, 'error')}: {error_codes(result)}"
-                )
-            failed.append(f"{path} ({error_codes(result)})")
-    if output.json:
-        print_json(documents[0] if single else {"ok": not failed, "paths": documents}, output.pretty)
-    if failed:
-        raise CheckpointError(
-            f"verification failed for {len(failed)} of {len(paths)} paths: {', '.join(failed)}"
-        )
+            message = f"{path}: verification failed with {count(errors, 'error')}: {error_codes(result)}"
+            each.fail(path, error_codes(result), message, output.pretty if output.json else None)
+    each.finish("verification", output.pretty if output.json else None)
