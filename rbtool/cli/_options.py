@@ -266,3 +266,11 @@ class RankWrites(Writes):
     or an earlier rank tree."""
 
     force: RanksForceOpt = False
+
+
+@dataclass(frozen=True)
+class Pass:
+    """--jobs and --journal: how a pass over a checkpoint's files runs."""
+
+    jobs: JobsOpt = None
+    journal: JournalOpt = None

@@ -20,6 +20,7 @@ import itertools
 import os
 import re
 import shutil
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -465,3 +466,31 @@ def side_by_side(*parts: RenderableType) -> Table:
     grid = Table.grid(padding=(0, 4))
     grid.add_row(*parts)
     return grid
+
+
+def verdict(ok: bool, text: str) -> Text:
+    """The first line of a checked path's report: `OK` (green) or `FAILED` (bold red), then `text`."""
+    line = Text("OK" if ok else "FAILED", style="green" if ok else "bold red")
+    line.append(text)
+    return line
+
+
+def more_note(kinds: Iterable[str], noun: str) -> str:
+    """Under a table cut to its first rows: `... and N more (kind xK, ...); --all lists every NOUN`."""
+    by_kind = Counter(kinds)
+    shown = ", ".join(f"{kind} x{n}" for kind, n in by_kind.most_common())
+    return f"... and {by_kind.total()} more ({shown}); --all lists every {noun}"
+
+
+def check_table(names: Sequence[str], drops: tuple[int, int], rows: list[list[Any]]) -> Fitted:
+    """The table under a checked path's first line: level, kind, ids (right-aligned) and a
+    wrapped message, headed `names`; `drops` says in which order a narrow terminal leaves
+    out the kind and ids columns."""
+    level, kind, ids, message = names
+    columns = [
+        Column(level),
+        Column(kind, drop=drops[0]),
+        Column(ids, right=True, drop=drops[1]),
+        Column(message, wrap=True),
+    ]
+    return Fitted(columns, rows, hint="piped output and --json keep them")

@@ -122,11 +122,14 @@ class EachPath:
         path: str,
         description: str,
         check: Callable[[Place, Advance | None, Path | None], T],
-        journal: Path | None = None,
-    ) -> tuple[T, Place] | None:
+        journal: Path | None,
+        rename: Callable[[T, Place], None],
+    ) -> T | None:
         """`check(place, progress, journal)` on `path` read, or None when it could not be read
         and other paths remain (reported; with one path the error is the command's). The
-        journal is `journal` itself for one path, else its subdirectory for this input."""
+        journal is `journal` itself for one path, else its subdirectory for this input. A
+        result of a URL is passed to `rename(result, place)` to name the URL, not the local
+        mirror it was made from."""
         from rbtool.errors import RbtoolError, UsageError
         from rbtool.passes.journal import input_journal
 
@@ -138,7 +141,7 @@ class EachPath:
                 ) as place,
                 progress_bar(description, None, self.enabled) as advance,
             ):
-                return check(place, advance if self.enabled else None, own), place
+                result = check(place, advance if self.enabled else None, own)
         except UsageError:
             raise
         except RbtoolError as exc:
@@ -148,6 +151,9 @@ class EachPath:
             self.failed.append(f"{path} (unreadable)")
             self.documents.append({"path": str(path), "ok": False, "error": str(exc)})
             return None
+        if place.url is not None:
+            rename(result, place)
+        return result
 
     def fail(self, path: str, reason: str, message: str, pretty: bool | None) -> None:
         """`path`'s report fails for `reason`: with one path the command ends with `message`
@@ -173,3 +179,18 @@ class EachPath:
             raise CheckpointError(
                 f"{what} failed for {len(self.failed)} of {len(self.paths)} paths: {', '.join(self.failed)}"
             )
+
+
+def pass_lines(prefix: str, result: Any) -> None:
+    """What a pass over a checkpoint's files read, how fast, with how many jobs (after
+    `prefix`), and what its journal gave; `result` has bytes_read, seconds, jobs and journal."""
+    from rbtool.passes.journal import journal_note
+
+    rate = result.bytes_read / result.seconds if result.seconds > 0 else 0.0
+    out.print(
+        f"{prefix}{size(result.bytes_read)} read in {result.seconds:.2f} s "
+        f"({rate / 1e6:.1f} MB/s, {count(result.jobs, 'job')})",
+        markup=False,
+    )
+    if result.journal is not None:
+        out.print(journal_note(result.journal), markup=False)

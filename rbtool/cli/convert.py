@@ -9,8 +9,7 @@ import typer
 from rbtool.cli._consoles import out
 from rbtool.cli._json import print_report
 from rbtool.cli._options import (
-    JobsOpt,
-    JournalOpt,
+    Pass,
     RankWrites,
     SourceArg,
     StrictOpt,
@@ -32,8 +31,7 @@ def convert(
             "--format", help="The format to write every trajectory file in (required).", show_default=False
         ),
     ] = None,
-    jobs: JobsOpt = None,
-    journal: JournalOpt = None,
+    passes: Pass = Pass(),
     strict: StrictOpt = True,
     writes: RankWrites = RankWrites(),
 ) -> None:
@@ -63,9 +61,9 @@ def convert(
             src.local,
             target,
             trajectory_format.value,
-            jobs=jobs,
+            jobs=passes.jobs,
             strict=strict,
-            journal=journal,
+            journal=passes.journal,
         )
         checkpoints: list[dict[str, Any]] = [
             {"path": dst.show(target if rel == "." else target / rel), **index.state()}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterator
 from enum import Enum
 from typing import TYPE_CHECKING, Annotated, Any
@@ -12,13 +11,24 @@ from rich.text import Text
 
 from rbtool.cli._consoles import out
 from rbtool.cli._json import bound, insert_after, print_jsonl
-from rbtool.cli._options import JobsOpt, JournalOpt, Lines, PathsArg, StorageOpt, refuse_output_mix
-from rbtool.cli._output import Column, Fitted, count, head, id_ranges, id_runs, left_out, size
-from rbtool.cli._places import EachPath
+from rbtool.cli._options import Lines, Pass, PathsArg, StorageOpt, refuse_output_mix
+from rbtool.cli._output import (
+    Fitted,
+    check_table,
+    count,
+    head,
+    id_ranges,
+    id_runs,
+    left_out,
+    more_note,
+    verdict,
+)
+from rbtool.cli._places import EachPath, pass_lines
 from rbtool.cli._progress import show_progress
 
 if TYPE_CHECKING:
     from rbtool.ops.doctor import Finding, Report
+    from rbtool.remote.places import Place
 
 MAX_ROWS = 50  # findings shown per path in the table and --markdown; --all shows them all
 _STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
@@ -56,19 +66,11 @@ def _summary(report: Report, fail_on: str) -> Text:
     counts = report.counts()
     parts = [_level_count(n, level) for level, n in counts.items() if n]
     failed = report.fails(fail_on)
-    line = Text("FAILED" if failed else "OK", style="bold red" if failed else "green")
     trajectories = count(report.trajectories, "trajectory", "trajectories")
-    line.append(f" {report.path} ({trajectories}; {', '.join(parts) or 'no findings'})")
-    return line
+    return verdict(not failed, f" {report.path} ({trajectories}; {', '.join(parts) or 'no findings'})")
 
 
 def _table(findings: list[Finding], report: Report, every: bool) -> Fitted:
-    columns = [
-        Column("level"),
-        Column("check", drop=2),
-        Column("ids", right=True, drop=1),
-        Column("message", wrap=True),
-    ]
     rows = [
         [
             Text(f.level, style=_STYLE[f.level]),
@@ -78,13 +80,11 @@ def _table(findings: list[Finding], report: Report, every: bool) -> Fitted:
         ]
         for f in findings
     ]
-    return Fitted(columns, rows, hint="piped output and --json keep them")
+    return check_table(("level", "check", "ids", "message"), (2, 1), rows)
 
 
 def _hidden_note(hidden: list[Finding]) -> str:
-    by_check = Counter(f.check for f in hidden)
-    shown = ", ".join(f"{check} x{n}" for check, n in by_check.most_common())
-    return f"... and {len(hidden)} more ({shown}); --all lists every finding"
+    return more_note((f.check for f in hidden), "finding")
 
 
 def _print_human(report: Report, fail_on: str, every: bool) -> None:
@@ -174,6 +174,14 @@ SkipOpt = Annotated[
 ]
 
 
+def _name_url(report: Report, place: Place) -> None:
+    """A report of a URL names the URL, not the local mirror it was made from."""
+    report.path = place.url  # type: ignore[assignment]
+    report.checkpoints = [str(place.show(c)) for c in report.checkpoints]
+    for f in report.findings:
+        f.checkpoint = str(place.show(f.checkpoint))
+
+
 def doctor(
     paths: PathsArg,
     check: CheckOpt = None,
@@ -205,8 +213,7 @@ def doctor(
     markdown: Annotated[
         bool, typer.Option("--markdown", help="Print a Markdown report (a CI summary, a PR comment).")
     ] = False,
-    jobs: JobsOpt = None,
-    journal: JournalOpt = None,
+    passes: Pass = Pass(),
     output: Lines = Lines(),
     storage_option: StorageOpt = None,
 ) -> None:
@@ -223,14 +230,13 @@ def doctor(
         raise typer.BadParameter("LOW must not be above HIGH", param_hint="--reward-range")
     from rbtool.ops.doctor import doctor as run_doctor
     from rbtool.ops.doctor import select_checks
-    from rbtool.passes.journal import journal_note
 
     select_checks(check, skip or ())  # an unknown name is a usage error before anything is read
     enabled = show_progress(output.json or output.jsonl or markdown)
     each = EachPath(paths, storage_option, data=True, enabled=enabled)
     level = fail_on.value
     for i, path in enumerate(paths):
-        done = each.run(
+        report = each.run(
             path,
             "checking trajectory files",
             lambda place, advance, own: run_doctor(
@@ -241,19 +247,14 @@ def doctor(
                 reward_range=reward_range,
                 max_staleness=max_staleness,
                 progress=advance,
-                jobs=jobs,
+                jobs=passes.jobs,
                 journal=own,
             ),
-            journal,
+            passes.journal,
+            _name_url,
         )
-        if done is None:
+        if report is None:
             continue
-        report, place = done
-        if place.url is not None:  # reports name the URL, not the local mirror they were made from
-            report.path = place.url  # type: ignore[assignment]
-            report.checkpoints = [str(place.show(c)) for c in report.checkpoints]
-            for f in report.findings:
-                f.checkpoint = str(place.show(f.checkpoint))
         if output.jsonl:
             print_jsonl(finding_rows(report, str(path)))
         elif output.json:
@@ -267,14 +268,7 @@ def doctor(
             if i:
                 out.print()  # a blank line between paths
             _print_human(report, level, output.all_items)
-            rate = report.bytes_read / report.seconds if report.seconds > 0 else 0.0
-            out.print(
-                f"{size(report.bytes_read)} read in {report.seconds:.2f} s ({rate / 1e6:.1f} MB/s, "
-                f"{count(report.jobs, 'job')})",
-                markup=False,
-            )
-            if report.journal is not None:
-                out.print(journal_note(report.journal), markup=False)
+            pass_lines("", report)
         if report.fails(level):
             counts = report.counts()
             reached = ", ".join(count(counts[lv], lv) for lv in ("error", "warning") if counts[lv])

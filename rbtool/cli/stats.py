@@ -13,10 +13,9 @@ from rbtool.cli._consoles import out
 from rbtool.cli._errors import print_error
 from rbtool.cli._json import bound, insert_after, print_json, print_jsonl
 from rbtool.cli._options import (
-    JobsOpt,
-    JournalOpt,
     KOpt,
     Lines,
+    Pass,
     PathsArg,
     SeedOpt,
     StorageOpt,
@@ -128,8 +127,7 @@ def stats(
     k: KOpt = None,
     temperature: TemperatureOpt = 1.0,
     seed: SeedOpt = None,
-    jobs: JobsOpt = None,
-    journal: JournalOpt = None,
+    passes: Pass = Pass(),
     wide: WideOpt = False,
     output: Lines = Lines(),
     storage_option: StorageOpt = None,
@@ -172,9 +170,9 @@ def stats(
                     bins=bins,
                     draws=draws,
                     progress=advance,
-                    jobs=jobs,
+                    jobs=passes.jobs,
                     # one journal per input: with several paths, each its own subdirectory of DIR
-                    journal=journal if len(paths) == 1 else input_journal(journal, path),
+                    journal=passes.journal if len(paths) == 1 else input_journal(passes.journal, path),
                     as_json=False,  # numpy columns and lazy file names: cut or streamed below
                     read_data=not output.jsonl,  # JSON Lines list the trajectories, not the data statistics
                 )

@@ -12,18 +12,18 @@ from rich.text import Text
 from rbtool.cli._consoles import out
 from rbtool.cli._json import bound, insert_after, print_jsonl
 from rbtool.cli._options import (
-    JobsOpt,
-    JournalOpt,
     Lines,
+    Pass,
     PathsArg,
     StorageOpt,
 )
-from rbtool.cli._output import Column, Fitted, count, head, id_ranges, left_out, size
-from rbtool.cli._places import EachPath
+from rbtool.cli._output import Fitted, check_table, count, head, id_ranges, left_out, more_note, verdict
+from rbtool.cli._places import EachPath, pass_lines
 from rbtool.cli._progress import show_progress
 
 if TYPE_CHECKING:
     from rbtool.ops.verify import CheckpointReport
+    from rbtool.remote.places import Place
 
 MAX_ROWS = 50  # problems shown per checkpoint in the human view; --all shows them all
 _STYLE = {"error": "bold red", "warning": "yellow", "notice": "cyan"}
@@ -35,20 +35,10 @@ def _summary(report: CheckpointReport) -> Text:
     size = "index unreadable" if report.size is None else count(report.size, "trajectory", "trajectories")
     if report.size is None and any(p.code == "rank_missing" for p in report.problems):
         size = "missing"
-    line = Text("OK" if report.ok else "FAILED", style="green" if report.ok else "bold red")
-    line.append(f" {report.path} ({size}; {', '.join(parts) or 'no problems'})")
-    return line
+    return verdict(report.ok, f" {report.path} ({size}; {', '.join(parts) or 'no problems'})")
 
 
 def _problem_table(report: CheckpointReport, limit: int | None) -> Fitted:
-    # a message names files: at a narrow terminal the id, then the code, are left out before
-    # a file name would have to be broken across lines
-    columns = [
-        Column("severity"),
-        Column("code", drop=1),
-        Column("id", right=True, drop=2),
-        Column("message", wrap=True),
-    ]
     rows = [
         [
             Text(problem.severity, style=_STYLE[problem.severity]),
@@ -58,7 +48,9 @@ def _problem_table(report: CheckpointReport, limit: int | None) -> Fitted:
         ]
         for problem in head(report.problems, limit)
     ]
-    return Fitted(columns, rows, hint="piped output and --json keep them")
+    # a message names files: at a narrow terminal the id, then the code, are left out before
+    # a file name would have to be broken across lines
+    return check_table(("severity", "code", "id", "message"), (1, 2), rows)
 
 
 def _print_human(reports: list[CheckpointReport], every: bool) -> None:
@@ -70,9 +62,7 @@ def _print_human(reports: list[CheckpointReport], every: bool) -> None:
         out.print(_problem_table(report, limit))
         hidden = report.problems[MAX_ROWS:] if limit is not None else []
         if hidden:
-            by_code = Counter(p.code for p in hidden)
-            shown = ", ".join(f"{code} x{n}" for code, n in by_code.most_common())
-            out.print(f"... and {len(hidden)} more ({shown}); --all lists every problem", markup=False)
+            out.print(more_note((p.code for p in hidden), "problem"), markup=False)
 
 
 def by_code(report: CheckpointReport, limit: int | None) -> list[dict[str, Any]]:
@@ -127,6 +117,13 @@ def error_codes(result: Any) -> str:
     return ", ".join(f"{code} x{n}" for code, n in counts.most_common())
 
 
+def _name_url(result: Any, place: Place) -> None:
+    """A result of a URL names the URL, not the local mirror it was made from."""
+    result.path = place.url
+    for report in result.checkpoints:
+        report.path = place.show(report.path)
+
+
 def verify(
     paths: PathsArg,
     deep: Annotated[
@@ -136,8 +133,7 @@ def verify(
             help="Also load every trajectory file (safely) and check shapes, schema, NaN/Inf and hashes.",
         ),
     ] = False,
-    jobs: JobsOpt = None,
-    journal: JournalOpt = None,
+    passes: Pass = Pass(),
     output: Lines = Lines(),
     storage_option: StorageOpt = None,
 ) -> None:
@@ -147,31 +143,26 @@ def verify(
     interrupted writer left) and warnings (differing field schemas) do not fail it. Several
     paths are checked in turn, each reported on its own.
     """
-    if journal is not None and not deep:
+    if passes.journal is not None and not deep:
         raise typer.BadParameter(
             "the quick check reads no trajectory file: add --deep", param_hint="--journal"
         )
     from rbtool.ops.verify import verify as run_verify
-    from rbtool.passes.journal import journal_note
 
     enabled = show_progress(output.json or output.jsonl)
     each = EachPath(paths, storage_option, data=deep, enabled=enabled)
     for i, path in enumerate(paths):
-        done = each.run(
+        result = each.run(
             path,
             "checking index files and listings",
             lambda place, advance, own: run_verify(
-                place.local, deep=deep, progress=advance, jobs=jobs, journal=own
+                place.local, deep=deep, progress=advance, jobs=passes.jobs, journal=own
             ),
-            journal,
+            passes.journal,
+            _name_url,
         )
-        if done is None:
+        if result is None:
             continue
-        result, place = done
-        if place.url is not None:  # reports name the URL, not the local mirror they were made from
-            result.path = place.url  # type: ignore[assignment]
-            for report in result.checkpoints:
-                report.path = place.show(report.path)  # type: ignore[assignment]
         if output.jsonl:
             print_jsonl(problem_rows(result.checkpoints, str(path)))
         elif output.json:
@@ -181,14 +172,7 @@ def verify(
                 out.print()  # a blank line between paths
             _print_human(result.checkpoints, output.all_items)
             if deep:
-                rate = result.bytes_read / result.seconds if result.seconds > 0 else 0.0
-                out.print(
-                    f"deep pass: {size(result.bytes_read)} read in {result.seconds:.2f} s "
-                    f"({rate / 1e6:.1f} MB/s, {count(result.jobs, 'job')})",
-                    markup=False,
-                )
-                if result.journal is not None:
-                    out.print(journal_note(result.journal), markup=False)
+                pass_lines("deep pass: ", result)
         if not result.ok:
             errors = sum(1 for c in result.checkpoints for p in c.problems if p.severity == "error")
             message = f"{path}: verification failed with {count(errors, 'error')}: {error_codes(result)}"

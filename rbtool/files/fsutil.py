@@ -560,3 +560,11 @@ class DirLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def file_size(path: Path) -> int:
+    """`path`'s size in bytes, 0 when it cannot be read (a pass weighs its files by it)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

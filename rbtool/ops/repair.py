@@ -17,6 +17,7 @@ from typing import Any
 from rbtool.errors import InvalidTrajectoryError, RbtoolError, UsageError
 from rbtool.files import trajfile
 from rbtool.files.dirs import checkpoint_dirs
+from rbtool.files.fsutil import file_size
 from rbtool.files.index import DEFAULT_SEED, Index
 from rbtool.files.writer import OutputDir, Rules, WriteReport, new_entry, write_output
 from rbtool.format import (
@@ -102,13 +103,6 @@ def _read_file(path: Path) -> _FileFacts:
     except InvalidTrajectoryError as exc:
         return _FileFacts(" ".join(str(exc).split()), None, None, len(data))
     return _FileFacts(None, info, trajfile.sha256_bytes(data), len(data))
-
-
-def _file_size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
 
 
 def _trajectory_files(directory: Path) -> tuple[dict[int, list[Path]], list[tuple[Path, str]]]:
@@ -282,7 +276,7 @@ class _Planner:
             _read_file,
             to_read,
             jobs=jobs,
-            weights=[_file_size(p) for p in to_read],
+            weights=[file_size(p) for p in to_read],
             progress=progress,
             preload=("torch", "rbtool.ops.repair"),
         )

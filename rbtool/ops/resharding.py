@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rbtool.files.dirs import CheckpointView, open_view
+from rbtool.files.fsutil import file_size
 from rbtool.files.index import Index
 from rbtool.files.writer import (
     SPLITS,
@@ -50,13 +51,6 @@ class ReshardResult:
     report: WriteReport = field(default_factory=WriteReport)
 
 
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
 def plan(
     source: str | os.PathLike[str], world_size: int, *, split: str = "count", strict: bool = True
 ) -> tuple[CheckpointView, list[Index]]:
@@ -85,7 +79,7 @@ def reshard(
     file is a hard link of the source's (a reflink or a copy).
     """
     view, parts = plan(source, world_size, split=split, strict=strict)
-    ranks = [RankPlan(r, p, sum(_size(view.file_of(i)) for i in p.id_list)) for r, p in enumerate(parts)]
+    ranks = [RankPlan(r, p, sum(file_size(view.file_of(i)) for i in p.id_list)) for r, p in enumerate(parts)]
     result = ReshardResult(view, world_size, split, ranks, dry_run)
     result.report = write_ranks(Path(out), parts, view, Rules(overwrite, progress, link, dry_run))
     return result

@@ -47,7 +47,7 @@ from rbtool.format.agreement import entry_disagreements
 from rbtool.format.ranknames import rank_dir_name, rank_number
 from rbtool.passes.journal import Journal, open_journal
 from rbtool.passes.pool import Timer, check_jobs
-from rbtool.passes.ranks import ranked_pass, total_jobs
+from rbtool.passes.ranks import FileTask, file_pass, total_jobs
 from rbtool.progress import Progress, start_phase
 
 _IGNORED_FILES = {METADATA_FILE, INDEX_FILE, LEGACY_INDEX_FILE, MERGE_MAP_FILE}
@@ -346,16 +346,10 @@ class _FileChecker:
 
 
 @dataclass(frozen=True)
-class _DeepTask:
-    """One file of the deep pass (it pickles: it is sent to a worker process)."""
+class _DeepTask(FileTask):
+    """One file of the deep pass."""
 
-    path: Path
-    tid: int
-    entry: dict[str, Any] | None
     hints_only: bool
-
-    def __str__(self) -> str:
-        return str(self.path)
 
 
 _DeepResult = tuple[list[Problem], "dict[str, str] | None", int]
@@ -368,13 +362,6 @@ def _plain_entry(entry: Any) -> dict[str, Any] | None:
     if entry is None:
         return None
     return {key: entry.get(key) for key in _ENTRY_KEYS}
-
-
-def _file_size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
 
 
 def _deep_task(task: _DeepTask) -> _DeepResult:
@@ -531,23 +518,20 @@ def _run_deep(
     per_checker = [c.deep_tasks() for c in checkers]
     tasks = [t for ts in per_checker for t in ts]
     start_phase(progress, len(tasks), "loading trajectory files")
-    results = ranked_pass(
-        _deep_task,
-        tasks,
-        jobs=jobs,
-        weights=[_file_size(t.path) for t in tasks],
-        progress=progress,
-        preload=("torch", "rbtool.ops.verify"),
-        journal=journal,
-        files=lambda t: (t.path,),
-        types=(Problem,),
-        hashes=lambda t: (_recorded_sha256(t.entry),),
+    preload = ("torch", "rbtool.ops.verify")
+    results = file_pass(
+        _deep_task, tasks, jobs, progress, journal, preload=preload, types=(Problem,), hashes=_hashes
     )
     total, start = 0, 0
     for checker, own in zip(checkers, per_checker, strict=True):
         total += checker.finish_deep(own, results[start : start + len(own)])
         start += len(own)
     return total
+
+
+def _hashes(task: _DeepTask) -> tuple[str | None]:
+    """The sha256 the index records for the task's file (None where it records none)."""
+    return (_recorded_sha256(task.entry),)
 
 
 def _recorded_sha256(entry: dict[str, Any] | None) -> str | None:

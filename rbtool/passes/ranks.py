@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from rbtool.errors import RbtoolError, UsageError
+from rbtool.files.fsutil import file_size
 from rbtool.format.ranknames import home_rank
 from rbtool.passes.journal import Journal, JournalWriter, job_key
 from rbtool.passes.pool import check_jobs, default_jobs, keep_freed_memory, run_pass
@@ -425,3 +426,47 @@ __all__ = [
     "ranked_pass",
     "silenced_stdout",
 ]
+
+
+@dataclass(frozen=True)
+class FileTask:
+    """One trajectory file of a pass over a checkpoint's files (it pickles: it is sent to a
+    worker process); a pass adds what its function needs."""
+
+    path: Path
+    tid: int
+    entry: dict[str, Any] | None
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+FT = TypeVar("FT", bound=FileTask)
+
+
+def file_pass(
+    func: Callable[[FT], R],
+    tasks: Sequence[FT],
+    jobs: int | None,
+    progress: Progress | None,
+    journal: Journal | None,
+    *,
+    preload: Sequence[str],
+    types: Sequence[type],
+    hashes: Callable[[FT], Sequence[str | None]] | None = None,
+) -> list[R]:
+    """`ranked_pass` over trajectory files (`jobs`, `progress`, `journal` and the rest as there):
+    tasks weighed by their files' sizes, and a journaled result taken only while its task's
+    file is unchanged."""
+    return ranked_pass(
+        func,
+        tasks,
+        jobs=jobs,
+        weights=[file_size(t.path) for t in tasks],
+        progress=progress,
+        preload=preload,
+        journal=journal,
+        files=lambda t: (t.path,),
+        types=types,
+        hashes=hashes,
+    )

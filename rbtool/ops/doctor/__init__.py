@@ -31,15 +31,8 @@ from rbtool.ops.doctor.findings import (
 from rbtool.ops.doctor.trajectory import Options, Result, Task, Traits, check_file, weights_id_of
 from rbtool.passes.journal import open_journal
 from rbtool.passes.pool import Timer, check_jobs
-from rbtool.passes.ranks import ranked_pass, total_jobs
+from rbtool.passes.ranks import file_pass, total_jobs
 from rbtool.progress import Progress, start_phase
-
-
-def _file_size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
 
 
 def _tasks(directory: Path, options: Options, report: Report) -> list[Task]:
@@ -207,16 +200,9 @@ def doctor(
         tasks.extend(_tasks(directory, options, report))
     report.trajectories = len(tasks)
     start_phase(progress, len(tasks), "checking trajectory files")
-    results = ranked_pass(
-        check_file,
-        tasks,
-        jobs=jobs,
-        weights=[_file_size(t.path) for t in tasks],
-        progress=progress,
-        preload=("torch", "rbtool.ops.doctor.trajectory"),
-        journal=opened,
-        files=lambda t: (t.path,),
-        types=(Finding, Result, Traits),
+    preload = ("torch", "rbtool.ops.doctor.trajectory")
+    results = file_pass(
+        check_file, tasks, jobs, progress, opened, preload=preload, types=(Finding, Result, Traits)
     )
     for task, result in zip(tasks, results, strict=True):
         for finding in result.findings:

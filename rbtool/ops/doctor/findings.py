@@ -53,6 +53,10 @@ def runs(ids: Sequence[int], limit: int | None = None) -> str:
     return ", ".join(parts)
 
 
+# A finding's --json keys, in order.
+JSON_KEYS = ("check", "level", "checkpoint", "ids", "field", "envs", "steps", "message", "advice")
+
+
 @dataclass
 class Finding:
     """One thing doctor found: which check, how bad, where (trajectory ids, field, env columns,
@@ -69,17 +73,7 @@ class Finding:
     checkpoint: str = ""
 
     def as_json(self) -> dict[str, Any]:
-        return {
-            "check": self.check,
-            "level": self.level,
-            "checkpoint": self.checkpoint,
-            "ids": self.ids,
-            "field": self.field,
-            "envs": self.envs,
-            "steps": self.steps,
-            "message": self.message,
-            "advice": self.advice,
-        }
+        return {key: getattr(self, key) for key in JSON_KEYS}
 
 
 def _order(f: Finding) -> tuple[int, int, str, list[int], str]:

@@ -10,12 +10,12 @@ from __future__ import annotations
 import hashlib
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from rbtool.errors import RbtoolError
 from rbtool.format import one_line
 from rbtool.ops.doctor.findings import ERROR, INFO, WARNING, Finding
+from rbtool.passes.ranks import FileTask
 
 
 @dataclass(frozen=True)
@@ -28,16 +28,10 @@ class Options:
 
 
 @dataclass(frozen=True)
-class Task:
-    """One file of the pass (it pickles: it is sent to a worker process)."""
+class Task(FileTask):
+    """One file of the pass."""
 
-    path: Path
-    tid: int
-    entry: dict[str, Any] | None
     options: Options
-
-    def __str__(self) -> str:
-        return str(self.path)
 
 
 @dataclass
