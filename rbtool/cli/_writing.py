@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from rbtool.cli._consoles import note, out, progress_line
 from rbtool.cli._options import LocalWrites, RankWrites
-from rbtool.cli._output import count, files_line
+from rbtool.cli._output import count, files_line, state_table
 from rbtool.cli._places import reading, refuse_overlap, upload_note, writing
 from rbtool.cli._progress import progress_bar, show_progress
 
@@ -89,6 +89,13 @@ class Writer:
             result = operation(*args, **{**rules, **kwargs})
         self.dst.finish()
         return result
+
+    def state_view(self, done: str, rows: list[tuple[str, dict[str, Any]]], suffix: str = "") -> None:
+        """The human view's table of what was (or would be) written: one row a checkpoint,
+        titled `IN [would be ]DONE into OUT[SUFFIX]`."""
+        would = "would be " if self.dry_run else ""
+        title = f"{self.sources[0].show()} {would}{done} into {self.dst.show()}{suffix}"
+        out.print(state_table(title, rows, self.writes.limit))
 
     def last_lines(self, would: str, files: dict[str, int] | None, prefix: str = "") -> None:
         """The human view's last lines: what a dry run would write (`would`), else how the files

@@ -15,7 +15,7 @@ from rbtool.cli._options import (
     StrictOpt,
     TrajectoryFormat,
 )
-from rbtool.cli._output import count, size, state_table
+from rbtool.cli._output import count, size
 from rbtool.cli._places import is_url
 from rbtool.cli._writing import read_and_write, trajectories
 
@@ -86,14 +86,8 @@ def convert(
         if writes.json:
             print_report(doc, writes, each="checkpoints")
             return
-        out.print(
-            state_table(
-                f"{src.show()} {'would be ' if writes.dry_run else ''}converted to "
-                f"{doc['trajectory_format']} into {dst.show()} ({count(doc['jobs'], 'job')})",
-                [(c["path"].rstrip("/").rsplit("/", 1)[-1], c) for c in checkpoints],
-                writes.limit,
-            )
-        )
+        rows = [(c["path"].rstrip("/").rsplit("/", 1)[-1], c) for c in checkpoints]
+        writer.state_view(f"converted to {doc['trajectory_format']}", rows, f" ({count(doc['jobs'], 'job')})")
         total = sum(c["size"] for c in checkpoints)
         writer.last_lines(f"{trajectories(total)} in {doc['trajectory_format']}", doc["files"])
         if writes.dry_run:

@@ -17,6 +17,13 @@ from rbtool.cli._output import format_ids, state_table
 from rbtool.cli._writing import read_and_write, trajectories
 
 
+def _version_bound(option: str, relation: str) -> Any:
+    """--min-version or --max-version: a bound on every value of a trajectory's `versions`."""
+    return typer.Option(
+        option, metavar="V", help=f"Keep trajectories whose every `versions` value is {relation} V."
+    )
+
+
 def filter_(
     source_arg: SourceArg,
     target_arg: Annotated[str, typer.Option("--out", "-o", help="Checkpoint directory (or URL) to write.")],
@@ -26,18 +33,8 @@ def filter_(
             "--model-weights-id", metavar="ID", help="Keep trajectories of this policy (repeatable)."
         ),
     ] = None,
-    min_version: Annotated[
-        float | None,
-        typer.Option(
-            "--min-version", metavar="V", help="Keep trajectories whose every `versions` value is >= V."
-        ),
-    ] = None,
-    max_version: Annotated[
-        float | None,
-        typer.Option(
-            "--max-version", metavar="V", help="Keep trajectories whose every `versions` value is <= V."
-        ),
-    ] = None,
+    min_version: Annotated[float | None, _version_bound("--min-version", ">=")] = None,
+    max_version: Annotated[float | None, _version_bound("--max-version", "<=")] = None,
     max_staleness: Annotated[
         float | None,
         typer.Option(

@@ -6,14 +6,12 @@ from typing import Annotated, Any
 
 import typer
 
-from rbtool.cli._consoles import out
 from rbtool.cli._json import print_report
 from rbtool.cli._options import (
     RankWrites,
     StrictOpt,
     WorldSizeOpt,
 )
-from rbtool.cli._output import state_table
 from rbtool.cli._writing import rank_tree, trajectories
 
 
@@ -49,13 +47,6 @@ def shard(
         if writes.json:
             print_report(doc, writes, each="ranks")
             return
-        out.print(
-            state_table(
-                f"{src.show()} {'would be ' if writes.dry_run else ''}sharded over {world_size} ranks into "
-                f"{dst.show()}",
-                [(rank_dir_name(r["rank"]), r) for r in ranks],
-                writes.limit,
-            )
-        )
+        writer.state_view(f"sharded over {world_size} ranks", [(rank_dir_name(r["rank"]), r) for r in ranks])
         total = trajectories(sum(r["size"] for r in ranks))
         writer.last_lines(f"{world_size} rank directories, {total}", doc["files"])

@@ -23,6 +23,7 @@ from rbtool.interop.lerobot.layout import (
     STATS_FILE,
     TASKS_FILE,
     VIDEO_PATH,
+    Rolling,
     next_file,
 )
 from rbtool.interop.lerobot.plan import Write
@@ -45,25 +46,21 @@ def _json(obj: Any) -> bytes:
     return orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
 
 
-class _RollingParquet:
+class _RollingParquet(Rolling):
     """Parquet files `template` in chunk/file order, a new one when the size limit would be crossed.
 
     Units (episodes) are never split across files; rows are buffered into row groups.
     """
 
     def __init__(self, root: Path, template: str, limit_bytes: float, chunks_size: int) -> None:
-        self.root = root
+        super().__init__(root, limit_bytes, chunks_size)
         self.template = template
-        self.limit = limit_bytes
-        self.chunks_size = chunks_size
-        self.chunk, self.file = 0, 0
         self.writer: Any = None
         self.sink: Any = None
         self.schema: Any = None
         self.pending: list[Any] = []
         self.pending_bytes = 0
         self.file_rows = 0
-        self.files = 0
         self.bytes = 0
 
     def _open(self) -> None:
@@ -101,8 +98,7 @@ class _RollingParquet:
         if self.schema is None:
             self.schema = table.schema
         if self.file_rows and self._size() + est_bytes >= self.limit:
-            self.close_file()
-            self.chunk, self.file = next_file(self.chunk, self.file, self.chunks_size)
+            self.roll()
             self.file_rows = 0
         self.pending.append(table)
         self.pending_bytes += est_bytes

@@ -5,6 +5,8 @@ and the features every frame carries.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 CODEBASE_VERSION = "v3.0"
 INFO_FILE = "meta/info.json"
 STATS_FILE = "meta/stats.json"
@@ -28,3 +30,24 @@ FRAME_FEATURES = {
 def next_file(chunk: int, file: int, chunks_size: int) -> tuple[int, int]:
     """The (chunk, file) index after this one: a chunk holds `chunks_size` files."""
     return (chunk + 1, 0) if file == chunks_size - 1 else (chunk, file + 1)
+
+
+class Rolling:
+    """Files under `root` in chunk/file order, the next one begun when the open one is full
+    (`limit` bytes; a unit is never split): where the next unit goes, and how many files were
+    opened. A subclass opens and closes its kind of file."""
+
+    def __init__(self, root: Path, limit_bytes: float, chunks_size: int) -> None:
+        self.root = root
+        self.limit = limit_bytes
+        self.chunks_size = chunks_size
+        self.chunk, self.file = 0, 0
+        self.files = 0
+
+    def close_file(self) -> None:
+        raise NotImplementedError
+
+    def roll(self) -> None:
+        """Close the open file; the next unit goes into the next (chunk, file)."""
+        self.close_file()
+        self.chunk, self.file = next_file(self.chunk, self.file, self.chunks_size)

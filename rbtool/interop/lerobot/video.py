@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from rbtool.errors import CheckpointError
 from rbtool.interop.lerobot.extras import require_av
-from rbtool.interop.lerobot.layout import VIDEO_PATH, next_file
+from rbtool.interop.lerobot.layout import VIDEO_PATH, Rolling
 
 if TYPE_CHECKING:
     import numpy as np
@@ -23,7 +23,7 @@ VIDEO_PIX_FMT = "yuv420p"
 VIDEO_OPTIONS = {"crf": "18", "g": "2", "preset": "veryfast"}
 
 
-class RollingVideo:
+class RollingVideo(Rolling):
     """One video feature's mp4 files, episodes one after another in each, as LeRobot lays them out.
 
     A file takes episodes until it has reached the size limit, then the next file starts;
@@ -31,18 +31,14 @@ class RollingVideo:
     """
 
     def __init__(self, root: Path, feature: str, fps: int, limit_bytes: float, chunks_size: int) -> None:
-        self.root = root
+        super().__init__(root, limit_bytes, chunks_size)
         self.feature = feature
         self.fps = fps
-        self.limit = limit_bytes
-        self.chunks_size = chunks_size
-        self.chunk, self.file = 0, 0
         self.container: Any = None
         self.stream: Any = None
         self.path: Path | None = None
         self.frames = 0  # frames in the open file
         self.muxed = 0  # bytes of the packets written to it (the encoder may still hold a few frames)
-        self.files = 0
 
     def _open(self, height: int, width: int) -> None:
         av = require_av()
@@ -68,8 +64,7 @@ class RollingVideo:
         """Append one episode's uint8 frames `[n, H, W, 3]`: (chunk, file, from_timestamp, to_timestamp)."""
         av = require_av()
         if self.container is not None and self.muxed >= self.limit:
-            self.close_file()
-            self.chunk, self.file = next_file(self.chunk, self.file, self.chunks_size)
+            self.roll()
             self.frames = self.muxed = 0
         if self.container is None:
             self._open(int(frames.shape[1]), int(frames.shape[2]))
