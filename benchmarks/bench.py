@@ -240,6 +240,19 @@ def checkpoint_is_complete(path: Path, cfg: Config) -> bool:
     return sizes_match and all((path / index.file_name(i)).is_file() for i in index.id_list)
 
 
+def split_json_flag(argv: list[str] | None) -> tuple[bool, list[str]]:
+    """(whether --json was given, the other arguments) of a script's command line."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return "--json" in args, [a for a in args if a != "--json"]
+
+
+def checkpoint_files(cfg: Config) -> tuple[Path, list[Path], int]:
+    """The benchmark checkpoint (built if needed), its trajectory files in order, and their bytes."""
+    ckpt = ensure_checkpoint(cfg)
+    files = sorted(ckpt.glob("trajectory_*_*.pt"))
+    return ckpt, files, sum(f.stat().st_size for f in files)
+
+
 def ensure_checkpoint(cfg: Config) -> Path:
     """The synthetic checkpoint for `cfg`: an auto-save directory written by rbtool's own buffer.
 

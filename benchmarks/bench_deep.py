@@ -43,7 +43,7 @@ def timed(argv: list[str], *, shell: bool = False) -> float:
     return elapsed
 
 
-def hash_floor(files: list[str]) -> float:
+def hash_floor(files: list[Path]) -> float:
     """Read every file once and hash it with hashlib (OpenSSL), in this process: one core's floor."""
     started = time.perf_counter()
     for name in files:
@@ -53,18 +53,14 @@ def hash_floor(files: list[str]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    as_json = "--json" in args
-    args = [a for a in args if a != "--json"]
+    as_json, args = bench.split_json_flag(argv)
     cfg = bench.parse_args(args)
-    ckpt = bench.ensure_checkpoint(cfg)
-    files = sorted(str(p) for p in ckpt.glob("trajectory_*_*.pt"))
-    size = sum(os.path.getsize(f) for f in files)
+    ckpt, files, size = bench.checkpoint_files(cfg)
     cores = len(os.sched_getaffinity(0))
     many = max(2, cores)
     rbtool = [*bench.rbtool_argv(), "verify", str(ckpt), "--deep"]
     listing = ckpt / ".files"
-    listing.write_text("\0".join(files))
+    listing.write_text("\0".join(map(str, files)))
     baseline_cmd = [f"xargs -0 cat < {listing} | sha256sum"]
     timed(baseline_cmd, shell=True)  # warm the page cache
     keys = ("sha256sum", "hashlib", "jobs_1", f"jobs_{many}")

@@ -39,13 +39,9 @@ def timed(argv: list[str]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    as_json = "--json" in args
-    args = [a for a in args if a != "--json"]
+    as_json, args = bench.split_json_flag(argv)
     cfg = bench.parse_args(args)
-    ckpt = bench.ensure_checkpoint(cfg)
-    files = sorted(ckpt.glob("trajectory_*_*.pt"))
-    size = sum(os.path.getsize(f) for f in files)
+    ckpt, files, size = bench.checkpoint_files(cfg)
     cores = len(os.sched_getaffinity(0))
     jobs = str(max(2, cores))
     commands = {

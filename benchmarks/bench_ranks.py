@@ -48,15 +48,11 @@ def timed(argv: list[str]) -> tuple[float, dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    as_json = "--json" in args
-    args = [a for a in args if a != "--json"]
+    as_json, args = bench.split_json_flag(argv)
     cfg = bench.parse_args(args)
     if not TORCHRUN.exists():
         raise SystemExit(f"{TORCHRUN}: torchrun is not installed next to this Python")
-    ckpt = bench.ensure_checkpoint(cfg)
-    files = sorted(ckpt.glob("trajectory_*_*.pt"))
-    size = sum(f.stat().st_size for f in files)
+    ckpt, files, size = bench.checkpoint_files(cfg)
     command = ["-m", "rbtool", "verify", str(ckpt), "--deep", "--json"]
     variants = {
         "process": [sys.executable, *command],
