@@ -261,6 +261,22 @@ def test_random_observations_are_info_not_a_broken_pairing(tmp_path: Path) -> No
     assert pairing and all(f.level == INFO for f in pairing)
 
 
+@pytest.mark.parametrize(("shift", "what"), [(0, "curr_obs[t]"), (2, "curr_obs[t + 2]")])
+def test_observations_paired_one_step_off_are_an_error(tmp_path: Path, shift: int, what: str) -> None:
+    """A collector that stores the observation before the step (or two steps on) as next_obs
+    pairs nothing right: not the unrelated observations of a synthetic buffer, but an error."""
+    import torch
+
+    trajs = [clean_traj(t=12, seed=i, version=float(i)) for i in range(3)]
+    victim = trajs[1]
+    for key, curr in victim["curr_obs"].items():
+        shifted = curr.clone() if shift == 0 else torch.cat([curr[2:], curr[-2:]])
+        victim["next_obs"][key] = shifted
+    found = serious(rbtool.doctor(write(tmp_path / "ck", trajs), jobs=1))
+    assert [(f.check, f.level, f.ids, f.field) for f in found] == [("pairing", ERROR, [1], "next_obs")]
+    assert f"equals {what}" in found[0].message and "one step off" in found[0].message
+
+
 def test_a_rank_tree_and_workers_give_the_same_findings(tmp_path: Path) -> None:
     trajs = clean(tmp_path)
     _nan(trajs[0])

@@ -127,37 +127,34 @@ def _buffer_checks(
                 )
 
 
-UNPAIRED = "never equals the following curr_obs"
-
-
 def _unread(f: Finding) -> bool:
     """An index or file that could not be read (not an entry disagreement, which names its key)."""
     return f.check == "index" and f.field is None
 
 
-def _unpaired_once(findings: list[Finding]) -> list[Finding]:
-    """The pairing check's info that observations were not recorded as transitions, once per
-    checkpoint directory with every id it holds for, not once per trajectory."""
-    merged: dict[str, Finding] = {}
-    kept = []
-    for f in findings:
-        if f.check != "pairing" or f.level != INFO or UNPAIRED not in f.message:
-            kept.append(f)
-            continue
-        first = merged.get(f.checkpoint)
-        if first is None:
-            merged[f.checkpoint] = Finding(
-                f.check, f.level, list(f.ids), "", f.advice, field=f.field, checkpoint=f.checkpoint
+def _unpaired(report: Report, tasks: list[Task], results: list[Result]) -> None:
+    """One info per checkpoint directory, with every id it holds for, that observations were
+    not recorded as transitions (no next_obs equals the following curr_obs)."""
+    ids: dict[Path, list[int]] = {}
+    for task, result in zip(tasks, results, strict=True):
+        if result.traits.unpaired:
+            ids.setdefault(task.path.parent, []).append(task.tid)
+    for directory, held in ids.items():
+        n = len(held)
+        report.findings.append(
+            Finding(
+                "pairing",
+                INFO,
+                held,
+                f"{n} trajector{'y' if n == 1 else 'ies'} (ids {runs(held, 10)}): next_obs never equals "
+                "the following curr_obs anywhere: the observations were not recorded as transitions, "
+                "so their pairing was not checked",
+                "nothing to do unless this buffer was filled by RLinf's env worker; then its "
+                "transitions are broken",
+                field="next_obs",
+                checkpoint=str(directory),
             )
-        else:
-            first.ids.extend(f.ids)
-    for finding in merged.values():
-        n = len(finding.ids)
-        finding.message = (
-            f"{n} trajector{'y' if n == 1 else 'ies'} (ids {runs(finding.ids, 10)}): next_obs {UNPAIRED} "
-            "anywhere: the observations were not recorded as transitions, so their pairing was not checked"
         )
-    return kept + list(merged.values())
 
 
 def doctor(
@@ -210,7 +207,8 @@ def doctor(
         report.findings.extend(result.findings)
         report.bytes_read += result.size
     _buffer_checks(report, tasks, results, options, max_staleness)
-    report.findings = _unpaired_once(report.findings)
+    if "pairing" in chosen:
+        _unpaired(report, tasks, results)
     # what could not be read is said whatever was chosen: a check left out is not a file skipped
     report.findings = [f for f in report.findings if f.check in chosen or _unread(f)]
     report.sort()

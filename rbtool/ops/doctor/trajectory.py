@@ -41,6 +41,7 @@ class Traits:
 
     fingerprint: str | None = None
     newest_version: float | None = None
+    unpaired: bool = False  # next_obs never equals the following curr_obs, nor a shifted one
 
 
 @dataclass
@@ -58,6 +59,14 @@ def weights_id_of(versions: Any) -> str:
     tensor = versions if versions is not None else torch.zeros(1, dtype=torch.float32)
     data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     return str(uuid.uuid5(uuid.NAMESPACE_DNS, data.hex()))
+
+
+def _equal(a: Any, b: Any) -> Any:
+    """Where rows of two `[rows, B, n]` tensors are equal (NaN equal to NaN), `[rows, B]`."""
+    same = a == b
+    if a.is_floating_point():
+        same |= a.isnan() & b.isnan()
+    return same.all(-1)
 
 
 def _nonzero(mask: Any) -> list[int]:
@@ -199,49 +208,38 @@ class _Checker:
                 steps=steps,
             )
 
-    def pairing(self, ends: Any, epoch_len: int) -> None:
+    def pairing(self, ends: Any, epoch_len: int) -> bool:
         """next_obs[t, b] == curr_obs[t + 1, b] wherever no episode ended at (t, b) and t + 1
         starts no new epoch (RLinf's env worker pairs each chunk step's observation with the
-        observation after it, the final observation of an episode that just ended)."""
+        observation after it, the final observation of an episode that just ended).
+
+        When no compared pair holds: observations paired one step off (next_obs[t] equal to
+        curr_obs[t] or to curr_obs[t + 2] on most steps) are an error; otherwise the trajectory
+        was not recorded as transitions and True is returned (said once per checkpoint)."""
         import torch
 
         curr, nxt = self.traj.get("curr_obs"), self.traj.get("next_obs")
         if not isinstance(curr, dict) or not isinstance(nxt, dict) or self.t < 2:
-            return
+            return False
         from rbtool.format.layout import iter_tensors
 
         currs = {".".join(p): v for p, v in iter_tensors(curr)}
         pairs = [
-            (k, v, currs[k])
+            (k, v.reshape(self.t, self.b, -1), currs[k].reshape(self.t, self.b, -1))
             for k, v in ((".".join(p), v) for p, v in iter_tensors(nxt))
             if k in currs and self.columned(v) and self.columned(currs[k]) and v.shape == currs[k].shape
         ]
         if not pairs:
-            return
+            return False
         rows = torch.arange(self.t - 1)
         boundary = ((rows + 1) % epoch_len == 0).reshape(-1, 1)
         compared = ~ends[:-1] & ~boundary
         if not bool(compared.any()):
-            return
-        equal_by_key = {}
-        for key, n, c in pairs:
-            a, b = n[:-1].reshape(self.t - 1, self.b, -1), c[1:].reshape(self.t - 1, self.b, -1)
-            same = a == b
-            if a.is_floating_point():
-                same |= a.isnan() & b.isnan()
-            equal_by_key[key] = same.all(-1)
+            return False
+        equal_by_key = {key: _equal(n[:-1], c[1:]) for key, n, c in pairs}
         paired = torch.stack(list(equal_by_key.values())).all(0) & compared
         if not bool(paired.any()):
-            self.add(
-                "pairing",
-                INFO,
-                f"next_obs never equals the following curr_obs ({int(compared.sum())} pairs compared): "
-                "the observations were not recorded as transitions, so their pairing was not checked",
-                "nothing to do unless this buffer was filled by RLinf's env worker; then its transitions "
-                "are broken",
-                field="next_obs",
-            )
-            return
+            return not self._paired_off_by_one(pairs, compared)
         for key, same in equal_by_key.items():
             broken = compared & ~same
             if bool(broken.any()):
@@ -256,6 +254,35 @@ class _Checker:
                     envs=envs,
                     steps=steps,
                 )
+        return False
+
+    def _paired_off_by_one(self, pairs: list[tuple[str, Any, Any]], compared: Any) -> bool:
+        """An error when next_obs[t] equals curr_obs[t] (not advanced) or curr_obs[t + 2] (one
+        step ahead) on more than half of the compared steps, each field alike."""
+        import torch
+
+        ahead = compared[:-1] & compared[1:]  # t and t + 1 both inside one episode and epoch
+        shifts = [
+            ("curr_obs[t]", compared, [_equal(n[:-1], c[:-1]) for _, n, c in pairs]),
+            ("curr_obs[t + 2]", ahead, [_equal(n[:-2], c[2:]) for _, n, c in pairs]),
+        ]
+        for what, where, equal in shifts:
+            held = torch.stack(equal).all(0) & where
+            n, of = int(held.sum()), int(where.sum())
+            if of and 2 * n > of:
+                self.add(
+                    "pairing",
+                    ERROR,
+                    f"next_obs[t] never equals curr_obs[t + 1] but equals {what} at {n} of {of} step(s) "
+                    "where no episode ended: the observations are paired one step off",
+                    "fix the collector's pairing (next_obs must be the observation after the step) and "
+                    "recollect; transitions built from this trajectory are wrong",
+                    field="next_obs",
+                    envs=_nonzero(held.any(0)),
+                    steps=_nonzero(held.any(1)),
+                )
+                return True
+        return False
 
     def episodes(self, ends: Any, chunk: int) -> None:
         """Episodes longer than max_episode_length env steps (a row is `chunk` env steps), and env
@@ -409,7 +436,7 @@ def check_file(task: Task) -> Result:
     if ends is not None:
         flat = ends.reshape(t, b, -1).any(-1)
         if checker.on("pairing"):
-            checker.pairing(flat, epoch_len)
+            result.traits.unpaired = checker.pairing(flat, epoch_len)
         if checker.on("episodes"):
             checker.episodes(ends.reshape(t, b, chunk), chunk)
     rewards = traj.get("rewards")
