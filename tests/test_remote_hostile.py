@@ -401,17 +401,32 @@ ERROR_COMMANDS = {
 SITUATIONS = ["closed-port", "no-credentials", "unknown-option", "bad-value", "no-bucket", "secret-option"]
 
 
+@pytest.fixture(scope="module")
+def saved(s3_server: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """SRC uploaded once per server: the checkpoint the reading commands would read, were it
+    not for the store's error (none of them writes to it)."""
+    url = f"s3://rbtool-tests/store-errors-{uuid.uuid4().hex[:8]}/ck"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RBTOOL_CACHE_DIR", str(tmp_path_factory.mktemp("saved-cache")))
+        run_json("checkpoint", "save", SRC, url, "--window", "0")
+    return url
+
+
 @pytest.mark.parametrize("verbose", [False, True], ids=["quiet", "verbose"])
 @pytest.mark.parametrize("command", sorted(ERROR_COMMANDS))
 @pytest.mark.parametrize("situation", SITUATIONS)
 def test_a_store_error_is_one_line_naming_the_url_without_secrets(
-    situation: str, command: str, verbose: bool, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    situation: str,
+    command: str,
+    verbose: bool,
+    bucket: str,
+    saved: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import s3fs
 
-    url = f"{bucket}/ck"
-    if command != "save-to-url":
-        run_json("checkpoint", "save", SRC, url, "--window", "0")
+    url = f"{bucket}/ck" if command == "save-to-url" else saved
     options: list[str] = []
     status = 1
     if situation in ("closed-port", "secret-option"):

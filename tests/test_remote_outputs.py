@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -40,25 +38,36 @@ def _commands(url: str, out: Path) -> dict[str, list[str]]:
     }
 
 
+@pytest.fixture(scope="module")
+def mirrored(s3_server: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """SOURCE uploaded once per server, and a cache holding its verified mirror, which an output
+    could link: (url, cache)."""
+    import uuid
+
+    url, cache = f"s3://rbtool-tests/outputs-{uuid.uuid4().hex[:8]}/ck", tmp_path_factory.mktemp("mirror")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RBTOOL_CACHE_DIR", str(cache))
+        assert run("checkpoint", "save", SOURCE, url, "--window", "0").exit_code == 0
+        assert run("verify", "--deep", url).exit_code == 0
+    return url, cache
+
+
 @pytest.mark.parametrize("umask", [0o022, 0o002])
 @pytest.mark.parametrize("command", sorted(_commands("", Path())))
 def test_an_output_from_a_url_holds_its_own_files_with_the_umask_mode(
-    bucket: str, tmp_path: Path, _cache: Path, command: str, umask: int
+    mirrored: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str, umask: int
 ) -> None:
-    url = f"{bucket}/ck"
-    assert run("checkpoint", "save", SOURCE, url, "--window", "0").exit_code == 0
-    run("verify", "--deep", url)  # the cache holds a verified mirror that an output could link
+    url, _cache = mirrored
+    monkeypatch.setenv("RBTOOL_CACHE_DIR", str(_cache))
     out = tmp_path / "out"
-    # A process of its own, started under the umask (forked workers take the umask of the
-    # process that forks them, as any program's children do).
-    result = subprocess.run(
-        [sys.executable, "-m", "rbtool", *_commands(url, out)[command]],
-        capture_output=True,
-        text=True,
-        preexec_fn=lambda: os.umask(umask),
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
+    # The command under the umask (rbtool reads the process's umask at each write; forked
+    # workers take it from the process that forks them, as any program's children do).
+    saved = os.umask(umask)
+    try:
+        result = run(*_commands(url, out)[command])
+    finally:
+        os.umask(saved)
+    assert result.exit_code == 0, result.stderr
     cached = {(s.st_dev, s.st_ino) for s in (p.lstat() for p in _cache.rglob("*")) if stat.S_ISREG(s.st_mode)}
     files = [p for p in out.rglob("*.pt") if p.is_file()]
     assert files

@@ -89,7 +89,7 @@ def _unlink_quietly(path: str | Path) -> None:
         os.unlink(path)
 
 
-def _umask() -> int:
+def current_umask() -> int:
     """The process's umask, read without changing it (os.umask can only set it)."""
     try:
         with open("/proc/self/status") as status:
@@ -110,7 +110,7 @@ def write_bytes_atomic(path: Path, data: bytes, *, sync_dir: bool = True) -> Non
     with fs_errors(path):
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
-            os.fchmod(fd, 0o666 & ~_umask())
+            os.fchmod(fd, 0o666 & ~current_umask())
             with os.fdopen(fd, "wb") as handle:
                 handle.write(data)
                 handle.flush()
@@ -463,7 +463,7 @@ def _share_with_group(fd: int, directory: Path) -> None:
     """Give a file just made in `directory` the mode a plain open() gives (0666 less the umask),
     plus group write and the directory's group when the directory is group-writable and the
     umask lets the group read (a umask of 077 keeps everything, this file too, private)."""
-    mode = 0o666 & ~_umask()
+    mode = 0o666 & ~current_umask()
     try:
         info = os.stat(directory)
     except OSError:

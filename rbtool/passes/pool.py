@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from rbtool.errors import RbtoolError, UsageError
+from rbtool.files.fsutil import current_umask
 from rbtool.progress import Progress
 
 T = TypeVar("T")
@@ -143,9 +144,12 @@ def keep_freed_memory() -> None:
     mallopt(m_trim_threshold, 256 << 20)
 
 
-def _worker_init() -> None:
-    """Ctrl-C is the calling process's to handle (it stops the workers); one thread of torch each."""
+def _worker_init(umask: int) -> None:
+    """Ctrl-C is the calling process's to handle (it stops the workers); one thread of torch each;
+    the caller's umask (a fork server keeps the one it started under, which the caller may have
+    changed since), so what workers write gets the modes the caller's own writes get."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.umask(umask)
     keep_freed_memory()
     torch = sys.modules.get("torch")
     if torch is not None:
@@ -345,7 +349,12 @@ def _run(
     lowest_unfinished = 0
     pending: dict[Future[R], int] = {}
     queue = iter(order)
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=_context(preload), initializer=_worker_init)
+    pool = ProcessPoolExecutor(
+        max_workers=workers,
+        mp_context=_context(preload),
+        initializer=_worker_init,
+        initargs=(current_umask(),),
+    )
     try:
         for up in [pool.submit(_ready, i) for i in range(workers)]:  # every worker up before the
             up.result()  # clock counts the pass
