@@ -28,6 +28,8 @@ DRAWS = 10_000  # uniform draws simulated for the draw spread
 RETURNS_MAX = 500  # trajectories whose returns are read (evenly spaced past this)
 SHOWN_FRAMES = 6  # frames per trajectory shown
 FRAME_SIDE = 96  # shown frames scaled up to at least this on their long side
+# What the page may load: its inline style and data: images, nothing else (no script, no fetch).
+POLICY = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
 STYLE = """
 body { font: 14px/1.45 system-ui, sans-serif; color: #222; margin: 2em auto; max-width: 1100px;
        padding: 0 1em; }
@@ -264,6 +266,7 @@ def to_html(parts: Sequence[Section], shown_path: str) -> str:
     lines = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
+        f'<meta http-equiv="Content-Security-Policy" content="{POLICY}">',
         f"<title>rbtool report: {esc(shown_path)}</title>",
         f"<style>{STYLE}</style></head><body>",
         "<h1>Replay-buffer checkpoint report</h1>",
