@@ -33,11 +33,13 @@ def _png(fig: Any, fit: bool = False) -> bytes:
     return buffer.getvalue()
 
 
-def _style(ax: Any, title: str, integer_x: bool = True) -> None:
+def _style(ax: Any, title: str, integer_x: bool = True, integer_y: bool = False) -> None:
     from matplotlib.ticker import MaxNLocator
 
     if integer_x:  # steps, ids and counts: no tick between two of them
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if integer_y:
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title(title, fontsize=9, loc="left")
     ax.tick_params(labelsize=7)
     ax.grid(True, linewidth=0.4, alpha=0.5)
@@ -114,7 +116,7 @@ def histogram_plot(edges: Sequence[float], counts: Sequence[int], title: str, xl
     ax.bar(list(edges[:-1]), list(counts), width=widths, align="edge", color=COLOR, edgecolor="white")
     ax.set_xlabel(xlabel, fontsize=8)
     ax.set_ylabel("count", fontsize=8)
-    _style(ax, title, integer_x=False)
+    _style(ax, title, integer_x=False, integer_y=True)
     return _png(fig, fit=True)
 
 
@@ -127,7 +129,7 @@ def bar_plot(labels: Sequence[str], values: Sequence[float], title: str, xlabel:
     ax.set_xticks(range(0, len(labels), step), [labels[i] for i in range(0, len(labels), step)])
     ax.set_xlabel(xlabel, fontsize=8)
     ax.set_ylabel(ylabel, fontsize=8)
-    _style(ax, title)
+    _style(ax, title, integer_x=False, integer_y=True)  # the ticks are the labels set above
     return _png(fig, fit=True)
 
 
@@ -142,6 +144,6 @@ def spread_plot(ids: Sequence[int], observed: Sequence[float], expected: Sequenc
     ax.set_xticks(positions[::step], [str(ids[i]) for i in positions[::step]])
     ax.set_xlabel("trajectory id (window)", fontsize=8)
     ax.set_ylabel("share of draws", fontsize=8)
-    ax.legend(fontsize=7, frameon=False)
-    _style(ax, "draw spread")
+    ax.legend(fontsize=7, frameon=False, loc="lower right", bbox_to_anchor=(1, 1), ncols=2)
+    _style(ax, "draw spread", integer_x=False)
     return _png(fig, fit=True)
