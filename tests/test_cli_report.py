@@ -164,3 +164,13 @@ def test_a_url_reports_under_its_url(bucket: str, tmp_path: Path, monkeypatch: p
     assert doc["path"] == url and f'<div class="path">{url}</div>' in page
     assert doc["trajectories_shown"] == [0, 2, 3]
     assert [n for n, _ in images_of(page)] == [*PLOTS, "frames-0", "frames-2", "frames-3"]
+
+
+def test_a_missing_extra_names_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    result = run("report", FIXTURES / "nested_obs_pt", "--out", tmp_path / "r.html", "-j", "1")
+    assert_one_error(result, 2)
+    assert "Plots need matplotlib" in result.stderr and "pip install 'rbtool[view]'" in result.stderr
+    assert list(tmp_path.iterdir()) == []

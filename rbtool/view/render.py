@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rbtool.errors import RbtoolError, UsageError
-from rbtool.view.extras import require_av, require_pil
+from rbtool.view.extras import require_av, require_pil, require_pyplot
 from rbtool.view.frames import Camera, Checkpoint, Series
 from rbtool.view.plots import series_plot
 
@@ -97,7 +97,7 @@ def _rgb(frame: np.ndarray) -> Any:
     """A HWC uint8 frame (C 1 or 3) as a PIL RGB image."""
     image_mod = require_pil()
     pixels = frame[:, :, 0] if frame.shape[2] == 1 else frame
-    return image_mod.fromarray(pixels, mode=None).convert("RGB")
+    return image_mod.fromarray(pixels).convert("RGB")
 
 
 def _scaled(frame: np.ndarray, scale: int) -> Any:
@@ -227,6 +227,11 @@ def render_trajectory(
     kind = kind_of(out)
     if sheet_frames < 1 or fps < 1:
         raise UsageError(f"frames and fps must be >= 1, got {sheet_frames} and {fps}")
+    require_pil()  # a missing extra said before anything is read
+    if kind == "mp4":
+        require_av()
+    if kind == "png":
+        require_pyplot()
     check_file_target(out, overwrite=overwrite)
     opened.entry(tid)
     series = opened.series(tid, env)

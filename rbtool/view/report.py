@@ -337,10 +337,13 @@ def write_report(
     """
     from rbtool.files.fsutil import check_file_target, make_parents, write_bytes_atomic
     from rbtool.ops.stats import DrawRequest, collect_stats
+    from rbtool.view.extras import require_pil, require_pyplot
     from rbtool.view.frames import open_checkpoint
 
     if draws < 1:
         raise UsageError(f"draws must be >= 1, got {draws}")
+    require_pil()  # a missing extra said before anything is read
+    require_pyplot()
     shown = shown_path or str(local)
     check_file_target(out, overwrite=overwrite)
     doc = collect_stats(local, window=window, draws=DrawRequest(draws, "uniform", None, 1.0, None), jobs=jobs)
