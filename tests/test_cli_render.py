@@ -90,6 +90,14 @@ def test_animation_holds_every_step_in_order(
         assert np.abs(drawn - source[3].astype(int)).mean() < 4
 
 
+def test_a_frozen_camera_still_gives_one_frame_per_step(tmp_path: Path) -> None:
+    traj = make_traj(t=5, b=1, seed=2)
+    traj["curr_obs"]["main_images"] = torch.zeros(5, 1, 8, 8, 3, dtype=torch.uint8)
+    ckpt = write_ckpt(tmp_path, [traj])
+    run_json("render", ckpt, "--id", "0", "--out", tmp_path / "z.gif")
+    assert len(gif_frames(tmp_path / "z.gif")) == 5
+
+
 def test_contact_sheet_of_chw_and_one_channel_cameras(tmp_path: Path) -> None:
     chw = distinct_frames(5, 2, 9, 8, 3, seed=2).permute(0, 1, 4, 2, 3).contiguous()  # [T, B, 3, 9, 8]
     gray = distinct_frames(5, 2, 6, 7, 1, seed=3)

@@ -84,9 +84,10 @@ def _font(size: int) -> Any:
     return ImageFont.load_default(size=size)
 
 
-def caption(series: Series, step: int) -> tuple[str, bool]:
-    """The words under a frame: its step and reward; and whether an episode ended there."""
-    words = f"t={step}"
+def caption(series: Series, step: int, of_steps: bool = False) -> tuple[str, bool]:
+    """The words under a frame: its step (`of_steps`: and T) and reward; and whether an episode
+    ended there."""
+    words = f"t={step}" + (f" of {series.steps}" if of_steps else "")
     if series.rewards is not None:
         words += f"  r={series.rewards[step]:.3g}"
     done = series.dones is not None and series.dones[step]
@@ -144,7 +145,8 @@ def _stacked(parts: Sequence[Any]) -> Any:
     return out
 
 
-def _png_bytes(image: Any) -> bytes:
+def png_bytes(image: Any) -> bytes:
+    """A PIL image as PNG bytes."""
     buffer = io.BytesIO()
     image.save(buffer, format="PNG", optimize=False)
     return buffer.getvalue()
@@ -164,9 +166,10 @@ def movie_frames(frames: np.ndarray, series: Series, scale: int) -> list[Any]:
         image = image_mod.new("RGB", (width, height), BACKGROUND)
         image.paste(_scaled(frame, scale), (0, 0))
         draw = ImageDraw.Draw(image)
-        words, done = caption(series, step)
+        # the step in every caption also keeps the GIF writer from merging equal frames
+        words, done = caption(series, step, of_steps=True)
         draw.text(
-            (4, tile_h + 4), words + (f"  / {series.steps}" if not done else "  done"), fill=INK, font=font
+            (4, tile_h + 4), words + ("  done" if done else ""), fill=DONE_INK if done else INK, font=font
         )
         if done:
             draw.rectangle((0, tile_h, width - 1, tile_h + 2), fill=DONE_INK)
@@ -259,7 +262,7 @@ def render_trajectory(
                 f"{opened.path}: trajectory {tid} has no image field, rewards, done flags or actions to draw"
             )
         image = _stacked(parts)
-        data, size, shown = _png_bytes(image), image.size, len(steps)
+        data, size, shown = png_bytes(image), image.size, len(steps)
         has_plots = plot is not None
     else:
         assert cam is not None

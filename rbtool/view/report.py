@@ -22,7 +22,7 @@ from typing import Any
 from rbtool.errors import UsageError
 from rbtool.view.frames import Checkpoint
 from rbtool.view.plots import bar_plot, histogram_plot, line_plot, spread_plot
-from rbtool.view.render import contact_sheet, scale_for, sheet_steps
+from rbtool.view.render import contact_sheet, png_bytes, scale_for, sheet_steps
 
 DRAWS = 10_000  # uniform draws simulated for the draw spread
 RETURNS_MAX = 500  # trajectories whose returns are read (evenly spaced past this)
@@ -163,10 +163,7 @@ def shown_trajectories(opened: Checkpoint) -> list[int]:
 
 def frames_section(opened: Checkpoint) -> Section:
     """A few frames (env 0, the first camera) of the first, middle and last trajectories."""
-    from rbtool.view.extras import require_pil
-
     section = Section("frames", "Frames")
-    require_pil()
     for tid in shown_trajectories(opened):
         cams = opened.cameras(tid)
         if not cams:
@@ -177,11 +174,7 @@ def frames_section(opened: Checkpoint) -> Section:
         sheet = contact_sheet(
             opened.frames(tid, 0, cam.field, steps), steps, opened.series(tid, 0), scale_for(cam, FRAME_SIDE)
         )
-        import io
-
-        buffer = io.BytesIO()
-        sheet.save(buffer, format="PNG")
-        section.images.append((f"frames-{tid}", f"trajectory {tid}, env 0, {cam.field}", buffer.getvalue()))
+        section.images.append((f"frames-{tid}", f"trajectory {tid}, env 0, {cam.field}", png_bytes(sheet)))
     if not section.images:
         section.note = "No trajectory shown has an image field."
     return section
@@ -221,9 +214,7 @@ def sections(doc: dict[str, Any], opened: Checkpoint, shown_path: str) -> list[S
         part = episodes.get(key) or {}
         hist = part.get("histogram")
         if part.get("count") and hist:
-            plots.images.append(
-                (name, title, histogram_plot(hist["edges"], hist["counts"], title, title[8:].rstrip("s")))
-            )
+            plots.images.append((name, title, histogram_plot(hist["edges"], hist["counts"], title, key)))
     versions = (data.get("versions") or {}).get("values") or []
     if versions:
         plots.images.append(
