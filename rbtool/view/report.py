@@ -97,7 +97,9 @@ def summary_rows(doc: dict[str, Any], shown_path: str) -> list[tuple[str, str]]:
     if files:
         rows.append(("files", f"{files.get('present')} present, {files.get('missing')} missing"))
         rows.append(("file bytes", _num(files.get("bytes"))))
-    rows.append(("window", f"{window.get('trajectories')} trajectories, {window.get('samples')} samples"))
+    kept = f"{window.get('trajectories')} trajectories, {window.get('samples')} samples"
+    requested = window.get("requested")
+    rows.append(("window", f"the last {requested}: {kept}" if requested else f"all: {kept}"))
     data = doc.get("data") or {}
     rewards = data.get("rewards") or {}
     if rewards.get("count"):
