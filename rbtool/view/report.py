@@ -87,7 +87,7 @@ def summary_rows(doc: dict[str, Any], shown_path: str) -> list[tuple[str, str]]:
         ("trajectory format", _num(index.get("trajectory_format"))),
         ("trajectories", _num(index.get("size"))),
         ("samples", _num(index.get("total_samples"))),
-        ("ids", f"{_num(index.get('id_min'))}..{_num(index.get('id_max'))}"),
+        ("id range", f"{_num(index.get('id_min'))}..{_num(index.get('id_max'))}"),
         ("trajectory counter", _num(index.get("trajectory_counter"))),
         ("seed", _num(index.get("seed"))),
         ("model_weights_ids", _num(index.get("model_weights_ids"))),
