@@ -1,0 +1,1 @@
+"""Looking at a checkpoint: frames, series and cameras (`frames`), and what draws them."""
