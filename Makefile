@@ -5,7 +5,7 @@ PY := .venv/bin/python
 .PHONY: venv test quick lint format bench
 
 venv:
-	python3 -m venv .venv && .venv/bin/pip install -q --upgrade pip && .venv/bin/pip install -q torch==2.13.0 -c constraints.txt && .venv/bin/pip install -q -e '.[test]' -c constraints.txt && .venv/bin/pip check
+	python3 -m venv .venv && .venv/bin/pip install -q --upgrade pip && .venv/bin/pip install -q --no-compile torch==2.13.0 -c constraints.txt && .venv/bin/pip install -q --no-compile -e '.[test]' -c constraints.txt && .venv/bin/pip check
 
 test: lint  # the whole suite, as CI runs it
 	$(PY) -m pytest -n auto

@@ -59,17 +59,14 @@ def main(argv: list[str] | None = None) -> int:
         "ranks_1": [str(TORCHRUN), "--standalone", "--nproc_per_node=1", *command],
         "ranks_2": [str(TORCHRUN), "--standalone", "--nproc_per_node=2", *command],
     }
-    reference = None
-    for argv_ in variants.values():  # warm-up: page cache, and every report must be the same
-        _, doc = timed(argv_)
-        if reference is None:
-            reference = doc
-        elif doc != reference:
-            raise SystemExit(f"{argv_[:4]}: the report differs from one process's")
+    _, reference = timed(variants["process"])  # warm-up: the page cache, and the report to match
     runs: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(cfg.repeats):  # interleaved, so a noisy moment hits every variant alike
         for key, argv_ in variants.items():
-            runs[key].append(timed(argv_)[0])
+            elapsed, doc = timed(argv_)
+            if doc != reference:  # every run's report is one process's
+                raise SystemExit(f"{argv_[:4]}: the report differs from one process's")
+            runs[key].append(elapsed)
     med = {k: statistics.median(v) for k, v in runs.items()}
     doc: dict[str, Any] = {
         "checkpoint": str(ckpt),
