@@ -10,6 +10,7 @@ each check's exact rule.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -202,8 +203,9 @@ def doctor(
         check_file, tasks, jobs, progress, opened, preload=preload, types=(Finding, Result, Traits)
     )
     for task, result in zip(tasks, results, strict=True):
-        for finding in result.findings:
-            finding.checkpoint = str(task.path.parent)
+        where = sys.intern(str(task.path.parent))
+        for finding in result.findings:  # one copy of each directory and advice, not one a finding
+            finding.checkpoint, finding.advice = where, sys.intern(finding.advice)
         report.findings.extend(result.findings)
         report.bytes_read += result.size
     _buffer_checks(report, tasks, results, options, max_staleness)
