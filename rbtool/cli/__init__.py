@@ -30,6 +30,7 @@ from rbtool.cli import (
     stats,
     verify,
     version,
+    view,
 )
 from rbtool.cli._app import Command, Group, Typer
 
@@ -82,6 +83,7 @@ app.command(cls=Command)(sample.sample)
 app.command(cls=Command)(verify.verify)
 app.command(cls=Command)(doctor.doctor)
 app.command(cls=Command)(repair.repair)
+app.command(cls=Command)(view.view)
 app.command(cls=Command)(version.version)
 
 

@@ -106,6 +106,13 @@ EXAMPLES: dict[str, tuple[tuple[str, str], ...]] = {
     "repair": (
         ("write a consistent copy of a checkpoint with missing files", "rbtool repair broken --out repaired"),
     ),
+    "view": (
+        ("look at a checkpoint in the web browser", "rbtool view ckpt"),
+        (
+            "serve at port 9000 for an SSH tunnel, opening no browser",
+            "rbtool view ckpt --port 9000 --no-open",
+        ),
+    ),
     "version": (("the version as JSON", "rbtool version --json"),),
 }
 

@@ -392,6 +392,7 @@ class Handler(BaseHTTPRequestHandler):
 
     server: ViewerServer
     server_version = "rbtool-view"
+    default_request_version = "HTTP/1.0"  # a request line without a version still gets headers
     protocol_version = "HTTP/1.1"
 
     def version_string(self) -> str:
