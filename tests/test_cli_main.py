@@ -105,6 +105,8 @@ def test_every_json_key_is_documented(tmp_path: Path) -> None:
         ["stats", str(ckpt), "--sample-draws", "100"],
         ["stats", str(ckpt), "--index-only"],
         ["sample", str(ckpt), "--num-chunks", "4", "--out", str(tmp_path / "b.pt")],
+        ["render", str(ckpt), "--id", "0", "--out", str(tmp_path / "t0.png")],
+        ["report", str(ckpt), "--out", str(tmp_path / "r.md"), "--markdown", "--sample-draws", "50"],
         ["verify", str(broken), "--deep"],
         ["verify", str(ckpt)],
         ["repair", str(broken), "--out", str(tmp_path / "repaired")],

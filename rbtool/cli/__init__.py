@@ -23,7 +23,9 @@ from rbtool.cli import (
     ingest,
     lerobot,
     merge,
+    render,
     repair,
+    report,
     reshard,
     sample,
     shard,
@@ -80,10 +82,12 @@ app.command(cls=Command)(lerobot.export)  # export --to lerobot
 app.add_typer(lerobot.import_app)  # import lerobot
 app.command(cls=Command)(stats.stats)
 app.command(cls=Command)(sample.sample)
+app.command(cls=Command)(render.render)
+app.command(cls=Command)(report.report)
+app.command(cls=Command)(view.view)
 app.command(cls=Command)(verify.verify)
 app.command(cls=Command)(doctor.doctor)
 app.command(cls=Command)(repair.repair)
-app.command(cls=Command)(view.view)
 app.command(cls=Command)(version.version)
 
 

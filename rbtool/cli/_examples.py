@@ -91,6 +91,24 @@ EXAMPLES: dict[str, tuple[tuple[str, str], ...]] = {
             "rbtool sample ckpt --num-chunks 4 --strategy topk --k 3 --out batch.pt",
         ),
     ),
+    "render": (
+        (
+            "a contact sheet of trajectory 1, env 1, with plots",
+            "rbtool render ckpt --id 1 --env 1 --out t1.png",
+        ),
+        ("its frames over time as a GIF", "rbtool render ckpt --id 1 --out t1.gif --fps 4"),
+    ),
+    "report": (
+        ("one self-contained HTML page, for a CI artifact", "rbtool report ckpt --out report.html"),
+        ("Markdown for a pull request, images beside it", "rbtool report ranks --out ranks.md --markdown"),
+    ),
+    "view": (
+        ("look at a checkpoint in the web browser", "rbtool view ckpt"),
+        (
+            "serve at port 9000 for an SSH tunnel, opening no browser",
+            "rbtool view ckpt --port 9000 --no-open",
+        ),
+    ),
     "verify": (
         ("check a checkpoint's index and files", "rbtool verify ckpt"),
         ("also read every trajectory file, 2 at a time", "rbtool verify ckpt --deep -j 2"),
@@ -105,13 +123,6 @@ EXAMPLES: dict[str, tuple[tuple[str, str], ...]] = {
     ),
     "repair": (
         ("write a consistent copy of a checkpoint with missing files", "rbtool repair broken --out repaired"),
-    ),
-    "view": (
-        ("look at a checkpoint in the web browser", "rbtool view ckpt"),
-        (
-            "serve at port 9000 for an SSH tunnel, opening no browser",
-            "rbtool view ckpt --port 9000 --no-open",
-        ),
     ),
     "version": (("the version as JSON", "rbtool version --json"),),
 }

@@ -52,9 +52,10 @@ def view(
     8000:127.0.0.1:8000 HOST, then open http://127.0.0.1:8000/ there). Ctrl-C stops it.
     """
     from rbtool.remote import parse_storage_options
-    from rbtool.view.server import checkpoint_stats, is_loopback, require_pillow, serve
+    from rbtool.view.extras import require_pil
+    from rbtool.view.server import checkpoint_stats, is_loopback, serve
 
-    require_pillow()
+    require_pil()  # the frames are PNG: refused before the server starts
     from rbtool.view.frames import open_checkpoint
 
     with open_checkpoint(ckpt, parse_storage_options(storage_option)) as checkpoint:

@@ -11,7 +11,9 @@ context manager that never writes into the checkpoint:
   `[T, B, C, H, W]`, C = 1 or 3), those under `curr_obs` first;
 - `series(tid, env)` -> `Series`: one env column's rewards, done flags and actions per step;
 - `frames(tid, env, camera=None, steps=None)` -> numpy uint8 `[n, H, W, C]` (HWC whatever the
-  field's layout; `camera` a `Camera.field`, default the first camera; `steps` default all).
+  field's layout; `camera` a `Camera.field`, default the first camera; `steps` default all);
+- `camera(tid, field=None)` -> `Camera`: one camera by field (default the first), or UsageError;
+- `returns(tid)` -> `list[float] | None`: each env column's sum of rewards.
 
 Reads go through the readers `sample` uses (`buffer.storage.ptfile.open_trajectory`): a `.pt`
 file's fields with large rows stay on disk and only the rows asked for are read; a `.pkl`
@@ -285,6 +287,16 @@ class Checkpoint:
             episode_ends=[int(i) for i in np.flatnonzero(ends)] if ends is not None else [],
             ret=float(sum(reward_list)) if reward_list is not None else None,
         )
+
+    def returns(self, tid: int) -> list[float] | None:
+        """The sum of rewards of each env column of trajectory `tid` (None without rewards)."""
+        with self._lock:
+            data, (t, b) = self._data(tid)
+            value: Any = data.get("rewards")
+            if not hasattr(value, "shape") or len(value.shape) < 2:
+                return None
+            rows = read_rows(value, range(t * b)).reshape(t, b, -1)
+        return [float(v) for v in rows.sum(axis=(0, 2), dtype="float64")]
 
     # ------------------------------------------------------------ lifetime
     def close(self) -> None:

@@ -96,20 +96,11 @@ def number(query: dict[str, list[str]], name: str, default: int | None = None, t
     return int(text)
 
 
-def require_pillow() -> None:
-    """Pillow (the `rbtool[view]` extra) draws the frames: an error naming the extra when it is missing."""
-    try:
-        import PIL.Image  # noqa: F401
-    except ImportError:
-        raise RbtoolError(
-            "the viewer needs Pillow, which is not installed (pip install 'rbtool[view]')"
-        ) from None
-
-
 def png(frame: Any) -> bytes:
     """One uint8 [H, W, C] frame (C 1 or 3) as PNG bytes; fast compression, frames are small."""
-    from PIL import Image
+    from rbtool.view.extras import require_pil
 
+    Image = require_pil()
     pixels = frame[:, :, 0] if frame.shape[2] == 1 else frame
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="PNG", compress_level=1)
