@@ -155,6 +155,7 @@ class Viewer:
         self.stats = stats
         self.loopback_only = loopback_only
         self.entries = checkpoint.entries()
+        self.samples = sum(e.num_samples for e in self.entries)
         self.assets = {name: asset(name) for name in ASSETS}
         self._lock = threading.Lock()
         self._kept: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
@@ -213,11 +214,7 @@ class Viewer:
     # ------------------------------------------------------------ the index
     def checkpoint_doc(self, query: dict[str, list[str]]) -> Reply:
         return json_reply(
-            {
-                "path": self.checkpoint.path,
-                "trajectories": len(self.entries),
-                "samples": sum(e.num_samples for e in self.entries),
-            }
+            {"path": self.checkpoint.path, "trajectories": len(self.entries), "samples": self.samples}
         )
 
     def trajectories(self, query: dict[str, list[str]]) -> Reply:
