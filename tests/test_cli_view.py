@@ -77,6 +77,7 @@ def stop(process: subprocess.Popen[str]) -> tuple[str, str]:
     return out, err
 
 
+@pytest.mark.slow  # Ctrl-C sent to a running command
 @pytest.mark.parametrize("line", [command for _, command in EXAMPLES["view"]])
 def test_every_example_serves_until_ctrl_c(line: str) -> None:
     """The --help examples (tests/test_cli_examples.py leaves them to this test), on a free port."""
@@ -95,6 +96,7 @@ def test_every_example_serves_until_ctrl_c(line: str) -> None:
     assert "Traceback" not in err
 
 
+@pytest.mark.slow  # Ctrl-C sent to a running command
 def test_another_host_is_warned_about() -> None:
     with viewing(str(CKPT), "--host", "0.0.0.0") as (process, url):
         assert url.startswith("http://0.0.0.0:")

@@ -177,6 +177,19 @@ def test_assets_are_served_by_name_only(viewer: Viewer) -> None:
         refused(get(viewer, target), 404)
 
 
+def test_the_assets_ship_in_the_package() -> None:
+    """pyproject's package data takes every asset the server serves into the wheel."""
+    import tomllib
+    from fnmatch import fnmatch
+
+    from rbtool.view.server import ASSETS
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    globs = project["tool"]["setuptools"]["package-data"]["rbtool"]
+    for name in ASSETS:
+        assert any(fnmatch(f"view/assets/{name}", glob) for glob in globs), name
+
+
 def test_the_page_loads_nothing_from_elsewhere() -> None:
     """No URL with a host in the assets: every script, style and image is this server's."""
     import re
