@@ -172,3 +172,14 @@ def test_threads_share_one_checkpoint_and_nothing_is_written(tmp_path: Path) -> 
         assert len(opened._open) <= 4  # the opened files stay bounded
     assert errors == []
     assert tree_digest(ckpt) == before
+
+
+def test_listed_ids_without_files_are_left_out_and_named() -> None:
+    """RLinf's buffer with auto_save off saves an index that lists trajectories it never wrote."""
+    from rbtool.errors import CheckpointError
+
+    with open_checkpoint(FIXTURES / "nosave_window2_pt" / "ckpt") as opened:
+        assert [e.tid for e in opened.entries()] == [3, 4]
+        assert opened.frames(4, 0).shape[0] == opened.entry(4).t
+        with pytest.raises(CheckpointError, match="trajectory 1 is listed, but its file is missing"):
+            opened.entry(1)

@@ -5,8 +5,10 @@ as the merge of its ranks, with the merged ids) or a URL (read through an index 
 trajectory's object is fetched the first time it is read) and returns a `Checkpoint`, a
 context manager that never writes into the checkpoint:
 
-- `entries()` -> `list[Entry]`: every trajectory as the index tells it (no file read);
-- `entry(tid)` -> `Entry`: one of them (`UsageError` for an id the index does not list);
+- `entries()` -> `list[Entry]`: every trajectory as the index tells it (no file read), those
+  whose files are missing left out;
+- `entry(tid)` -> `Entry`: one of them (`UsageError` for an id the index does not list,
+  `CheckpointError` for one whose file is missing);
 - `cameras(tid)` -> `list[Camera]`: the trajectory's image fields (uint8 `[T, B, H, W, C]` or
   `[T, B, C, H, W]`, C = 1 or 3), those under `curr_obs` first;
 - `series(tid, env)` -> `Series`: one env column's rewards, done flags and actions per step;
@@ -33,7 +35,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from rbtool.errors import UsageError
+from rbtool.errors import CheckpointError, UsageError
 from rbtool.format.layout import DONE_LIKE, drop_bootstrap_rows, episode_ends
 
 if TYPE_CHECKING:
@@ -137,6 +139,8 @@ class Checkpoint:
         self._lock = threading.RLock()
         self._open: OrderedDict[int, tuple[dict[str, Any], tuple[int, int]]] = OrderedDict()
         self._entries = [self._entry(i) for i in view.index.id_list]
+        # listed ids whose files are missing (RLinf writes such checkpoints with auto_save off)
+        self._missing = set() if view.is_tree else set(view.dropped_ids())
         self._by_id = {e.tid: e for e in self._entries}
 
     # ------------------------------------------------------------ the index
@@ -162,12 +166,14 @@ class Checkpoint:
         )
 
     def entries(self) -> list[Entry]:
-        """Every trajectory the index lists, in index order."""
+        """Every trajectory the index lists whose file exists, in index order."""
         return list(self._entries)
 
     def entry(self, tid: int) -> Entry:
         """The trajectory `tid`; UsageError when the index does not list it."""
         found = self._by_id.get(tid)
+        if found is None and tid in self._missing:
+            raise CheckpointError(f"{self.path}: trajectory {tid} is listed, but its file is missing")
         if found is None:
             ids = self.view.index.id_list
             listed = f"ids {ids[0]}..{ids[-1]}" if ids else "no trajectories"
@@ -329,9 +335,9 @@ def open_checkpoint(
     try:
         if remote.is_url(given):
             mirror = stack.enter_context(remote.index_mirror(given, storage_options or {}))
-            view = open_view(mirror.path)
+            view = open_view(mirror.path, strict=False)
             return Checkpoint(view, mirror, given.rstrip("/"), stack)
-        view = open_view(remote.local_path(given))
+        view = open_view(remote.local_path(given), strict=False)
         return Checkpoint(view, None, None, stack)
     except BaseException:
         stack.close()

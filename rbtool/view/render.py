@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rbtool.errors import RbtoolError, UsageError
-from rbtool.view.extras import require_av, require_pil
+from rbtool.view.extras import require_av, require_pil, require_pyplot
 from rbtool.view.frames import Camera, Checkpoint, Series
 from rbtool.view.plots import series_plot
 
@@ -84,9 +84,10 @@ def _font(size: int) -> Any:
     return ImageFont.load_default(size=size)
 
 
-def caption(series: Series, step: int) -> tuple[str, bool]:
-    """The words under a frame: its step and reward; and whether an episode ended there."""
-    words = f"t={step}"
+def caption(series: Series, step: int, of_steps: bool = False) -> tuple[str, bool]:
+    """The words under a frame: its step (`of_steps`: and T) and reward; and whether an episode
+    ended there."""
+    words = f"t={step}" + (f" of {series.steps}" if of_steps else "")
     if series.rewards is not None:
         words += f"  r={series.rewards[step]:.3g}"
     done = series.dones is not None and series.dones[step]
@@ -97,7 +98,7 @@ def _rgb(frame: np.ndarray) -> Any:
     """A HWC uint8 frame (C 1 or 3) as a PIL RGB image."""
     image_mod = require_pil()
     pixels = frame[:, :, 0] if frame.shape[2] == 1 else frame
-    return image_mod.fromarray(pixels, mode=None).convert("RGB")
+    return image_mod.fromarray(pixels).convert("RGB")
 
 
 def _scaled(frame: np.ndarray, scale: int) -> Any:
@@ -144,7 +145,8 @@ def _stacked(parts: Sequence[Any]) -> Any:
     return out
 
 
-def _png_bytes(image: Any) -> bytes:
+def png_bytes(image: Any) -> bytes:
+    """A PIL image as PNG bytes."""
     buffer = io.BytesIO()
     image.save(buffer, format="PNG", optimize=False)
     return buffer.getvalue()
@@ -164,9 +166,10 @@ def movie_frames(frames: np.ndarray, series: Series, scale: int) -> list[Any]:
         image = image_mod.new("RGB", (width, height), BACKGROUND)
         image.paste(_scaled(frame, scale), (0, 0))
         draw = ImageDraw.Draw(image)
-        words, done = caption(series, step)
+        # the step in every caption also keeps the GIF writer from merging equal frames
+        words, done = caption(series, step, of_steps=True)
         draw.text(
-            (4, tile_h + 4), words + (f"  / {series.steps}" if not done else "  done"), fill=INK, font=font
+            (4, tile_h + 4), words + ("  done" if done else ""), fill=DONE_INK if done else INK, font=font
         )
         if done:
             draw.rectangle((0, tile_h, width - 1, tile_h + 2), fill=DONE_INK)
@@ -227,6 +230,11 @@ def render_trajectory(
     kind = kind_of(out)
     if sheet_frames < 1 or fps < 1:
         raise UsageError(f"frames and fps must be >= 1, got {sheet_frames} and {fps}")
+    require_pil()  # a missing extra said before anything is read
+    if kind == "mp4":
+        require_av()
+    if kind == "png":
+        require_pyplot()
     check_file_target(out, overwrite=overwrite)
     opened.entry(tid)
     series = opened.series(tid, env)
@@ -254,7 +262,7 @@ def render_trajectory(
                 f"{opened.path}: trajectory {tid} has no image field, rewards, done flags or actions to draw"
             )
         image = _stacked(parts)
-        data, size, shown = _png_bytes(image), image.size, len(steps)
+        data, size, shown = png_bytes(image), image.size, len(steps)
         has_plots = plot is not None
     else:
         assert cam is not None

@@ -22,12 +22,14 @@ from typing import Any
 from rbtool.errors import UsageError
 from rbtool.view.frames import Checkpoint
 from rbtool.view.plots import bar_plot, histogram_plot, line_plot, spread_plot
-from rbtool.view.render import contact_sheet, scale_for, sheet_steps
+from rbtool.view.render import contact_sheet, png_bytes, scale_for, sheet_steps
 
 DRAWS = 10_000  # uniform draws simulated for the draw spread
 RETURNS_MAX = 500  # trajectories whose returns are read (evenly spaced past this)
 SHOWN_FRAMES = 6  # frames per trajectory shown
 FRAME_SIDE = 96  # shown frames scaled up to at least this on their long side
+# What the page may load: its inline style and data: images, nothing else (no script, no fetch).
+POLICY = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
 STYLE = """
 body { font: 14px/1.45 system-ui, sans-serif; color: #222; margin: 2em auto; max-width: 1100px;
        padding: 0 1em; }
@@ -161,10 +163,7 @@ def shown_trajectories(opened: Checkpoint) -> list[int]:
 
 def frames_section(opened: Checkpoint) -> Section:
     """A few frames (env 0, the first camera) of the first, middle and last trajectories."""
-    from rbtool.view.extras import require_pil
-
     section = Section("frames", "Frames")
-    require_pil()
     for tid in shown_trajectories(opened):
         cams = opened.cameras(tid)
         if not cams:
@@ -175,11 +174,7 @@ def frames_section(opened: Checkpoint) -> Section:
         sheet = contact_sheet(
             opened.frames(tid, 0, cam.field, steps), steps, opened.series(tid, 0), scale_for(cam, FRAME_SIDE)
         )
-        import io
-
-        buffer = io.BytesIO()
-        sheet.save(buffer, format="PNG")
-        section.images.append((f"frames-{tid}", f"trajectory {tid}, env 0, {cam.field}", buffer.getvalue()))
+        section.images.append((f"frames-{tid}", f"trajectory {tid}, env 0, {cam.field}", png_bytes(sheet)))
     if not section.images:
         section.note = "No trajectory shown has an image field."
     return section
@@ -219,9 +214,7 @@ def sections(doc: dict[str, Any], opened: Checkpoint, shown_path: str) -> list[S
         part = episodes.get(key) or {}
         hist = part.get("histogram")
         if part.get("count") and hist:
-            plots.images.append(
-                (name, title, histogram_plot(hist["edges"], hist["counts"], title, title[8:].rstrip("s")))
-            )
+            plots.images.append((name, title, histogram_plot(hist["edges"], hist["counts"], title, key)))
     versions = (data.get("versions") or {}).get("values") or []
     if versions:
         plots.images.append(
@@ -264,6 +257,7 @@ def to_html(parts: Sequence[Section], shown_path: str) -> str:
     lines = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
+        f'<meta http-equiv="Content-Security-Policy" content="{POLICY}">',
         f"<title>rbtool report: {esc(shown_path)}</title>",
         f"<style>{STYLE}</style></head><body>",
         "<h1>Replay-buffer checkpoint report</h1>",
@@ -334,10 +328,13 @@ def write_report(
     """
     from rbtool.files.fsutil import check_file_target, make_parents, write_bytes_atomic
     from rbtool.ops.stats import DrawRequest, collect_stats
+    from rbtool.view.extras import require_pil, require_pyplot
     from rbtool.view.frames import open_checkpoint
 
     if draws < 1:
         raise UsageError(f"draws must be >= 1, got {draws}")
+    require_pil()  # a missing extra said before anything is read
+    require_pyplot()
     shown = shown_path or str(local)
     check_file_target(out, overwrite=overwrite)
     doc = collect_stats(local, window=window, draws=DrawRequest(draws, "uniform", None, 1.0, None), jobs=jobs)
