@@ -22,6 +22,7 @@ from conftest import FIXTURES, tree_digest
 from rbtool.errors import RbtoolError
 from rbtool.view.frames import Checkpoint, open_checkpoint
 from rbtool.view.server import (
+    ASSETS,
     CSP,
     PAGE_ROWS,
     SUMMARY_IDS,
@@ -179,11 +180,9 @@ def test_assets_are_served_by_name_only(viewer: Viewer) -> None:
 
 def test_the_assets_ship_in_the_package() -> None:
     """pyproject's package data takes every asset the server serves into the wheel."""
-    import tomllib
     from fnmatch import fnmatch
 
-    from rbtool.view.server import ASSETS
-
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
     project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
     globs = project["tool"]["setuptools"]["package-data"]["rbtool"]
     for name in ASSETS:
