@@ -364,3 +364,15 @@ def test_browsing_writes_nothing(tmp_path: Path) -> None:
         ):
             assert get(viewer, target).status == 200, target
     assert tree_digest(copy) == before
+
+
+def test_a_listed_trajectory_without_its_file_is_named_not_served() -> None:
+    """RLinf with auto_save off lists ids whose files it never wrote: the others are shown."""
+    with open_checkpoint(FIXTURES / "nosave_window2_pt/ckpt") as opened:
+        viewer = Viewer(opened, checkpoint_stats(opened, 100))
+        assert [r["id"] for r in doc(get(viewer, "/api/trajectories"))["rows"]] == [3, 4]
+        rows = doc(get(viewer, "/api/summaries?ids=0,3"))["rows"]
+        assert "trajectory 0 is listed, but its file is missing" in rows[0]["error"]
+        assert rows[1]["episodes"] > 0
+        for target in ("/api/trajectory?id=0", "/api/frame?id=0&env=0&step=0", "/api/series?id=0"):
+            assert "its file is missing" in refused(get(viewer, target), 422)
