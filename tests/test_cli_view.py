@@ -237,6 +237,13 @@ def test_the_viewer_in_a_real_browser(tmp_path: Path) -> None:
             )
             assert browser.evaluate(FIRST_IMAGE_PIXELS) == rgba(expected[1][1])
 
+            # with the slider focused an arrow moves it one step, not two (its own and the page's)
+            browser.evaluate("document.querySelector('#step').focus()")
+            browser.press("ArrowRight", 39)
+            browser.wait_for("document.querySelector('#player').dataset.step === '2'")
+            time.sleep(0.2)
+            assert browser.evaluate("document.querySelector('#player').dataset.step") == "2"
+
             # the stats page: index, model_weights_ids and the draw spread
             browser.navigate(url + "#/stats")
             browser.wait_for("document.querySelectorAll('#weights tbody tr').length === 5")

@@ -136,7 +136,20 @@ async function trajectoryPage(id) {
     const img = el("img", { alt: camera.field, "data-camera": camera.field });
     img.width = camera.width * scale;
     img.height = camera.height * scale;
-    player.append(el("figure", {}, img, el("figcaption", { text: `${camera.field} ${camera.height}×${camera.width}` })));
+    const caption = el("figcaption", { text: `${camera.field} ${camera.height}×${camera.width}` });
+    img.addEventListener("error", async () => {
+      try {
+        await api(img.src); // the server's JSON says why
+      } catch (error) {
+        caption.textContent = `${camera.field}: ${error.message}`;
+        caption.className = "error";
+      }
+    });
+    img.addEventListener("load", () => {
+      caption.textContent = `${camera.field} ${camera.height}×${camera.width}`;
+      caption.className = "";
+    });
+    player.append(el("figure", {}, img, caption));
     return [camera, img];
   });
   if (!images.length) player.append(el("p", { class: "note", text: "This trajectory holds no image field." }));
@@ -248,7 +261,11 @@ async function trajectoryPage(id) {
   envSelect.addEventListener("change", () => loadEnv(Number(envSelect.value)));
   play.addEventListener("click", toggle);
   function onKey(event) {
-    if (event.target instanceof HTMLInputElement && event.target.type !== "range") return;
+    const target = event.target;
+    if (target instanceof HTMLInputElement && target.type !== "range") return;
+    // a focused button clicks itself on space or Enter; the keys below are the page's (their
+    // default actions, the slider's and the selector's own steps, prevented)
+    if (target instanceof HTMLButtonElement && (event.key === " " || event.key === "Enter")) return;
     const moves = { ArrowRight: 1, ArrowLeft: -1 };
     if (event.key in moves) go(state.step + moves[event.key]);
     else if (event.key === "Home") go(0);
