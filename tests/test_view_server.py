@@ -376,3 +376,20 @@ def test_a_listed_trajectory_without_its_file_is_named_not_served() -> None:
         assert rows[1]["episodes"] > 0
         for target in ("/api/trajectory?id=0", "/api/frame?id=0&env=0&step=0", "/api/series?id=0"):
             assert "its file is missing" in refused(get(viewer, target), 422)
+
+
+def test_an_empty_checkpoint_is_listed_and_has_stats_without_draws(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "metadata.json").write_text(
+        json.dumps({"trajectory_format": "pt", "size": 0, "total_samples": 0, "trajectory_counter": 0})
+    )
+    (empty / "trajectory_index.json").write_text(
+        json.dumps({"trajectory_index": {}, "trajectory_id_list": []})
+    )
+    with open_checkpoint(empty) as opened:
+        viewer = Viewer(opened, checkpoint_stats(opened, 100))
+        assert doc(get(viewer, "/api/trajectories")) == {"total": 0, "offset": 0, "rows": []}
+        for target in ("/api/stats", "/api/stats?files=1"):
+            found = doc(get(viewer, target))
+            assert found["index"]["size"] == 0 and found["draws"] is None

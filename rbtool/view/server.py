@@ -131,11 +131,15 @@ def checkpoint_stats(checkpoint: Checkpoint, window: int) -> StatsSource:
             raise NeedsTrajectoryFilesError(
                 f"{checkpoint.path}: the viewer reads a URL's index only; `rbtool stats` reads its files"
             )
+        entries = checkpoint.entries()
+        drawn = entries[-window:] if window > 0 else entries
+        # no draw spread of a window without samples (an empty buffer): there is nothing to draw
+        draws = DrawRequest(STATS_DRAWS, "uniform", None, 1.0, STATS_SEED)
         doc = collect_stats(
             checkpoint.view.path,
             window=window,
             index_only=not read_files,
-            draws=DrawRequest(STATS_DRAWS, "uniform", None, 1.0, STATS_SEED),
+            draws=draws if any(e.num_samples for e in drawn) else None,
         )
         doc["path"] = checkpoint.path
         return doc
