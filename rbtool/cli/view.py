@@ -29,6 +29,7 @@ def view(
         str,
         typer.Option(
             "--host",
+            metavar="ADDRESS",
             help="Address to listen at. Anything but a loopback address lets other machines read the "
             "checkpoint (the viewer has no login), and is warned about.",
         ),
