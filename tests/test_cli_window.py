@@ -33,7 +33,7 @@ def test_the_default_is_the_buffer_default() -> None:
     assert buffer_default == DEFAULT_WINDOW
 
 
-WINDOWED = [["sample", "--help"], ["stats", "--help"], ["checkpoint", "save", "--help"]]
+WINDOWED = [["sample", "--help"], ["stats", "--help"], ["checkpoint", "save", "--help"], ["report", "--help"]]
 
 
 @pytest.mark.parametrize("args", WINDOWED, ids=lambda a: a[0])

@@ -23,6 +23,7 @@ def render(
         Path,
         typer.Option(
             "--out",
+            metavar="FILE",
             help="The file to write: .png (contact sheet and plots), .gif or .mp4 (one frame per step).",
             parser=local_path_arg,
         ),

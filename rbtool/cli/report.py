@@ -13,6 +13,7 @@ from rbtool.cli._options import DirArg, JobsOpt, Json, StorageOpt, WindowOpt
 from rbtool.cli._output import count, printable, size
 from rbtool.cli._places import is_url, local_path_arg, reading, refuse_overlap
 from rbtool.cli._progress import progress_bar, show_progress
+from rbtool.cli._window import DEFAULT_WINDOW
 
 
 def report(
@@ -21,6 +22,7 @@ def report(
         Path,
         typer.Option(
             "--out",
+            metavar="FILE",
             help="The page to write: one HTML file with everything inline (with --markdown, a .md "
             "file and its PNG images beside it).",
             parser=local_path_arg,
@@ -29,10 +31,10 @@ def report(
     markdown: Annotated[
         bool,
         typer.Option(
-            "--markdown", help="Write Markdown, its images as PNG files beside it (OUT's stem-*.png)."
+            "--markdown", help="Write Markdown, its images as PNG files beside it (FILE's stem-*.png)."
         ),
     ] = False,
-    window: WindowOpt = 0,
+    window: WindowOpt = DEFAULT_WINDOW,
     sample_draws: Annotated[
         int,
         typer.Option("--sample-draws", min=1, help="Uniform draws simulated for the draw-spread plot."),

@@ -170,7 +170,8 @@ class Checkpoint:
         return list(self._entries)
 
     def entry(self, tid: int) -> Entry:
-        """The trajectory `tid`; UsageError when the index does not list it."""
+        """The trajectory `tid`: UsageError when the index does not list it, CheckpointError when
+        it lists it but its file is missing."""
         found = self._by_id.get(tid)
         if found is None and tid in self._missing:
             raise CheckpointError(f"{self.path}: trajectory {tid} is listed, but its file is missing")

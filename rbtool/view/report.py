@@ -87,7 +87,7 @@ def summary_rows(doc: dict[str, Any], shown_path: str) -> list[tuple[str, str]]:
         ("trajectory format", _num(index.get("trajectory_format"))),
         ("trajectories", _num(index.get("size"))),
         ("samples", _num(index.get("total_samples"))),
-        ("ids", f"{_num(index.get('id_min'))}..{_num(index.get('id_max'))}"),
+        ("id range", f"{_num(index.get('id_min'))}..{_num(index.get('id_max'))}"),
         ("trajectory counter", _num(index.get("trajectory_counter"))),
         ("seed", _num(index.get("seed"))),
         ("model_weights_ids", _num(index.get("model_weights_ids"))),
@@ -97,7 +97,9 @@ def summary_rows(doc: dict[str, Any], shown_path: str) -> list[tuple[str, str]]:
     if files:
         rows.append(("files", f"{files.get('present')} present, {files.get('missing')} missing"))
         rows.append(("file bytes", _num(files.get("bytes"))))
-    rows.append(("window", f"{window.get('trajectories')} trajectories, {window.get('samples')} samples"))
+    kept = f"{window.get('trajectories')} trajectories, {window.get('samples')} samples"
+    requested = window.get("requested")
+    rows.append(("window", f"the last {requested}: {kept}" if requested else f"all: {kept}"))
     data = doc.get("data") or {}
     rewards = data.get("rewards") or {}
     if rewards.get("count"):
