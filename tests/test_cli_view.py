@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import select
 import shlex
 import signal
@@ -209,6 +210,9 @@ def test_the_viewer_in_a_real_browser(tmp_path: Path) -> None:
             browser.evaluate("document.querySelector('tr.row[data-id=\"1\"]').click()")
             browser.wait_for("location.hash === '#/t/1'")
             browser.wait_for(IMAGES_LOADED)
+            assert re.search(
+                r"&run=[0-9a-f]{16}$", browser.evaluate("document.querySelector('#player img').src")
+            )
             assert browser.evaluate(FIRST_IMAGE_PIXELS) == rgba(expected[0][0])
 
             browser.press("ArrowRight", 39)  # the next step

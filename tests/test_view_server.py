@@ -99,6 +99,7 @@ def test_return_and_episodes_are_read_for_the_rows_asked(viewer: Viewer, checkpo
 def test_a_trajectory_names_its_cameras(viewer: Viewer) -> None:
     found = doc(get(viewer, "/api/trajectory?id=2"))
     assert found["entry"]["id"] == 2 and (found["entry"]["T"], found["entry"]["B"]) == (4, 2)
+    assert found["run"] == viewer.run and len(viewer.run) == 16
     assert [c["field"] for c in found["cameras"]] == ["curr_obs.main_images", "next_obs.main_images"]
     assert found["cameras"][0] == {
         "field": "curr_obs.main_images",
@@ -125,7 +126,7 @@ def test_a_frame_is_the_png_of_its_pixels(viewer: Viewer, checkpoint: Checkpoint
     assert reply.status == 200 and reply.content_type == "image/png"
     shown = np.asarray(Image.open(io.BytesIO(reply.body)))
     assert np.array_equal(shown, checkpoint.frames(3, 1, "next_obs.main_images", [2])[0])
-    default = get(viewer, "/api/frame?id=3&env=1&step=2")
+    default = get(viewer, f"/api/frame?id=3&env=1&step=2&run={viewer.run}")
     assert np.array_equal(
         np.asarray(Image.open(io.BytesIO(default.body))), checkpoint.frames(3, 1, None, [2])[0]
     )

@@ -17,6 +17,7 @@ import functools
 import io
 import ipaddress
 import re
+import secrets
 import socket
 import socketserver
 import sys
@@ -160,6 +161,9 @@ class Viewer:
         self.loopback_only = loopback_only
         self.entries = checkpoint.entries()
         self.samples = sum(e.num_samples for e in self.entries)
+        # Frame URLs carry this run's token, so a browser's cached frames of another checkpoint
+        # served earlier at the same port are never shown for this one.
+        self.run = secrets.token_hex(8)
         self.assets = {name: asset(name) for name in ASSETS}
         self._lock = threading.Lock()
         self._kept: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
@@ -274,7 +278,7 @@ class Viewer:
         """One trajectory: its index entry and cameras."""
         entry = self._entry(query)
         cameras = [asdict(c) for c in self.checkpoint.cameras(entry.tid)]
-        return json_reply({"entry": entry_doc(entry), "cameras": cameras})
+        return json_reply({"entry": entry_doc(entry), "cameras": cameras, "run": self.run})
 
     def series(self, query: dict[str, list[str]]) -> Reply:
         """One env column's rewards, done flags, actions and episode ends, per step."""
@@ -283,7 +287,8 @@ class Viewer:
         return json_reply({"id": entry.tid, "env": env, **asdict(self._series(entry.tid, env))})
 
     def frame(self, query: dict[str, list[str]]) -> Reply:
-        """One frame as PNG: `id`, `env`, `step` and `camera` (a field path; default the first)."""
+        """One frame as PNG: `id`, `env`, `step` and `camera` (a field path; default the first);
+        `run`, the token of the run that listed the cameras, only keeps browsers' caches apart."""
         entry = self._entry(query)
         env = self._env(query, entry)
         step = number(query, "step", 0)

@@ -185,7 +185,8 @@ async function trajectoryPage(id) {
   );
 
   function frameUrl(camera, step) {
-    return `/api/frame?id=${entry.id}&env=${state.env}&step=${step}&camera=${encodeURIComponent(camera.field)}`;
+    const where = `id=${entry.id}&env=${state.env}&step=${step}&camera=${encodeURIComponent(camera.field)}`;
+    return `/api/frame?${where}&run=${doc.run}`; // run: cached frames of an earlier server are not these
   }
 
   let clickers = {};
