@@ -94,9 +94,11 @@ async function listPage(page) {
     pager,
     el("p", { class: "note", text: "Return and episodes are read from the files of the rows shown." }),
   );
-  // Return and episodes of the rows shown, from their files, a few at a time.
+  // Return and episodes of the rows shown, from their files, a few at a time; no more once
+  // another page is shown.
   const ids = doc.rows.map((r) => r.id);
-  for (let i = 0; i < ids.length; i += 10) {
+  const shown = body;
+  for (let i = 0; i < ids.length && shown.isConnected; i += 10) {
     let found;
     try {
       found = await api(`/api/summaries?ids=${ids.slice(i, i + 10).join(",")}`);
