@@ -152,12 +152,21 @@ const Plot = (() => {
     });
   }
 
-  // Observed against expected shares per item: filled bars and an outline.
-  function shares(canvas, { observed, expected }) {
+  // Observed against expected shares per item: filled bars and a line each, the items' ids
+  // (some of them, when there are many) below.
+  function shares(canvas, { observed, expected, id = [] }) {
     const { ctx, width, height } = context(canvas);
     const top = Math.max(1e-12, ...observed, ...expected);
     const slot = (width - 8) / Math.max(1, observed.length);
-    const h = height - 8;
+    const h = height - 22;
+    ctx.fillStyle = "#667085";
+    ctx.font = "11px system-ui, sans-serif";
+    ctx.textAlign = "center";
+    ctx.textBaseline = "top";
+    const every = Math.max(1, Math.ceil(id.length / 20));
+    id.forEach((name, i) => {
+      if (i % every === 0) ctx.fillText(String(name), 4 + (i + 0.5) * slot, h + 8);
+    });
     observed.forEach((v, i) => {
       ctx.fillStyle = PALETTE[0];
       const bar = (v / top) * h;
