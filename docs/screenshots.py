@@ -37,7 +37,8 @@ def rbtool(*args: str | Path) -> None:
 
 
 def photograph(url: str, out: Path, width: int, height: int) -> None:
-    """A screenshot of `url` by headless Chromium, offline (names resolve nowhere, no proxy answers)."""
+    """A screenshot of `url` by headless Chromium, offline (names resolve nowhere, no proxy answers)
+    but for 127.0.0.1."""
     with tempfile.TemporaryDirectory() as profile:
         subprocess.run(
             [
@@ -47,8 +48,10 @@ def photograph(url: str, out: Path, width: int, height: int) -> None:
                 "--disable-gpu",
                 "--hide-scrollbars",
                 f"--user-data-dir={profile}",
-                "--host-resolver-rules=MAP * ~NOTFOUND",
+                # offline but for 127.0.0.1, where `rbtool view` serves
+                "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
                 "--proxy-server=127.0.0.1:9",
+                "--proxy-bypass-list=127.0.0.1",
                 f"--window-size={width},{height}",
                 "--virtual-time-budget=5000",
                 f"--screenshot={out}",
@@ -67,8 +70,37 @@ def report(work: Path) -> None:
     photograph(page.as_uri(), IMAGES / "report.png", 1100, 2500)
 
 
+VIEW_FIXTURE = "fixtures/rlinf/varying_shapes_pt/ckpt"  # trajectory 5 is T=5, B=2, two cameras
+
+
+def view(work: Path) -> None:
+    """docs/images/viewer.png: `rbtool view` at trajectory 5 of the varying-shapes fixture.
+
+    The viewer runs as a user starts it (`--no-open --port 0`, the URL read from what it
+    prints) and is stopped with Ctrl-C once photographed.
+    """
+    import signal
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "rbtool", "view", VIEW_FIXTURE, "--no-open", "--port", "0", "-q"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    try:
+        url = server.stdout.readline().strip()  # type: ignore[union-attr]
+        if not url.startswith("http://127.0.0.1:"):
+            raise SystemExit(f"rbtool view printed no URL (got {url!r})")
+        photograph(url + "#/t/5", IMAGES / "viewer.png", 1280, 860)
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.communicate(timeout=30)
+
+
 # The pages, in the order they are made: name -> function writing docs/images/<name>.png.
-PAGES: dict[str, Callable[[Path], None]] = {"report": report}
+PAGES: dict[str, Callable[[Path], None]] = {"report": report, "view": view}
 
 
 def main() -> None:

@@ -32,6 +32,7 @@ from rbtool.cli import (
     stats,
     verify,
     version,
+    view,
 )
 from rbtool.cli._app import Command, Group, Typer
 
@@ -83,6 +84,7 @@ app.command(cls=Command)(stats.stats)
 app.command(cls=Command)(sample.sample)
 app.command(cls=Command)(render.render)
 app.command(cls=Command)(report.report)
+app.command(cls=Command)(view.view)
 app.command(cls=Command)(verify.verify)
 app.command(cls=Command)(doctor.doctor)
 app.command(cls=Command)(repair.repair)

@@ -102,6 +102,13 @@ EXAMPLES: dict[str, tuple[tuple[str, str], ...]] = {
         ("one self-contained HTML page, for a CI artifact", "rbtool report ckpt --out report.html"),
         ("Markdown for a pull request, images beside it", "rbtool report ranks --out ranks.md --markdown"),
     ),
+    "view": (
+        ("look at a checkpoint in the web browser", "rbtool view ckpt"),
+        (
+            "serve at port 9000 for an SSH tunnel, opening no browser",
+            "rbtool view ckpt --port 9000 --no-open",
+        ),
+    ),
     "verify": (
         ("check a checkpoint's index and files", "rbtool verify ckpt"),
         ("also read every trajectory file, 2 at a time", "rbtool verify ckpt --deep -j 2"),
