@@ -183,3 +183,24 @@ def test_listed_ids_without_files_are_left_out_and_named() -> None:
         assert opened.frames(4, 0).shape[0] == opened.entry(4).t
         with pytest.raises(CheckpointError, match="trajectory 1 is listed, but its file is missing"):
             opened.entry(1)
+
+
+def test_a_url_read_trajectory_after_trajectory_stays_within_the_cache(
+    bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A viewer moving through a remote checkpoint keeps only the objects of its open files: the
+    ones it moved on from are dropped, so a cache of five files reads ten trajectories twice over."""
+    from conftest import run_json
+
+    from rbtool.view.frames import OPEN_FILES
+
+    monkeypatch.setenv("RBTOOL_CACHE_DIR", str(tmp_path / "cache"))
+    local = write_ckpt(tmp_path, [make_traj(t=5, b=2, seed=i, image=16) for i in range(10)])
+    url = f"{bucket}/ckpt"
+    run_json("checkpoint", "save", local, url, "--window", "0")
+    largest = max(p.stat().st_size for p in local.glob("trajectory_*"))
+    monkeypatch.setenv("RBTOOL_CACHE_BYTES", str((OPEN_FILES + 1) * largest))
+    with open_checkpoint(url) as remote, open_checkpoint(local) as here:
+        for tid in [*range(10), *range(10)]:
+            assert np.array_equal(remote.frames(tid, 1), here.frames(tid, 1))
+            assert remote._mirror is not None and remote._mirror.fetched_bytes <= OPEN_FILES * largest

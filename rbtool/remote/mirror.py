@@ -206,6 +206,20 @@ class IndexMirror:
         self.fetched += len(todo)
         self.fetched_bytes += sum(self.checkpoint.sizes[rel] for rel in todo)
 
+    def release(self, paths: Sequence[Path]) -> None:
+        """Stand in again for the fetched objects of `paths`: their bytes dropped (a sparse file of
+        the recorded size again) and no longer counted against the cache, so a reader that moves
+        from trajectory to trajectory for hours (the web viewer) stays within the bound."""
+        for path in paths:
+            rel = path.relative_to(self.path).as_posix()
+            if rel not in self._done or rel.rsplit("/", 1)[-1] in _JSON_OBJECTS:
+                continue
+            size = self.checkpoint.sizes[rel]
+            os.truncate(path, 0)
+            os.truncate(path, size)
+            self._done.discard(rel)
+            self.fetched_bytes -= size
+
     def holds(self, rel: str) -> bool:
         """True once the object `rel` is here whole (a JSON object, or fetched), not stood in for."""
         return rel in self._done

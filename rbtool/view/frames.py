@@ -198,7 +198,9 @@ class Checkpoint:
         opened = (data, (int(info.shape[0]), int(info.shape[1])))
         self._open[tid] = opened
         while len(self._open) > OPEN_FILES:
-            self._open.popitem(last=False)
+            gone, _ = self._open.popitem(last=False)
+            if self._mirror is not None:  # a URL's object fetched for it is dropped with it
+                self._mirror.release([self.view.file_of(gone)])
         return opened
 
     def _env(self, tid: int, env: int, b: int) -> None:
