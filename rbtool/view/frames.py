@@ -15,7 +15,8 @@ context manager that never writes into the checkpoint:
 - `frames(tid, env, camera=None, steps=None)` -> numpy uint8 `[n, H, W, C]` (HWC whatever the
   field's layout; `camera` a `Camera.field`, default the first camera; `steps` default all);
 - `camera(tid, field=None)` -> `Camera`: one camera by field (default the first), or UsageError;
-- `returns(tid)` -> `list[float] | None`: each env column's sum of rewards.
+- `summary(tid)` -> `Summary`: each env column's sum of rewards and the episodes ended in all
+  of them (what the viewer's list and the report's returns show).
 
 Reads go through the readers `sample` uses (`buffer.storage.ptfile.open_trajectory`): a `.pt`
 file's fields with large rows stay on disk and only the rows asked for are read; a `.pkl`
@@ -83,6 +84,14 @@ class Series:
     actions: list[list[float]] | None  # [T][A], trailing dims flattened
     episode_ends: list[int]  # steps where an episode ended
     ret: float | None  # the sum of rewards
+
+
+@dataclass(frozen=True)
+class Summary:
+    """One trajectory at a glance, read from its file."""
+
+    returns: list[float] | None  # each env column's sum of rewards; None without rewards
+    episodes: int  # episodes ended, over every env column
 
 
 def camera_of(name: str, shape: Sequence[int], dtype: Any, t: int, b: int) -> Camera | None:
@@ -258,6 +267,34 @@ class Checkpoint:
             pixels = pixels.transpose(0, 2, 3, 1)
         return np.ascontiguousarray(pixels, dtype=np.uint8)
 
+    def _small_fields(
+        self, data: dict[str, Any], t: int, b: int, envs: list[int]
+    ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+        """Rewards and actions `[T, n, k]` (float64) and episode ends `[T, n]` (bool, bootstrap
+        rows dropped) of env columns `envs`, each None when the trajectory lacks it (caller locks)."""
+        import numpy as np
+
+        def column(name: str) -> np.ndarray | None:
+            value = data.get(name)
+            if (
+                value is None
+                or isinstance(value, dict)
+                or not hasattr(value, "shape")
+                or len(value.shape) < 2
+            ):
+                return None
+            rows = int(value.shape[0])
+            got = read_rows(value, [r * b + e for r in range(rows) for e in envs])
+            return got.reshape(rows, len(envs), -1).astype(np.float64)
+
+        flags: dict[str, np.ndarray] = {}
+        for name in DONE_LIKE:
+            got = column(name)
+            if got is not None:
+                flags[name] = np.asarray(drop_bootstrap_rows(got, t).any(axis=2))
+        ends = episode_ends(flags.get("dones"), flags.get("terminations"), flags.get("truncations"))
+        return column("rewards"), column("actions"), ends
+
     def series(self, tid: int, env: int) -> Series:
         """Rewards, done flags and actions of env column `env` of trajectory `tid`, per step."""
         import numpy as np
@@ -265,47 +302,25 @@ class Checkpoint:
         with self._lock:
             data, (t, b) = self._data(tid)
             self._env(tid, env, b)
-
-            def column(name: str) -> np.ndarray | None:
-                value = data.get(name)
-                if (
-                    value is None
-                    or isinstance(value, dict)
-                    or not hasattr(value, "shape")
-                    or len(value.shape) < 2
-                ):
-                    return None
-                rows = int(value.shape[0])
-                got = read_rows(value, [r * b + env for r in range(rows)])
-                return got.reshape(rows, -1).astype(np.float64)
-
-            rewards = column("rewards")
-            actions = column("actions")
-            flags: dict[str, np.ndarray] = {}
-            for name in DONE_LIKE:
-                got = column(name)
-                if got is not None:
-                    flags[name] = np.asarray(drop_bootstrap_rows(got, t).any(axis=1))
-        ends = episode_ends(flags.get("dones"), flags.get("terminations"), flags.get("truncations"))
-        reward_list = [float(v) for v in rewards.sum(axis=1)] if rewards is not None else None
+            rewards, actions, ends = self._small_fields(data, t, b, [env])
+        reward_list = [float(v) for v in rewards[:, 0].sum(axis=1)] if rewards is not None else None
         return Series(
             steps=t,
             rewards=reward_list,
-            dones=[bool(v) for v in ends] if ends is not None else None,
-            actions=actions.tolist() if actions is not None else None,
-            episode_ends=[int(i) for i in np.flatnonzero(ends)] if ends is not None else [],
+            dones=[bool(v) for v in ends[:, 0]] if ends is not None else None,
+            actions=actions[:, 0].tolist() if actions is not None else None,
+            episode_ends=[int(i) for i in np.flatnonzero(ends[:, 0])] if ends is not None else [],
             ret=float(sum(reward_list)) if reward_list is not None else None,
         )
 
-    def returns(self, tid: int) -> list[float] | None:
-        """The sum of rewards of each env column of trajectory `tid` (None without rewards)."""
+    def summary(self, tid: int) -> Summary:
+        """Each env column's sum of rewards and the episodes ended, of trajectory `tid`, read
+        from its rewards and done flags once for every column."""
         with self._lock:
             data, (t, b) = self._data(tid)
-            value: Any = data.get("rewards")
-            if not hasattr(value, "shape") or len(value.shape) < 2:
-                return None
-            rows = read_rows(value, range(t * b)).reshape(t, b, -1)
-        return [float(v) for v in rows.sum(axis=(0, 2), dtype="float64")]
+            rewards, _, ends = self._small_fields(data, t, b, list(range(b)))
+        returns = [float(v) for v in rewards.sum(axis=(0, 2))] if rewards is not None else None
+        return Summary(returns, int(ends.sum()) if ends is not None else 0)
 
     # ------------------------------------------------------------ lifetime
     def close(self) -> None:

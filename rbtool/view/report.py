@@ -148,7 +148,7 @@ def _returns(opened: Checkpoint) -> tuple[list[int], list[float]]:
         entries = [entries[i] for i in picks]
     ids, values = [], []
     for entry in entries:
-        got = opened.returns(entry.tid)
+        got = opened.summary(entry.tid).returns
         if got:
             ids.append(entry.tid)
             values.append(sum(got) / len(got))

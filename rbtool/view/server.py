@@ -250,16 +250,10 @@ class Viewer:
         return json_reply({"rows": rows})
 
     def _summary(self, tid: int) -> dict[str, Any]:
-        entry = self.checkpoint.entry(tid)
-        returns: list[float] = []
-        episodes = 0
-        for env in range(entry.b):
-            series = self._series(tid, env)
-            episodes += len(series.episode_ends)
-            if series.ret is not None:
-                returns.append(series.ret)
+        summary = self.checkpoint.summary(tid)  # one read of the file's rewards and flags
+        returns = summary.returns
         ret = sum(returns) / len(returns) if returns else None
-        return {"id": tid, "return": ret, "episodes": episodes}
+        return {"id": tid, "return": ret, "episodes": summary.episodes}
 
     # ------------------------------------------------------------ one trajectory
     def _entry(self, query: dict[str, list[str]]) -> Any:
