@@ -6,11 +6,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import FIXTURES
 
 import rbtool
 from rbtool.ops.doctor import CHECKS, ERROR, INFO, WARNING, Report, runs, select_checks, weights_id_of
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "rlinf"
 RLINF_CHECKPOINTS = [
     "autosave_pt/autosave",
     "nested_obs_pt",
