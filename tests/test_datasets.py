@@ -506,3 +506,88 @@ def test_a_demo_buffer_imported_from_lerobot_mixed_with_an_online_buffer(tmp_pat
     )
     dataset.close()
     assert STOP_CHECK <= 1
+
+
+# --------------------------------------------------------------- RLinf's recorded batches
+RECORDED = ["seedless_pt", "nested_obs_pt", "pkl_format_switch"]
+
+
+def recorded_sample(name: str, window: int, num_chunks: int) -> dict[str, Any]:
+    """The batch RLinf's own buffer returned for its first sample(num_chunks) after loading the
+    fixture with seed 1234 and this window (fixtures/rlinf/<name>.expected.json)."""
+    import json
+
+    from conftest import FIXTURES
+
+    record = json.loads((FIXTURES / f"{name}.expected.json").read_text())
+    (entry,) = [
+        s
+        for s in record["samples"]
+        if (s["seed"], s["sample_window_size"], s["num_chunks"]) == (1234, window, num_chunks)
+    ]
+    batch: dict[str, Any] = torch.load(FIXTURES / entry["batch_file"], weights_only=True)
+    return batch
+
+
+def loaded_fixture(name: str, window: int) -> TrajectoryReplayBuffer:
+    from conftest import FIXTURES
+
+    buffer = TrajectoryReplayBuffer(seed=1234, sample_window_size=window)
+    buffer.load_checkpoint(FIXTURES / name)
+    return buffer
+
+
+@pytest.mark.parametrize("kind", [ReplayBufferDataset, PreloadReplayBufferDataset])
+@pytest.mark.parametrize(("window", "half"), [(0, 8), (2, 6)])
+@pytest.mark.parametrize(("replay", "demo"), [RECORDED[:2], RECORDED[1:], RECORDED[::-2]])
+def test_the_first_batch_over_rlinf_checkpoints_is_rlinfs_concat_of_its_recorded_samples(
+    kind: Any, window: int, half: int, replay: str, demo: str
+) -> None:
+    """Not twins of rbtool's own buffers: the halves are the batches RLinf's buffer sampled from
+    these checkpoints (same seed, window and size), joined by RLinf's concat_batch."""
+    dataset = kind(loaded_fixture(replay, window), loaded_fixture(demo, window), 2 * half, 1, 1)
+    batch = next(iter(dataset))
+    dataset.close()
+    expected = rlinf_concat(recorded_sample(replay, window, half), recorded_sample(demo, window, half))
+    assert_batches_equal(batch, expected)
+    assert batch["actions"].shape[0] == 2 * half
+    alone = ReplayBufferDataset(loaded_fixture(replay, window), None, half, 1, 0)
+    assert_batches_equal(next(iter(alone)), recorded_sample(replay, window, half))
+
+
+def test_a_dataloader_over_a_loaded_checkpoint_mixed_with_a_lerobot_demo_buffer(tmp_path: Path) -> None:
+    """Replay from a saved checkpoint, demonstrations from `rbtool import lerobot`, two workers:
+    worker w's batch is RLinf's concat of the replay half drawn with derive_seed(base, rank, w, 0)
+    and the demo half drawn with derive_seed(base, rank, w, 1)."""
+    from test_lerobot import build_v30
+
+    build_v30(tmp_path / "ds", [3, 5, 4])
+    result = run("import", "lerobot", tmp_path / "ds", "--buffer", tmp_path / "demo")
+    assert result.exit_code == 0, result.stderr
+    ckpt = tmp_path / "online"
+    online = TrajectoryReplayBuffer(seed=4, sample_window_size=0)
+    online.add_trajectories([lerobot_shaped(4, seed) for seed in range(3)])
+    online.save_checkpoint(ckpt)
+    online.close()
+
+    def loaded(path: Path) -> TrajectoryReplayBuffer:
+        buffer = TrajectoryReplayBuffer(sample_window_size=0)
+        buffer.load_checkpoint(path)
+        return buffer
+
+    base, rank = 21, 1
+    dataset = PreloadReplayBufferDataset(loaded(ckpt), loaded(tmp_path / "demo"), 8, 1, 1)
+    options: dict[str, Any] = {"num_workers": 2, "multiprocessing_context": "fork"}
+    got = loader_batches(dataset, 4, worker_init_fn=seed_workers(base, rank), **options)
+    dataset.close()
+    twins = []
+    for worker in range(2):
+        replay, demo = loaded(ckpt), loaded(tmp_path / "demo")
+        replay.random_generator.manual_seed(derive_seed(base, rank, worker, 0))
+        demo.random_generator.manual_seed(derive_seed(base, rank, worker, 1))
+        twins.append((replay, demo))
+    for i, batch in enumerate(got):
+        replay, demo = twins[i % 2]
+        assert_batches_equal(batch, rlinf_concat(replay.sample(4), demo.sample(4)))
+        assert batch["rewards"][:4].eq(-1).all() and batch["rewards"][4:].ge(0).all()
+    assert not torch.equal(got[0]["actions"], got[1]["actions"])
