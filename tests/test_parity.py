@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import shutil
 import warnings
@@ -43,6 +44,96 @@ def paths_of(batch: dict[str, Any], prefix: str = "") -> list[str]:
         else:
             out.append(f"{prefix}{key}")
     return out
+
+
+# ----------------------------------------------------------------------------- the package
+_ = inspect.Parameter.empty
+# rlinf.data.storage.replay's six names as its source declares them: each public method's
+# parameters in order, with their defaults (`_`: none)
+RLINF_PACKAGE: dict[str, dict[str, list[tuple[str, Any]]]] = {
+    "TrajectoryReplayBuffer": {
+        "__init__": [
+            ("seed", 1234), ("enable_cache", True), ("cache_size", 5), ("sample_window_size", 100),
+            ("auto_save", False), ("auto_save_path", ""), ("trajectory_format", "pt"),
+        ],
+        "add_trajectories": [("trajectories", _)],
+        # RLinf's default num_chunks=0 only reaches its `assert num_chunks > 0`; rbtool's has none
+        "sample": [("num_chunks", _)],
+        "sample_chunks": [("num_chunks", _)],
+        "save_checkpoint": [("save_path", _)],
+        "load_checkpoint": [
+            ("load_path", _), ("is_distributed", False), ("local_rank", 0), ("world_size", 1),
+        ],
+        "is_ready": [("min_size", _)],
+        "is_ready_async": [("min_size", _)],
+        "get_stats": [],
+        "clear": [],
+        "clear_cache": [],
+        "close": [("wait", True)],
+        "__len__": [],
+    },
+    "TrajectoryCache": {
+        "__init__": [("max_size", 5)],
+        "get": [("trajectory_id", _)],
+        "put": [("trajectory_id", _), ("trajectory", _)],
+        "get_buffer": [],
+        "get_slot_length": [],
+        "clear": [],
+    },
+    "PriorityStore": {
+        "__init__": [("maxsize", _)],
+        "add": [("priority", _), ("data", _)],
+        "topn": [("n", _)],
+        "remove_below": [("threshold", _)],
+        "get_metric": [],
+        "__len__": [],
+    },
+    "ReplayBufferDataset": {
+        "__init__": [
+            ("replay_buffer", _), ("demo_buffer", _), ("batch_size", _),
+            ("min_replay_buffer_size", _), ("min_demo_buffer_size", _),
+        ],
+        "__iter__": [],
+        "close": [],
+    },
+    "PreloadReplayBufferDataset": {
+        "__init__": [
+            ("replay_buffer", _), ("demo_buffer", _), ("batch_size", _),
+            ("min_replay_buffer_size", _), ("min_demo_buffer_size", _), ("prefetch_size", 5),
+        ],
+        "__iter__": [],
+        "close": [],
+    },
+    "replay_buffer_collate_fn": {"": [("batch", _)]},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(RLINF_PACKAGE))
+def test_rbtool_exports_rlinfs_replay_package_with_its_arguments_and_type_hints(name: str) -> None:
+    import rbtool
+
+    assert name in rbtool.__all__
+    exported = getattr(rbtool, name)
+    for method, params in RLINF_PACKAGE[name].items():
+        func = getattr(exported, method) if method else exported
+        where = f"{name}.{method}" if method else name
+        signature = inspect.signature(func)
+        positional = [
+            p
+            for p in signature.parameters.values()
+            if p.name != "self" and p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+        ]
+        # RLinf's arguments come first, in its order and with its defaults; rbtool may add after
+        assert [(p.name, p.default) for p in positional[: len(params)]] == params, where
+        assert all(p.default is not _ for p in positional[len(params) :]), where
+        # annotated (some name types imported for checkers only, so they are not evaluated here)
+        unhinted = [p.name for p in signature.parameters.values() if p.name != "self" and p.annotation is _]
+        assert not unhinted and signature.return_annotation is not _, (where, unhinted)
+    if name == "ReplayBufferDataset":
+        from torch.utils.data import IterableDataset
+
+        assert issubclass(exported, IterableDataset)
+        assert "kwargs" in inspect.signature(exported).parameters  # RLinf's **kwargs, ignored
 
 
 # ----------------------------------------------------------------------------- seed
