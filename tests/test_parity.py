@@ -287,6 +287,7 @@ def test_a_window_shrunk_and_grown_holds_what_rlinfs_cache_holds(tmp_path: Path)
     buffer.sample_window_size = 1
     buffer.add_trajectories([make_traj(seed=3)])
     assert buffer.window_ids() == [3]
+    assert buffer.get_stats()["cache_size"] == 3  # RLinf's cache still holds 1, 2, 3 (rbtool said 1)
     buffer.sample_window_size = 3
     assert buffer.window_ids() == [1, 2, 3]
     assert buffer.get_stats()["cache_size"] == 3
