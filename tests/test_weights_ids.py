@@ -87,7 +87,7 @@ def rlinf_checkpoint(path: Path) -> Path:
     entries = {}
     for tid, mwid in enumerate(IDS):
         traj = make_traj(seed=tid, model_weights_id=mwid)
-        torch.save(traj, path / trajectory_file_name(tid, mwid, "pt"))
+        torch.save(traj, path / f"trajectory_{tid}_{mwid}.pt")  # RLinf's name, spelled as RLinf does
         entries[str(tid)] = {
             "num_samples": 8,
             "trajectory_id": tid,
@@ -112,7 +112,7 @@ def test_a_checkpoint_rlinf_wrote_with_such_ids_loads_samples_and_saves(tmp_path
     again = TrajectoryReplayBuffer(sample_window_size=0)
     again.load_checkpoint(tmp_path / "out")
     assert sorted(p.name for p in (tmp_path / "out").glob("trajectory_*_*.pt")) == sorted(
-        trajectory_file_name(i, m, "pt") for i, m in enumerate(IDS)
+        f"trajectory_{i}_{m}.pt" for i, m in enumerate(IDS)
     )
     assert again.sample(8).keys() == batch.keys()
 
