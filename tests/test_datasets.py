@@ -24,7 +24,7 @@ from rbtool import (
     replay_buffer_collate_fn,
     seed_workers,
 )
-from rbtool.buffer.dataset import STOP_CHECK, derive_seed
+from rbtool.buffer.dataset import JOIN_TIMEOUT, STOP_CHECK, derive_seed
 from rbtool.errors import DroppedKeysWarning, UsageError
 
 pytestmark = [
@@ -276,11 +276,12 @@ def test_close_ends_a_waiting_iterator_quietly(kind: Any) -> None:
     time.sleep(0.1)
     start = time.monotonic()
     dataset.close()  # no "Sampling thread failed" on a normal close
+    if kind is PreloadReplayBufferDataset:
+        # close() joins the thread for at most JOIN_TIMEOUT: it has ended when close() returns
+        assert JOIN_TIMEOUT <= 1 and not dataset.sample_thread.is_alive()
     consumer.thread.join(5)
     assert not consumer.thread.is_alive() and consumer.ended and consumer.error is None
     assert time.monotonic() - start < 5
-    if kind is PreloadReplayBufferDataset:
-        assert not dataset.sample_thread.is_alive()
     assert list(iter(dataset)) == []  # a closed dataset yields nothing
 
 
