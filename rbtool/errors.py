@@ -10,7 +10,7 @@ class CheckpointError(RbtoolError):
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """The checkpoint, buffer directory or source does not exist (a FileNotFoundError, as RLinf raises)."""
+    """A checkpoint or source that is missing, or a directory holding none (a FileNotFoundError, as RLinf)."""
 
 
 class DamagedCheckpointError(CheckpointError):

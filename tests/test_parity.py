@@ -419,6 +419,15 @@ def test_loading_a_missing_directory_is_a_file_not_found_error(tmp_path: Path) -
     with pytest.raises(FileNotFoundError, match="no such file or directory") as caught:
         TrajectoryReplayBuffer().load_checkpoint(tmp_path / "nowhere")
     assert isinstance(caught.value, CheckpointError)
+    for rank in (None, 1):  # the distributed load too, and a str path as RLinf's callers pass
+        load = {} if rank is None else {"is_distributed": True, "local_rank": rank, "world_size": 2}
+        with pytest.raises(FileNotFoundError, match="no such file or directory"):
+            TrajectoryReplayBuffer().load_checkpoint(str(tmp_path / "nowhere"), **load)
+    # a directory that exists but holds nothing yet (RLinf: FileNotFoundError, "Metadata not found")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="neither a checkpoint") as caught:
+        TrajectoryReplayBuffer().load_checkpoint(tmp_path / "empty")
+    assert isinstance(caught.value, CheckpointError)
 
 
 def test_saving_over_the_loaded_directory_with_a_window_keeps_what_the_buffer_holds(tmp_path: Path) -> None:

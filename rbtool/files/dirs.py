@@ -53,9 +53,12 @@ def checkpoint_dirs(path: str | os.PathLike[str]) -> list[Path]:
         loose = folder_of_loose_files(root)
         if loose is not None:
             raise LooseFilesError(loose, str(root))
-        raise CheckpointError(
-            parent_of_checkpoints(root)
-            or f"{root}: neither a checkpoint (no metadata.json, trajectory_index.json or trajectory "
+        parent = parent_of_checkpoints(root)
+        if parent is not None:
+            raise CheckpointError(parent)
+        # nothing here: RLinf's load raises FileNotFoundError ("Metadata not found") for this too
+        raise CheckpointNotFoundError(
+            f"{root}: neither a checkpoint (no metadata.json, trajectory_index.json or trajectory "
             "files) nor a folder of rank_* checkpoints"
         )
     return ranks
