@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -100,3 +102,80 @@ def test_cached_ids_count_what_such_a_cache_holds() -> None:
     none.put(range(4))
     none.reset(range(4))
     assert len(none) == 0
+
+
+# ------------------------------------------------------------------- RLinf's own class, recorded
+def recorded() -> dict[str, Any]:
+    """Calls RLinf's own classes ran, and what they returned (fixtures/rlinf/replay_classes)."""
+    import json
+
+    from conftest import FIXTURES
+
+    path = FIXTURES / "replay_classes" / "replay_classes.expected.json"
+    record: dict[str, Any] = json.loads(path.read_text())
+    return record
+
+
+def decode(encoded: dict[str, Any]) -> Any:
+    if "tensor" in encoded:
+        dtype = getattr(torch, encoded["tensor"])
+        return torch.tensor(encoded["values"], dtype=dtype).reshape(encoded["shape"])
+    if "dict" in encoded:
+        return {key: decode(value) for key, value in encoded["dict"].items()}
+    return encoded["value"]
+
+
+def recorded_input(spec: dict[str, Any]) -> dict[str, Any]:
+    """The trajectory record.py put for `spec` (its cache_input)."""
+    base, n = float(spec["base"]), spec["lengths"]
+    return {
+        "rewards": torch.arange(n["rewards"], dtype=torch.float32).unsqueeze(1) + 100 * base,
+        "curr_obs": {"states": torch.full((n["states"], spec["width"]), base)},
+        "dones": torch.tensor(spec["dones"], dtype=torch.bool).unsqueeze(1),
+        "note": f"put {spec['base']}",
+    }
+
+
+def same(actual: Any, expected: Any, where: str) -> None:
+    assert type(actual) is type(expected), where
+    if isinstance(expected, dict):
+        assert list(actual) == list(expected), where
+        for key in expected:
+            same(actual[key], expected[key], f"{where}.{key}")
+    elif isinstance(expected, torch.Tensor):
+        assert actual.dtype == expected.dtype and torch.equal(actual, expected), where
+    else:
+        assert actual == expected, where
+
+
+def shapes(buffer: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in buffer.items():
+        if isinstance(value, torch.Tensor):
+            out[key] = list(value.shape)
+        else:
+            out[key] = shapes(value) if isinstance(value, dict) else value
+    return out
+
+
+@pytest.mark.parametrize("sequence", recorded()["trajectory_cache"], ids=lambda s: f"seed{s['seed']}")
+def test_rlinfs_recorded_call_sequences_give_the_same_slots_views_and_values(
+    sequence: dict[str, Any],
+) -> None:
+    cache = TrajectoryCache(sequence["max_size"])
+    for n, step in enumerate(sequence["steps"]):
+        where = f"step {n} ({step['op']})"
+        if step["op"] == "put":
+            cache.put(step["id"], recorded_input(step["trajectory"]))
+        elif step["op"] == "get":
+            got = cache.get(step["id"])
+            if step["result"] is None:
+                assert got is None, where
+            else:
+                same(got, decode(step["result"]), where)
+        else:
+            cache.clear()
+        assert sorted([tid, slot] for tid, slot in cache.cache.items()) == step["cache"], where
+        assert cache.get_slot_length() == step["slot_length"], where
+        buffer = cache.get_buffer()
+        assert (None if buffer is None else shapes(buffer)) == step["buffer_shapes"], where

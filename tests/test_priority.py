@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -81,3 +82,38 @@ def test_topn_zero_is_empty_and_a_negative_n_an_error() -> None:
         store.topn(-1)
     store.remove_below(5.0)
     assert store.get_metric()["discarded_unused"] == 2
+
+
+# ------------------------------------------------------------------- RLinf's own class, recorded
+def recorded_sequences() -> list[dict[str, Any]]:
+    """Calls RLinf's own PriorityStore ran, and what it returned (fixtures/rlinf/replay_classes)."""
+    import json
+
+    from conftest import FIXTURES
+
+    path = FIXTURES / "replay_classes" / "replay_classes.expected.json"
+    sequences: list[dict[str, Any]] = json.loads(path.read_text())["priority_store"]
+    return sequences
+
+
+def versions_of(encoded: dict[str, Any] | None) -> torch.Tensor | None:
+    if encoded is None:
+        return None
+    return torch.tensor(encoded["values"], dtype=getattr(torch, encoded["tensor"])).reshape(encoded["shape"])
+
+
+@pytest.mark.parametrize("sequence", recorded_sequences(), ids=lambda s: f"seed{s['seed']}")
+def test_rlinfs_recorded_call_sequences_give_its_returns_and_metrics(sequence: dict[str, Any]) -> None:
+    store: PriorityStore[Traj] = PriorityStore(sequence["maxsize"])
+    for n, step in enumerate(sequence["steps"]):
+        where = f"step {n} ({step['op']})"
+        if step["op"] == "add":
+            item = Traj(step["name"], versions_of(step["versions"]))
+            assert store.add(tuple(step["priority"]), item) is step["result"], where
+        elif step["op"] == "topn":
+            assert [item.name for item in store.topn(step["n"])] == step["result"], where
+        elif step["op"] == "remove_below":
+            store.remove_below(step["threshold"])
+        elif step["op"] == "get_metric":
+            assert [[key, value] for key, value in store.get_metric().items()] == step["result"], where
+        assert len(store) == step["len"], where
