@@ -447,6 +447,13 @@ def test_saving_over_the_loaded_directory_with_a_window_keeps_what_the_buffer_ho
             index.file_name(i) for i in index.id_list
         )
         assert metadata(ckpt)["total_samples"] == sum(index.entries[i]["num_samples"] for i in index.id_list)
+        for tid in index.id_list:  # each file holds what was loaded, every field (SPEC §3 Saving)
+            name = index.file_name(tid)
+            saved, loaded = (torch.load(d / name, weights_only=True) for d in (ckpt, twin_dir))
+            assert saved.keys() == loaded.keys()
+            tensors = [k for k, v in loaded.items() if isinstance(v, (torch.Tensor, dict))]
+            assert_batches_equal({k: saved[k] for k in tensors}, {k: loaded[k] for k in tensors})
+            assert all(saved[k] == loaded[k] for k in loaded if k not in tensors)
         assert_batches_equal(buffer.sample(7), twin.sample(7))
     again = TrajectoryReplayBuffer(seed=1234, sample_window_size=2)
     again.load_checkpoint(ckpt)
