@@ -182,8 +182,9 @@ class ReplayBufferDataset(IterableDataset[Batch]):
     (`batch_size // 2` rows apiece) concatenated over the keys both hold. Iteration waits,
     asleep, until the replay buffer holds `min_replay_buffer_size` trajectories and the demo
     buffer `min_demo_buffer_size`. `close()` ends every iterator (a waiting one within
-    STOP_CHECK seconds) and lets go of the buffers. `**kwargs` are accepted and ignored, as
-    RLinf does.
+    STOP_CHECK seconds); the dataset keeps its buffers (RLinf's deletes its references, so an
+    iterator in another thread fails mid-sample), and they go with the dataset. `**kwargs` are
+    accepted and ignored, as RLinf does.
     """
 
     def __init__(
