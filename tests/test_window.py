@@ -123,7 +123,7 @@ def test_a_sample_that_fails_on_a_damaged_file_draws_nothing(tmp_path: Path) -> 
     writer = TrajectoryReplayBuffer(sample_window_size=0)
     writer.add_trajectories([make_traj(seed=i) for i in range(6)])
     writer.save_checkpoint(tmp_path / "c")
-    buffer = TrajectoryReplayBuffer(sample_window_size=0)
+    buffer = TrajectoryReplayBuffer(sample_window_size=0, hold_rows_budget=0)  # rows read when drawn
     buffer.load_checkpoint(tmp_path / "c")
     buffer.sample(4)  # signatures known, files read
     buffer.clear_cache()
@@ -228,7 +228,7 @@ def test_a_recorded_schema_spares_reading_the_window_s_files(
         return real(path, data)
 
     monkeypatch.setattr(ptfile, "read_header", counting)
-    loaded = TrajectoryReplayBuffer(sample_window_size=0)
+    loaded = TrajectoryReplayBuffer(sample_window_size=0, hold_rows_budget=0)  # rows read when drawn
     loaded.load_checkpoint(tmp_path / "c")
     draw, _ = loaded.sample_with_draw(8)
     assert len(reads) <= len(set(draw.trajectory_ids))  # only files drawn from, never the window
@@ -244,7 +244,7 @@ def test_a_recorded_schema_spares_reading_the_window_s_files(
     del doc["field_schemas"]  # as another writer leaves it: the file's headers are read instead
     meta.write_bytes(orjson.dumps(doc))
     reads.clear()
-    other = TrajectoryReplayBuffer(sample_window_size=0)
+    other = TrajectoryReplayBuffer(sample_window_size=0, hold_rows_budget=0)
     other.load_checkpoint(foreign)
     assert flat_batch(other.sample(8)).keys() == flat_batch(loaded.sample(8)).keys()
     assert len(reads) >= 300
@@ -307,7 +307,7 @@ def test_the_first_sample_of_a_foreign_checkpoint_reports_the_headers_it_reads(t
             self.done += n
 
     seen = Seen()
-    loaded = TrajectoryReplayBuffer(sample_window_size=0)
+    loaded = TrajectoryReplayBuffer(sample_window_size=0, hold_rows_budget=0)  # rows read when drawn
     loaded.load_checkpoint(tmp_path / "c")
     loaded.sample_with_draw(8, progress=seen)
     assert seen.phases == [(100, "reading the window's trajectory headers")] and seen.done == 100
@@ -357,7 +357,7 @@ def test_held_bytes_spread_over_many_blocks_give_the_from_scratch_batches(
     one = max(p.stat().st_size for p in (tmp_path / "c").glob("*.pt"))
     monkeypatch.setattr("rbtool.buffer.storage.held.HELD_BLOCK_BYTES", 3 * one)
     monkeypatch.setattr("rbtool.buffer.storage.store.RAW_CACHE_MAX_BYTES", 10 * one)
-    buffer = TrajectoryReplayBuffer(seed=3, sample_window_size=20)
+    buffer = TrajectoryReplayBuffer(seed=3, sample_window_size=20, hold_rows_budget=0)
     buffer.load_checkpoint(tmp_path / "c")
     held = buffer._store.held
     for n in range(12):

@@ -34,10 +34,12 @@ from rbtool.buffer.storage import (
     Signature,
     TrajectoryStore,
     WindowSchema,
+    default_hold_budget,
     gather,
+    hold_window,
     recorded_signature,
 )
-from rbtool.errors import BufferClosedError, CheckpointError, EmptyBufferError, UsageError
+from rbtool.errors import BufferClosedError, CheckpointError, EmptyBufferError, TrajectoryFileError, UsageError
 from rbtool.files import trajfile
 from rbtool.files.dirs import CheckpointView, open_view, warn_layout
 from rbtool.files.index import DEFAULT_SEED, Index, init_buffer_dir, read_index, window_of, window_start
@@ -93,6 +95,7 @@ class TrajectoryReplayBuffer:
         extra_fields: bool = False,
         map_rows: bool = False,
         map_rows_budget: int | None = None,
+        hold_rows_budget: int | None = None,
     ) -> None:
         import torch
 
@@ -130,6 +133,13 @@ class TrajectoryReplayBuffer:
             )
         self.map_rows = bool(map_rows)
         self.map_rows_budget = map_rows_budget
+        if hold_rows_budget is not None and (isinstance(hold_rows_budget, bool) or hold_rows_budget < 0):
+            raise UsageError(
+                f"hold_rows_budget must be None or a number of bytes >= 0, got {hold_rows_budget!r}"
+            )
+        if hold_rows_budget is None:  # mapped rows are read from the files, as asked
+            hold_rows_budget = 0 if self.map_rows else default_hold_budget()
+        self.hold_rows_budget = int(hold_rows_budget)
         self._store = TrajectoryStore(
             max_open=self.max_open_files,
             extra_fields=self.extra_fields,
@@ -156,7 +166,8 @@ class TrajectoryReplayBuffer:
         self._recorded: dict[str, Signature] = {}  # signatures of the index's recorded schemas
         self._counts = SampleCounts()
         self._window_schema = WindowSchema()
-        self._rows = RowCache()
+        self._rows = RowCache(self.hold_rows_budget)
+        self._held_generation: object = None  # the generation whose window was last read whole
         # the memory of sampled batches' large fields, reused once no batch refers to it
         self._batch_memory = BatchMemory()
         # Reward scores for top-k sampling; created by the first top-k call, then fed per add.
@@ -411,17 +422,55 @@ class TrajectoryReplayBuffer:
     def _view(self, tid: int) -> FlatView:
         return self._store.view(tid, *self._shape(tid))
 
+    def _recorded_signature(self, tid: int) -> Signature | None:
+        """The signature the index entry of a trajectory on disk records, if it records one."""
+        digest = self._index.entries[tid].get("schema")
+        if digest is None or tid in self._store.memory:
+            return None
+        recorded = self._recorded.get(digest)
+        if recorded is None and digest in self._index.schemas:
+            fields = self._index.schemas[digest]
+            recorded = self._recorded[digest] = recorded_signature(fields, self.extra_fields)
+        return recorded
+
     def _signature_at(self, position: int) -> Signature:
         tid = self._index.id_list[position]
-        entry = self._index.entries[tid]
-        recorded = None
-        digest = entry.get("schema")
-        if digest is not None and tid not in self._store.memory:
-            recorded = self._recorded.get(digest)
-            if recorded is None and digest in self._index.schemas:
-                fields = self._index.schemas[digest]
-                recorded = self._recorded[digest] = recorded_signature(fields, self.extra_fields)
-        return self._store.signature(tid, *self._shape(tid), recorded)
+        return self._store.signature(tid, *self._shape(tid), self._recorded_signature(tid))
+
+    def _hold_window_rows(self, progress: Progress | None = None) -> None:
+        """Read the window's sampled rows into memory at once, when they fit the budget
+        (see storage.bulk); otherwise drawn rows are read from their files, as before."""
+        self._held_generation = self._generation
+        lo, hi = self._window_range()
+        if hi <= lo or not self.hold_rows_budget:
+            return
+        base = self._counts.start(lo)
+        covered = self._rows.covering(lo, hi, base)
+        if covered is not None and covered.first == 0 and covered.stop == hi - lo:
+            return
+        tids = self._index.id_list[lo:hi]
+        total = self._counts.start(hi) - base
+        start_phase(progress, len(tids), "reading the window's trajectories")
+        held = hold_window(
+            self._store, tids, self._shape, total, self.hold_rows_budget, self._file_signature, progress
+        )
+        if held is not None:
+            columns, specs = held
+            self._rows.adopt(lo, hi, base, columns, specs, total)
+
+    def _file_signature(self, tid: int, signature: Signature, path: Path | None) -> None:
+        """A trajectory's signature as its file (or memory) shows it, read for the window's rows:
+        noted, unless its index entry records another one (then its file is left to the row
+        readers, which report the difference when it is drawn)."""
+        store = self._store
+        signature = store.intern(signature)
+        known = store.signatures.get(tid)
+        recorded = self._recorded_signature(tid)
+        if (known is not None and known is not signature) or (
+            recorded is not None and store.intern(recorded) is not signature
+        ):
+            raise TrajectoryFileError(f"{path or f'trajectory {tid}'}: its fields differ from its index entry")
+        store.signatures[tid] = signature
 
     def _left_window(self, position: int) -> None:
         self._store.forget(self._index.id_list[position])
@@ -507,6 +556,8 @@ class TrajectoryReplayBuffer:
         self._check_open()
         if not self._index.id_list:
             raise EmptyBufferError("cannot sample from an empty buffer")
+        if self._held_generation is not self._generation:
+            self._hold_window_rows(progress)
         lo, hi = self._window_range()
         self._track_window(lo, hi, progress)
         schema, left_out = self._window_schema.shared()
@@ -649,6 +700,8 @@ class TrajectoryReplayBuffer:
             self._index = new
             self._unloaded_size = 0
             self._new_generation()
+        with self._window_lock:  # files are read without the writer thread's lock
+            self._hold_window_rows()
         self._notify_size_changed()
 
     def _adopt_files(self, new: Index, files: dict[int, Path]) -> dict[int, Path]:

@@ -73,6 +73,8 @@ class TensorSpec:
         return math.prod(self.shape)
 
     def is_contiguous(self) -> bool:
+        if not self.numel():  # no element to lay out (torch says the same)
+            return True
         expected = 1
         for size, step in zip(reversed(self.shape), reversed(self.stride), strict=True):
             if size != 1 and step != expected:
@@ -355,6 +357,12 @@ def _parse(path: Path, read: Any, size: int, whole: bytes | None = None) -> dict
 # Headers already built, by (data.pkl bytes, storage record places): shared, never changed.
 _KNOWN: dict[tuple[bytes, tuple[tuple[str, int, int], ...]], dict[str, Any]] = {}
 _KNOWN_MAX = 4096
+
+
+def known_header(pickle: bytes, places: tuple[tuple[str, int, int], ...]) -> dict[str, Any] | None:
+    """The header already built for a file with these data.pkl bytes whose tensor records are
+    at `places` ((key, first byte, size) each, in directory order), or None."""
+    return _KNOWN.get((pickle, places))
 
 
 def open_regular(path: Path) -> tuple[int, int]:

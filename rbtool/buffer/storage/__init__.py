@@ -9,6 +9,7 @@ sampling knows of a window without its data is in `window`; `.pt` files held as 
 never draws. The tuning constants are read from the module that defines them.
 """
 
+from rbtool.buffer.storage.bulk import default_hold_budget, hold_window
 from rbtool.buffer.storage.gathering import gather
 from rbtool.buffer.storage.held import (
     HELD_BLOCK_BYTES,
@@ -89,9 +90,11 @@ __all__ = [
     "Storage",
     "TrajectoryStore",
     "WindowSchema",
+    "default_hold_budget",
     "flat_rows",
     "gather",
     "header_extent",
+    "hold_window",
     "nest",
     "open_trajectory",
     "overlapping_rows",

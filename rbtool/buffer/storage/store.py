@@ -256,7 +256,7 @@ class TrajectoryStore:
                     self._raw_layouts.clear()
                 known = HeldLayout(header, str(path), t, b, self.extra_fields)
                 self._raw_layouts[(id(header), t, b)] = known
-            self.check_recorded(tid, self._header_signature(header), path)
+            self.check_recorded(tid, self.header_signature(header), path)
             raw = known.hold(data, path) if data is not None else known.hold_large(tid, path, pinned)
         except UnusualLayout:
             self.not_raw.add(tid)
@@ -325,14 +325,14 @@ class TrajectoryStore:
             else:
                 header = self.header(tid)
                 if header is not None:
-                    recorded = self._header_signature(header)
+                    recorded = self.header_signature(header)
                 else:
                     view = self.view(tid, t, b)
                     recorded = view_signature(view)
         signature = self.signatures[tid] = self.intern(recorded)
         return signature
 
-    def _header_signature(self, header: dict[str, Any]) -> Signature:
+    def header_signature(self, header: dict[str, Any]) -> Signature:
         """signature_of(header), computed once per distinct structure (headers are shared)."""
         known = self._by_header.get(id(header))
         if known is not None and known[0] is header:

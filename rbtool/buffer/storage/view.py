@@ -131,7 +131,7 @@ class FlatView:
         items, self.left_out = sampled_items(traj, extra_fields)
         for path, value in items:
             extra = bootstrap_rows(path, value.shape, t, b)
-            self.fields[path] = FlatField(value.reshape(-1, *value.shape[2:]), extra)
+            self.fields[path] = FlatField(value.reshape(value.shape[0] * value.shape[1], *value.shape[2:]), extra)
 
     def schema(self) -> Schema:
         return {p: f.spec for p, f in self.fields.items()}
@@ -164,7 +164,8 @@ def flat_rows(view: FlatView, path: FieldPath) -> torch.Tensor:
     if not field.extra:
         return field.rows
     stored = field.rows.reshape(view.t + field.extra, view.b, *field.rows.shape[1:])
-    return drop_bootstrap_rows(stored, view.t).reshape(-1, *field.rows.shape[1:])
+    kept = drop_bootstrap_rows(stored, view.t)
+    return kept.reshape(kept.shape[0] * kept.shape[1], *field.rows.shape[1:])
 
 
 def view_scores(view: FlatView) -> np.ndarray:

@@ -223,6 +223,21 @@ class RowCache:
         self.rows += n
         self.hi += 1
 
+    def adopt(
+        self,
+        lo: int,
+        hi: int,
+        base: int,
+        columns: dict[FieldPath, torch.Tensor],
+        specs: dict[FieldPath, tuple[Any, tuple[int, ...]]],
+        rows: int,
+    ) -> None:
+        """Cover positions `[lo, hi)` (first sample `base`) with `columns` of `rows` rows
+        read for them at once; later adds append to them."""
+        self.reset(lo, base)
+        self.columns, self.specs = dict(columns), dict(specs)
+        self.hi, self.rows = hi, rows
+
     def trim(self, lo: int, base: int) -> None:
         """The window now starts at position `lo` (cumulative sample `base`): drop dead rows."""
         if lo >= self.hi:

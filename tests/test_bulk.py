@@ -1,0 +1,254 @@
+"""The window's rows read whole at load (storage.bulk) and many headers read at once (files.ptbulk).
+
+A held window must give exactly the batches the row readers give, for every layout they
+take (RLinf's fixtures, done-like fields with several bootstrap rows, zero-element fields,
+.pkl files and memory), and leave to them every file it does not take on. The headers of
+files compared with a template must be exactly read_header's, for any damage.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import FIXTURES, RLINF_DIRS, assert_batches_equal, make_traj
+
+from rbtool import TrajectoryReplayBuffer, read_index
+from rbtool.errors import RbtoolError, TrajectoryFileError
+from rbtool.files import ptbulk, ptheader
+
+
+def twins(ckpt: Path, window: int = 0, seed: int = 5, **kw: Any) -> tuple[TrajectoryReplayBuffer, TrajectoryReplayBuffer]:
+    """The checkpoint loaded twice: its window held in memory, and read row by row when drawn."""
+    held = TrajectoryReplayBuffer(seed=seed, sample_window_size=window, **kw)
+    drawn = TrajectoryReplayBuffer(seed=seed, sample_window_size=window, hold_rows_budget=0, **kw)
+    held.load_checkpoint(ckpt, strict=False)  # RLinf's window-2 saves list files they do not hold
+    drawn.load_checkpoint(ckpt, strict=False)
+    return held, drawn
+
+
+def is_held(buffer: TrajectoryReplayBuffer) -> bool:
+    lo, hi = buffer._window_range()
+    covered = buffer._rows.covering(lo, hi, buffer._counts.start(lo))
+    return covered is not None and covered.first == 0 and covered.stop == hi - lo
+
+
+def write(tmp_path: Path, trajs: list[dict[str, Any]], fmt: str = "pt") -> Path:
+    writer = TrajectoryReplayBuffer(sample_window_size=0, trajectory_format=fmt)
+    writer.add_trajectories(trajs)
+    writer.save_checkpoint(tmp_path / "c")
+    return tmp_path / "c"
+
+
+@pytest.mark.parametrize("directory", RLINF_DIRS)
+def test_a_held_window_gives_the_row_readers_batches_on_rlinfs_checkpoints(directory: str) -> None:
+    held, drawn = twins(FIXTURES / directory)
+    assert is_held(held) == directory.endswith(("pt/autosave", "pt/ckpt", "rank_0", "rank_1"))
+    for num_chunks in (1, 5, 64, 300):
+        assert_batches_equal(held.sample(num_chunks), drawn.sample(num_chunks))
+
+
+@pytest.mark.parametrize(("t", "b", "extra", "image"), [(1, 1, 1, 0), (6, 2, 3, 5), (4, 3, 0, 2), (1, 1, 1, 16)])
+def test_a_held_window_gives_the_row_readers_batches_for_any_layout(
+    tmp_path: Path, t: int, b: int, extra: int, image: int
+) -> None:
+    """One-transition files, three epochs of bootstrap rows, no bootstrap rows, 0x0 images."""
+    trajs = [make_traj(t=t, b=b, seed=i, extra_rows=extra, image=image) for i in range(40)]
+    held, drawn = twins(write(tmp_path, trajs))
+    assert is_held(held)
+    for num_chunks in (1, 7, 256):
+        assert_batches_equal(held.sample(num_chunks), drawn.sample(num_chunks))
+
+
+def test_adds_and_a_moving_window_after_a_held_load_give_the_row_readers_batches(tmp_path: Path) -> None:
+    ckpt = write(tmp_path, [make_traj(seed=i) for i in range(12)])
+    for auto_save in (False, True):
+        kw: dict[str, Any] = {"auto_save": auto_save}
+        held = TrajectoryReplayBuffer(seed=2, sample_window_size=8, **kw, auto_save_path=str(tmp_path / "h") if auto_save else "")
+        drawn = TrajectoryReplayBuffer(
+            seed=2, sample_window_size=8, hold_rows_budget=0, **kw, auto_save_path=str(tmp_path / "d") if auto_save else ""
+        )
+        for buffer in (held, drawn):
+            buffer.load_checkpoint(ckpt)
+        assert is_held(held)
+        for step in range(6):
+            added = [make_traj(seed=100 + step)]
+            held.add_trajectories(added)
+            drawn.add_trajectories(added)
+            assert_batches_equal(held.sample(64), drawn.sample(64))
+        assert is_held(held)
+        held.close()
+        drawn.close()
+
+
+def test_pkl_files_are_left_to_the_row_readers(tmp_path: Path) -> None:
+    held, drawn = twins(write(tmp_path, [make_traj(seed=i) for i in range(5)], fmt="pkl"))
+    assert not is_held(held)
+    assert_batches_equal(held.sample(32), drawn.sample(32))
+
+
+def test_a_window_over_the_budget_is_not_held(tmp_path: Path) -> None:
+    ckpt = write(tmp_path, [make_traj(seed=i) for i in range(5)])
+    small = TrajectoryReplayBuffer(sample_window_size=0, hold_rows_budget=1000)
+    small.load_checkpoint(ckpt)
+    assert not is_held(small)
+    enough = TrajectoryReplayBuffer(sample_window_size=0, hold_rows_budget=1 << 20)
+    enough.load_checkpoint(ckpt)
+    assert is_held(enough)
+    mapped = TrajectoryReplayBuffer(sample_window_size=0, map_rows=True)  # rows read from the map
+    mapped.load_checkpoint(ckpt)
+    assert not is_held(mapped)
+    with pytest.raises(ValueError, match="hold_rows_budget"):
+        TrajectoryReplayBuffer(hold_rows_budget=-1)
+
+
+def test_a_damaged_file_leaves_the_window_to_the_row_readers_which_name_it(tmp_path: Path) -> None:
+    ckpt = write(tmp_path, [make_traj(seed=i) for i in range(6)])
+    victim = ckpt / read_index(ckpt).file_name(3)
+    victim.write_bytes(victim.read_bytes()[:-200])
+    buffer = TrajectoryReplayBuffer(sample_window_size=0)
+    buffer.load_checkpoint(ckpt)
+    assert not is_held(buffer)
+    with pytest.raises(TrajectoryFileError, match="trajectory_3_"):
+        for _ in range(50):
+            buffer.sample(16)
+
+
+def test_a_file_that_disagrees_with_its_index_shape_is_not_held(tmp_path: Path) -> None:
+    ckpt = write(tmp_path, [make_traj(seed=i) for i in range(4)])
+    torch.save(make_traj(t=2, seed=9), ckpt / read_index(ckpt).file_name(2))  # [2, 2], index says [4, 2]
+    buffer = TrajectoryReplayBuffer(sample_window_size=0)
+    buffer.load_checkpoint(ckpt)
+    assert not is_held(buffer)
+    with pytest.raises(TrajectoryFileError, match="the index says"):
+        for _ in range(50):
+            buffer.sample(16)
+
+
+def test_a_held_window_keeps_its_rows_when_a_file_changes_after_the_load(tmp_path: Path) -> None:
+    """Held rows are what the files held at load (auto_save off pins files for the same reason)."""
+    ckpt = write(tmp_path, [make_traj(seed=i) for i in range(4)])
+    held, drawn = twins(ckpt)
+    for path in ckpt.glob("*.pt"):  # replaced: the row readers read the files they pinned
+        path.unlink()
+        torch.save(make_traj(seed=99), path)
+    assert_batches_equal(held.sample(64), drawn.sample(64))
+    for path in ckpt.glob("*.pt"):  # cut short in place: the row readers would fail on them
+        path.write_bytes(b"")
+    assert held.sample(16)["actions"].shape == (16, 7)
+
+
+def test_reading_the_window_is_reported_as_a_phase(tmp_path: Path) -> None:
+    ckpt = write(tmp_path, [make_traj(seed=i) for i in range(30)])
+    meta = ckpt / "metadata.json"
+    import orjson
+
+    doc = orjson.loads(meta.read_bytes())
+    del doc["field_schemas"]  # another writer's checkpoint: nothing recorded
+    meta.write_bytes(orjson.dumps(doc))
+    phases: list[tuple[int | None, str | None]] = []
+    done = [0]
+
+    class Seen:
+        def start(self, total: int | None, description: str | None = None) -> None:
+            phases.append((total, description))
+
+        def __call__(self, n: int = 1) -> None:
+            done[0] += n
+
+    buffer = TrajectoryReplayBuffer(sample_window_size=0)
+    buffer.load_checkpoint(ckpt)
+    assert is_held(buffer)
+    buffer.clear_cache()
+    buffer._held_generation = None  # read the window again, reporting it
+    buffer._rows.reset(0, 0)
+    buffer.sample_with_draw(8, progress=Seen())
+    assert phases == [(30, "reading the window's trajectories")] and done[0] == 30
+
+
+# ---------------------------------------------------------------- headers at once
+
+
+def tiny_files(tmp_path: Path, n: int = 12) -> list[Path]:
+    """One-transition files as another writer saves them (file names of two lengths)."""
+    paths = []
+    for i in range(n):
+        path = tmp_path / f"trajectory_{i * 7}_w{i % 3}.pt"
+        torch.save(make_traj(t=1, b=1, seed=i, model_weights_id=f"w{i % 3}", image=3), path)
+        paths.append(path)
+    return paths
+
+
+def outcome(result: dict[str, Any] | RbtoolError) -> Any:
+    return (type(result).__name__, str(result)) if isinstance(result, Exception) else result
+
+
+def reference(path: Path, data: bytes) -> Any:
+    try:
+        return outcome(ptheader.read_header(path, data))
+    except RbtoolError as exc:
+        return outcome(exc)
+
+
+def test_headers_read_at_once_are_read_headers_and_shared(tmp_path: Path) -> None:
+    paths = tiny_files(tmp_path)
+    datas = [p.read_bytes() for p in paths]
+    headers = ptbulk.read_headers(paths, datas)
+    assert [outcome(h) for h in headers] == [reference(p, d) for p, d in zip(paths, datas, strict=True)]
+    # shared by the files of one pickle (model_weights_id) and layout (name length)
+    assert len({id(h) for h in headers}) <= 6 < len(paths)
+
+
+def test_headers_of_damaged_files_are_read_headers_verdicts(tmp_path: Path) -> None:
+    """Every byte class of a file changed in turn, in a group with sound files of its size:
+    the verdict (header or error) is exactly read_header's for each."""
+    paths = tiny_files(tmp_path, 6)
+    sound = [p.read_bytes() for p in paths]
+    rng = random.Random(7)
+    size = len(sound[0])
+    positions = sorted(set(range(0, size, 3)) | set(range(size - 120, size)))
+    for at in positions:
+        damaged = bytearray(sound[0])
+        damaged[at] ^= 1 << rng.randrange(8)
+        group_paths = [paths[0], *paths[1:]]
+        group = [bytes(damaged), *sound[1:]]
+        got = ptbulk.read_headers(group_paths, group)
+        want = [reference(p, d) for p, d in zip(group_paths, group, strict=True)]
+        assert [outcome(h) for h in got] == want, at
+
+
+def test_headers_of_files_under_two_directory_names_are_read_headers_verdicts(tmp_path: Path) -> None:
+    paths = tiny_files(tmp_path, 4)
+    datas = [p.read_bytes() for p in paths]
+    prefix = paths[1].stem.encode()
+    mixed = bytearray(datas[1])
+    first = mixed.find(prefix)  # one record moved under another directory of the same length
+    last = mixed.rfind(prefix)
+    mixed[last : last + 1] = b"X" if mixed[last : last + 1] != b"X" else b"Y"
+    assert first != last
+    group = [datas[0], bytes(mixed), *datas[2:]]
+    got = ptbulk.read_headers(paths, group)
+    assert [outcome(h) for h in got] == [reference(p, d) for p, d in zip(paths, group, strict=True)]
+
+
+def test_truncated_and_padded_files_get_read_headers_verdicts(tmp_path: Path) -> None:
+    paths = tiny_files(tmp_path, 4)
+    datas = [p.read_bytes() for p in paths]
+    for variant in (datas[0][:-1], datas[0] + b"\0", datas[0][: len(datas[0]) // 2], b""):
+        group = [variant, *datas[1:]]
+        got = ptbulk.read_headers(paths, group)
+        assert [outcome(h) for h in got] == [reference(p, d) for p, d in zip(paths, group, strict=True)]
+
+
+def test_a_held_window_of_files_in_a_copied_directory(tmp_path: Path) -> None:
+    """Files named after another directory's stems (a copy renamed) still hold their rows."""
+    ckpt = write(tmp_path, [make_traj(t=1, b=1, seed=i) for i in range(20)])
+    moved = tmp_path / "moved"
+    shutil.copytree(ckpt, moved)
+    held, drawn = twins(moved)
+    assert is_held(held)
+    assert_batches_equal(held.sample(100), drawn.sample(100))
