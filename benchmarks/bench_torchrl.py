@@ -3,18 +3,19 @@
 
 Both hold the same rows: bench.py's image checkpoint (200 trajectories of T=50, B=10 with two
 64x64x3 uint8 image fields, 2.3 GiB; built once under --workdir and reused). rbtool loads it
-with `TrajectoryReplayBuffer(sample_window_size=0)`, in three settings, each in its own
-process: the default (large rows read with pread), `map_rows=True` (the files mapped side by
-side, one index_select per field) and `map_rows=True, map_rows_budget=512 MiB`. TorchRL gets
-every trajectory flattened to rows (done-like fields without their bootstrap rows, exactly
-the fields rbtool's batches hold) in a `TensorDictReplayBuffer` over a `LazyMemmapStorage` on
-disk under --workdir, sampled by `RandomSampler`, in a fourth process. The parent asks each
-process for one sample() in turn (a noisy moment hits all alike; each times its own call)
-after a warm-up; each figure is the median call. Each one's batch throughput is given as a
-fraction of this machine's memory-copy speed, with the minor page faults taken inside the call
-(median), and each process's peak RSS is split into anonymous memory and mapped file pages
-(page cache). The goal: rbtool >= 1.5x faster than
-TorchRL, judged on `map_rows=True` (a setting, not the default).
+with `TrajectoryReplayBuffer(sample_window_size=0)`, in four settings, each in its own
+process: the default (the window's rows held in memory, read at load), `hold_rows_budget=0`
+(large rows read with pread when drawn), `map_rows=True` (the files mapped side by side, one
+index_select per field) and `map_rows=True, map_rows_budget=512 MiB`. TorchRL gets every
+trajectory flattened to rows (done-like fields without their bootstrap rows, exactly the
+fields rbtool's batches hold) in a `TensorDictReplayBuffer` over a `LazyMemmapStorage` on disk
+under --workdir, sampled by `RandomSampler`, in a fifth process. The parent asks each process
+for one sample() in turn (a noisy moment hits all alike; each times its own call) after a
+warm-up; each figure is the median call. Each one's batch throughput is given as a fraction of
+this machine's memory-copy speed, with the minor page faults taken inside the call (median),
+and each process's peak RSS is split into anonymous memory and mapped file pages (page
+cache). The goals, on the default: rbtool >= 2x faster than TorchRL, and within 3x of a
+memcpy of the batch's bytes (from memory out of the cache, measured here too).
 
 torchrl is an optional benchmark dependency (`pip install -e '.[bench]'`); without it the
 script says so and exits 0. Prints one table, or one JSON document with --json.
@@ -44,7 +45,8 @@ import bench
 
 HERE = Path(__file__).resolve().parent
 
-GOAL = 1.5  # TorchRL's median sample() time / rbtool's, at least
+GOAL = 2.0  # TorchRL's median sample() time / rbtool's default, at least
+MEMCPY_GOAL = 3.0  # rbtool's default median sample() / a copy of the batch's bytes, at most
 INSTALL_HINT = "pip install -e '.[bench]' (torchrl and tensordict)"
 
 
@@ -121,10 +123,11 @@ def nbytes(tensors: dict[str, Any]) -> int:
 BUDGET = 512 << 20
 SETTINGS: dict[str, dict[str, Any]] = {
     "default": {},
+    "rows_from_files": {"hold_rows_budget": 0},
     "map_rows": {"map_rows": True},
     "map_rows_budget": {"map_rows": True, "map_rows_budget": BUDGET},
 }
-GOAL_SETTING = "map_rows"
+GOAL_SETTING = "default"
 WARMUP = 5  # sample() calls before timing (the first one maps or opens every file)
 
 
@@ -167,7 +170,9 @@ def worker(kind: str, ckpt: Path, store: Path, num_chunks: int) -> int:
         from rbtool import TrajectoryReplayBuffer
 
         ours = TrajectoryReplayBuffer(seed=bench.SEED, sample_window_size=0, **SETTINGS[kind])
+        started = time.perf_counter()
         ours.load_checkpoint(ckpt)
+        ready["load_s"] = time.perf_counter() - started
 
         def sample() -> Any:
             return ours.sample(num_chunks)
@@ -247,7 +252,7 @@ def measure(cfg: bench.Config, calls: int) -> dict[str, Any]:
     }
     doc["memcpy"] = bench.memcpy_speed(cfg.repeats)
     if not isinstance(versions, dict):
-        doc.update(rbtool_s=None, torchrl_s=None, ratio=None, met=None)
+        doc.update(rbtool_s=None, torchrl_s=None, ratio=None, met=None, met_torchrl=None, met_memcpy=None)
         return doc
 
     store = cfg.workdir / f"torchrl_{ckpt.name}"
@@ -282,6 +287,7 @@ def measure(cfg: bench.Config, calls: int) -> dict[str, Any]:
         sides[name] = {
             "median_s": seconds,
             "first_sample_s": ready[name]["first_sample_s"],
+            **({"load_s": ready[name]["load_s"]} if "load_s" in ready[name] else {}),
             "batch_bytes": ready[name]["batch_bytes"],
             "memcpy_fraction": ready[name]["batch_bytes"] / seconds / bandwidth,
             # page faults taken inside the call (fresh batch memory, pages mapped on first touch)
@@ -289,6 +295,7 @@ def measure(cfg: bench.Config, calls: int) -> dict[str, Any]:
             **memory[name],
         }
     doc["sides"] = sides
+    doc["batch_memcpy"] = bench.batch_memcpy(ready[GOAL_SETTING]["batch_bytes"])
     # same names, dtypes and per-row shapes (a checkpoint smaller than the request gives rbtool
     # fewer rows: it clamps to the window, TorchRL draws with replacement)
     doc["same_fields"] = all(ready[name]["fields"] == trl["fields"] for name in SETTINGS)
@@ -303,15 +310,21 @@ def measure(cfg: bench.Config, calls: int) -> dict[str, Any]:
         torchrl_batch_bytes=sides["torchrl"]["batch_bytes"],
         rbtool_memcpy_fraction=ours["memcpy_fraction"],
         torchrl_memcpy_fraction=sides["torchrl"]["memcpy_fraction"],
+        vs_memcpy=ours["median_s"] / doc["batch_memcpy"]["cold_s"],
+        vs_memcpy_hot=ours["median_s"] / doc["batch_memcpy"]["hot_s"],
     )
-    doc["met"] = doc["ratio"] is not None and doc["ratio"] >= GOAL and doc["same_fields"]
+    doc["met_torchrl"] = doc["ratio"] is not None and doc["ratio"] >= GOAL and doc["same_fields"]
+    doc["met_memcpy"] = doc["vs_memcpy"] <= MEMCPY_GOAL
+    doc["met"] = doc["met_torchrl"] and doc["met_memcpy"]
     return doc
 
 
 def setting_label(name: str) -> str:
     kw = SETTINGS[name]
     if not kw:
-        return "rbtool, default (pread)"
+        return "rbtool, default (window held in memory)"
+    if kw == {"hold_rows_budget": 0}:
+        return "rbtool, hold_rows_budget=0 (rows read with pread)"
     parts = [f"{k}={bench.fmt_bytes(v) if k == 'map_rows_budget' else v}" for k, v in kw.items()]
     return "rbtool, " + ", ".join(parts)
 
@@ -352,7 +365,11 @@ def render(doc: dict[str, Any]) -> None:
         label = "TorchRL LazyMemmapStorage" if name == "torchrl" else setting_label(name)
         is_goal = name == GOAL_SETTING
         ratio = bench.ratio(trl_s, side["median_s"]) if name != "torchrl" else None
-        met = bench.fmt_met(doc["met"]) + ("" if doc["same_fields"] else " FIELDS DIFFER") if is_goal else ""
+        met = (
+            bench.fmt_met(doc["met_torchrl"]) + ("" if doc["same_fields"] else " FIELDS DIFFER")
+            if is_goal
+            else ""
+        )
         throughput = side["batch_bytes"] / side["median_s"]
         table.add_row(
             label + (" (goal)" if is_goal else ""),
@@ -362,14 +379,17 @@ def render(doc: dict[str, Any]) -> None:
             met,
             f"{fmt_b(throughput)}/s ({side['memcpy_fraction']:.1%})",
             f"{side['minor_faults_per_call']:,.0f}",
-            fmt_s(side["first_sample_s"]),
+            fmt_s(side["first_sample_s"]) + (f" (load {fmt_s(side['load_s'])})" if "load_s" in side else ""),
             fmt_b(side["peak_rss_bytes"]),
             f"{fmt_b(side['rss_anon_bytes'])} + {fmt_b(side['rss_file_bytes'])}",
         )
     console.print(table)
+    copy = doc["batch_memcpy"]
     console.print(
-        f"The goal is judged on {setting_label(GOAL_SETTING)}, which is not the default: mapped "
-        "file pages are page cache but count in the resident set (see docs/decisions.md).",
+        f"memcpy of the batch's {fmt_b(copy['bytes'])}: {fmt_s(copy['cold_s'])} from memory out of the cache "
+        f"({fmt_s(copy['hot_s'])} in the cache); the default's sample() is {doc['vs_memcpy']:.2f}x the "
+        f"first ({doc['vs_memcpy_hot']:.2f}x the second); goal <= {MEMCPY_GOAL:g}x: "
+        f"{bench.fmt_met(doc['met_memcpy'])}",
         highlight=False,
         markup=False,
     )

@@ -209,7 +209,16 @@ def test_torchrl_reports_every_figure_or_says_why_not(tmp_path: Path) -> None:
     assert doc["met"] in (True, False)
     # one process per side, each with its own time, first call and memory
     assert set(doc["sides"]) == {"torchrl", *doc["settings"]} and doc["goal_setting"] in doc["settings"]
-    assert doc["settings"]["default"] == {} and doc["settings"][doc["goal_setting"]] == {"map_rows": True}
+    assert doc["settings"]["default"] == {} and doc["goal_setting"] == "default"
+    assert doc["settings"]["rows_from_files"] == {"hold_rows_budget": 0}
+    copy = doc["batch_memcpy"]
+    assert copy["bytes"] == doc["rbtool_batch_bytes"] and positive(copy["cold_s"]) and positive(copy["hot_s"])
+    assert (
+        positive(doc["vs_memcpy"])
+        and doc["met_memcpy"] in (True, False)
+        and doc["met_torchrl"] in (True, False)
+    )
+    assert positive(doc["sides"]["default"]["load_s"])
     for name, side in doc["sides"].items():
         for key in ("median_s", "first_sample_s", "memcpy_fraction", "peak_rss_bytes", "rss_anon_bytes"):
             assert positive(side[key]), (name, key)

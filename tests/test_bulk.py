@@ -22,7 +22,9 @@ from rbtool.errors import RbtoolError, TrajectoryFileError
 from rbtool.files import ptbulk, ptheader
 
 
-def twins(ckpt: Path, window: int = 0, seed: int = 5, **kw: Any) -> tuple[TrajectoryReplayBuffer, TrajectoryReplayBuffer]:
+def twins(
+    ckpt: Path, window: int = 0, seed: int = 5, **kw: Any
+) -> tuple[TrajectoryReplayBuffer, TrajectoryReplayBuffer]:
     """The checkpoint loaded twice: its window held in memory, and read row by row when drawn."""
     held = TrajectoryReplayBuffer(seed=seed, sample_window_size=window, **kw)
     drawn = TrajectoryReplayBuffer(seed=seed, sample_window_size=window, hold_rows_budget=0, **kw)
@@ -52,7 +54,9 @@ def test_a_held_window_gives_the_row_readers_batches_on_rlinfs_checkpoints(direc
         assert_batches_equal(held.sample(num_chunks), drawn.sample(num_chunks))
 
 
-@pytest.mark.parametrize(("t", "b", "extra", "image"), [(1, 1, 1, 0), (6, 2, 3, 5), (4, 3, 0, 2), (1, 1, 1, 16)])
+@pytest.mark.parametrize(
+    ("t", "b", "extra", "image"), [(1, 1, 1, 0), (6, 2, 3, 5), (4, 3, 0, 2), (1, 1, 1, 16)]
+)
 def test_a_held_window_gives_the_row_readers_batches_for_any_layout(
     tmp_path: Path, t: int, b: int, extra: int, image: int
 ) -> None:
@@ -68,9 +72,15 @@ def test_adds_and_a_moving_window_after_a_held_load_give_the_row_readers_batches
     ckpt = write(tmp_path, [make_traj(seed=i) for i in range(12)])
     for auto_save in (False, True):
         kw: dict[str, Any] = {"auto_save": auto_save}
-        held = TrajectoryReplayBuffer(seed=2, sample_window_size=8, **kw, auto_save_path=str(tmp_path / "h") if auto_save else "")
+        held = TrajectoryReplayBuffer(
+            seed=2, sample_window_size=8, **kw, auto_save_path=str(tmp_path / "h") if auto_save else ""
+        )
         drawn = TrajectoryReplayBuffer(
-            seed=2, sample_window_size=8, hold_rows_budget=0, **kw, auto_save_path=str(tmp_path / "d") if auto_save else ""
+            seed=2,
+            sample_window_size=8,
+            hold_rows_budget=0,
+            **kw,
+            auto_save_path=str(tmp_path / "d") if auto_save else "",
         )
         for buffer in (held, drawn):
             buffer.load_checkpoint(ckpt)

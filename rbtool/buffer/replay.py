@@ -39,7 +39,13 @@ from rbtool.buffer.storage import (
     hold_window,
     recorded_signature,
 )
-from rbtool.errors import BufferClosedError, CheckpointError, EmptyBufferError, TrajectoryFileError, UsageError
+from rbtool.errors import (
+    BufferClosedError,
+    CheckpointError,
+    EmptyBufferError,
+    TrajectoryFileError,
+    UsageError,
+)
 from rbtool.files import trajfile
 from rbtool.files.dirs import CheckpointView, open_view, warn_layout
 from rbtool.files.index import DEFAULT_SEED, Index, init_buffer_dir, read_index, window_of, window_start
@@ -256,6 +262,7 @@ class TrajectoryReplayBuffer:
             "window_samples": sum(self._index.entries[i]["num_samples"] for i in window),
             "in_memory": len(self._store.memory),
             "open_files": len(self._store.views),
+            "held_rows_bytes": self._rows.nbytes,
             "auto_save": self.auto_save,
             "trajectory_format": self.trajectory_format,
             "seed": self.seed,
@@ -469,7 +476,9 @@ class TrajectoryReplayBuffer:
         if (known is not None and known is not signature) or (
             recorded is not None and store.intern(recorded) is not signature
         ):
-            raise TrajectoryFileError(f"{path or f'trajectory {tid}'}: its fields differ from its index entry")
+            raise TrajectoryFileError(
+                f"{path or f'trajectory {tid}'}: its fields differ from its index entry"
+            )
         store.signatures[tid] = signature
 
     def _left_window(self, position: int) -> None:

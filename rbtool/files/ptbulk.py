@@ -51,7 +51,9 @@ class Template:
 
         self.size = len(data)
         self.bytes = np.frombuffer(data, dtype=np.uint8)
-        records = ptheader.zip_records(path, lambda offset, n: memoryview(data)[offset : offset + n], len(data))
+        records = ptheader.zip_records(
+            path, lambda offset, n: memoryview(data)[offset : offset + n], len(data)
+        )
         pickles = [r for r in records if r.name.endswith("/data.pkl")]
         if len(pickles) != 1:
             raise ptheader.UnusualLayout("no single data.pkl record")

@@ -81,7 +81,8 @@ def sample_checkpoint(
     before_gather = _remote_reads(mirror, view, strategy, extra_fields)
     missing = view.dropped_ids()
     _phase(progress, 1, PHASES[1])
-    buffer = TrajectoryReplayBuffer(sample_window_size=window, extra_fields=extra_fields)
+    # one batch: only its drawn rows are read, not the window's
+    buffer = TrajectoryReplayBuffer(sample_window_size=window, extra_fields=extra_fields, hold_rows_budget=0)
     buffer.load_checkpoint(view, strict=strict)  # the index just read; reseeds when it has a seed
     if seed is not None:
         buffer.seed = seed

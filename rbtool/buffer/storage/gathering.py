@@ -103,8 +103,7 @@ def _gather(
         in_cache = cached is not None and covered is not None and path in cached.columns
         if in_cache and covered is not None and covered.size == count:
             assert cached is not None and cache_rows is not None
-            column = cached.columns[path]
-            out[path] = torch.index_select(column, 0, cache_rows, out=empty(path, (count, *shape), dtype))
+            out[path] = _take(cached.columns[path], cache_rows, empty(path, (count, *shape), dtype))
             continue
         target = empty(path, (count, *shape), dtype)
         if in_cache:
@@ -115,6 +114,26 @@ def _gather(
             group("every").fill(path, target)
         out[path] = target
     return nest({path: out[path] for path in schema})
+
+
+# A field's gather of at most this many bytes is a copy on this thread (numpy's take): an
+# index_select that large would run as a parallel region, whose threads (OpenMP, spinning
+# at its barrier) cost more than the copy when other processes share the cores.
+SERIAL_GATHER_BYTES = 1 << 20
+
+
+def _take(column: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` of a contiguous `column` into `out` (`[len(rows), ...]`, contiguous)."""
+    import numpy as np
+    import torch
+
+    row_bytes = out[0].numel() * out.element_size() if out.shape[0] else 0
+    if not row_bytes or out.shape[0] * row_bytes > SERIAL_GATHER_BYTES:
+        return torch.index_select(column, 0, rows, out=out)
+    source = column.reshape(-1).view(torch.uint8).reshape(column.shape[0], row_bytes).numpy()
+    target = out.reshape(-1).view(torch.uint8).reshape(out.shape[0], row_bytes).numpy()
+    np.take(source, rows.numpy(), axis=0, out=target)
+    return out
 
 
 @dataclass

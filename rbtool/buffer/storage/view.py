@@ -131,7 +131,9 @@ class FlatView:
         items, self.left_out = sampled_items(traj, extra_fields)
         for path, value in items:
             extra = bootstrap_rows(path, value.shape, t, b)
-            self.fields[path] = FlatField(value.reshape(value.shape[0] * value.shape[1], *value.shape[2:]), extra)
+            self.fields[path] = FlatField(
+                value.reshape(value.shape[0] * value.shape[1], *value.shape[2:]), extra
+            )
 
     def schema(self) -> Schema:
         return {p: f.spec for p, f in self.fields.items()}

@@ -223,6 +223,11 @@ class RowCache:
         self.rows += n
         self.hi += 1
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of memory the columns take (their spare rows too)."""
+        return sum(c.numel() * c.element_size() for c in self.columns.values())
+
     def adopt(
         self,
         lo: int,
