@@ -597,8 +597,8 @@ def render(doc: dict[str, Any]) -> None:
         f = s["first_sample_after_load"]
         table.add_row(
             "  first sample after a foreign load (fresh process)",
-            fmt_s(f["first_sample_s"]),
-            f"load + first {fmt_s(f['load_and_sample_s'])}",
+            f"{fmt_s(f['first_sample_s'])} (load + first {fmt_s(f['load_and_sample_s'])})",
+            "",
             "",
             *judged(f"first_sample_after_load_s_{key}"),
         )
