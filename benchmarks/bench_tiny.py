@@ -404,13 +404,19 @@ def measure_sampling(
     then the steady calls in turn."""
     log(f"{n:,}: rbtool load_checkpoint + {cfg.first_calls} x sample({cfg.num_chunks}) in a fresh process")
     workers: dict[str, Worker] = {}
+    torchrl_error = None
     try:
         workers["rbtool"] = Worker("rbtool", ckpt, cfg)
         workers["rbtool"].ready = workers["rbtool"].answer()
         if torchrl_ok:
             log(f"{n:,}: torchrl read + extend, {cfg.first_calls} x sample({cfg.num_chunks}), fresh process")
             workers["torchrl"] = Worker("torchrl", ckpt, cfg)
-            workers["torchrl"].ready = workers["torchrl"].answer()
+            try:
+                workers["torchrl"].ready = workers["torchrl"].answer()
+            except RuntimeError as exc:  # e.g. out of memory at 1M: rbtool's figures still count
+                log(f"{n:,}: {exc}")
+                torchrl_error = str(exc)
+                workers.pop("torchrl").close()
         log(f"{n:,}: {cfg.calls} steady calls each, {', '.join(workers)} in turn")
         times: dict[str, list[float]] = {name: [] for name in workers}
         faults: dict[str, list[int]] = {name: [] for name in workers}
@@ -442,6 +448,7 @@ def measure_sampling(
         "checkpoint": str(ckpt),
         "rbtool": rb,
         "torchrl": trl,
+        "torchrl_error": torchrl_error,
         "same_fields": None
         if trl is None
         else workers["rbtool"].ready["fields"] == workers["torchrl"].ready["fields"],
@@ -587,6 +594,8 @@ def render(doc: dict[str, Any]) -> None:
         build = doc["data"][key]
         made = "reused" if build["reused"] else f"built in {build['build_s']:.1f} s"
         table.add_row(f"[bold]{n} trajectories[/bold] ({s['page_cache']}; data {made})", "", "", "", "", "")
+        if s["torchrl_error"]:
+            table.add_row("  TorchRL side FAILED", "", s["torchrl_error"][:100], "", "", "")
         table.add_row(
             "  load_checkpoint / TorchRL: read files + extend",
             fmt_s(rb["load_s"]),

@@ -383,6 +383,7 @@ def test_tiny_reports_every_figure(tmp_path: Path) -> None:
         assert all(g["met"] is None for g in doc["goals"] if g["name"] in trl_names)
         return
     trl = s["torchrl"]
+    assert s["torchrl_error"] is None
     assert s["same_fields"] is True and trl["rows"] == 300 and trl["files"] == 300
     for key in ("read_s", "build_s", "steady_s", "peak_rss_bytes", "batch_bytes"):
         assert positive(trl[key]), key
