@@ -331,3 +331,91 @@ def test_doctor_reports_every_figure(tmp_path: Path) -> None:
     assert set(doc["median_seconds"]) == {"verify_deep", "doctor"}
     assert all(positive(v) for v in doc["median_seconds"].values())
     assert positive(doc["doctor_vs_verify_deep"]) and doc["goal"] == 2.0 and doc["met"] in (True, False)
+
+
+def test_tiny_reports_every_figure(tmp_path: Path) -> None:
+    doc = run_script(
+        "bench_tiny.py",
+        *("--sizes", "300", "--calls", "5", "--first-calls", "10", "--no-cli", "--jobs", "2"),
+        *("--workdir", str(tmp_path)),
+    )
+    assert doc["config"]["sizes"] == [300] and doc["config"]["cli_sizes"] == []
+    assert positive(doc["memcpy"]["bytes_per_s"])
+    # the data: RLinf's layout, built into a hidden .partial directory and renamed
+    data = tmp_path / "tiny_300"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny_300"]
+    assert doc["data"]["300"]["reused"] is False and positive(doc["data"]["300"]["build_s"])
+    meta = json.loads((data / "metadata.json").read_text())
+    assert meta == {
+        "trajectory_format": "pt",
+        "size": 300,
+        "total_samples": 300,
+        "trajectory_counter": 300,
+        "seed": 1234,
+    }
+    index = json.loads((data / "trajectory_index.json").read_text())
+    assert index["trajectory_id_list"] == list(range(300))
+    entry = index["trajectory_index"]["7"]
+    assert (
+        entry["num_samples"] == 1
+        and entry["shape"] == [1, 1, 7]
+        and set(entry)
+        == {
+            "num_samples",
+            "trajectory_id",
+            "max_episode_length",
+            "shape",
+            "model_weights_id",
+        }
+    )
+    assert (data / f"trajectory_7_{entry['model_weights_id']}.pt").is_file()
+    assert len(list(data.glob("trajectory_*.pt"))) == 300
+
+    s = doc["sizes"]["300"]
+    assert s["cli"] is None and s["trajectories"] == 300
+    rb = s["rbtool"]
+    assert positive(rb["load_s"]) and rb["first_calls"]["count"] == 10
+    for key in ("first_s", "median_s", "sum_s"):
+        assert positive(rb["first_calls"][key]), key
+    for key in ("steady_s", "peak_rss_bytes", "rss_anon_bytes", "batch_bytes"):
+        assert positive(rb[key]), key
+    assert rb["first_calls"]["minor_faults_per_call"] >= 0 and rb["steady_minor_faults_per_call"] >= 0
+    for key in ("batch_bytes", "memcpy_floor_s", "batch_copy_s"):
+        assert positive(s[key]), key
+    first = s["first_sample_after_load"]
+    assert positive(first["first_sample_s"]) and positive(first["load_and_sample_s"])
+    names = {"rbtool_load_s_300", "first_sample_after_load_s_300"}
+    trl_names = {"torchrl_over_rbtool_steady_300", "rbtool_first_calls_over_torchrl_steady_300"}
+    assert {g["name"] for g in doc["goals"]} == names | trl_names
+    if doc["torchrl_skipped"] is not None:  # torchrl not installed: said so, its figures null
+        assert "torchrl" in doc["torchrl_skipped"] and s["torchrl"] is None and s["steady_ratio"] is None
+        assert all(g["met"] is None for g in doc["goals"] if g["name"] in trl_names)
+        return
+    trl = s["torchrl"]
+    assert s["torchrl_error"] is None
+    assert s["same_fields"] is True and trl["rows"] == 300 and trl["files"] == 300
+    for key in ("read_s", "build_s", "steady_s", "peak_rss_bytes", "batch_bytes"):
+        assert positive(trl[key]), key
+    assert trl["first_calls"]["count"] == 10 and positive(trl["first_calls"]["median_s"])
+    assert positive(s["steady_ratio"]) and positive(s["first_calls_ratio"])
+    for goal in doc["goals"]:
+        assert goal["met"] in (True, False) and positive(goal["value"]), goal
+
+
+def test_tiny_cli_figures(tmp_path: Path) -> None:
+    doc = run_script(
+        "bench_tiny.py",
+        *("--sizes", "40", "--calls", "2", "--first-calls", "2", "--cli", "--jobs", "1"),
+        *("--budget", "120", "--workdir", str(tmp_path)),
+    )
+    cli = doc["sizes"]["40"]["cli"]
+    assert set(cli) == {"stats", "stats_index_only", "verify_deep", "doctor", "ingest", "reshard"}
+    for name, record in cli.items():
+        assert record["status"] == "ok", (name, record)
+        assert (
+            positive(record["wall_s"])
+            and positive(record["files_per_s"])
+            and positive(record["peak_rss_bytes"])
+        )
+        assert record["exit_code"] in (0, 1) and isinstance(record["stderr_tail"], str)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny_40"]  # the outputs were removed
