@@ -15,7 +15,8 @@ check_loaded) would look at, and more strictly:
   every pickle instruction one of the few torch.save writes and torch's weights-only
   unpickler runs: no BUILD, no lists, no other globals than a tensor's rebuild, the legacy
   storage classes and OrderedDict, each spelled exactly;
-- `version`, `byteorder` (little) and `.storage_alignment` as torch's loader reads them;
+- `version`, `byteorder` (little), `.storage_alignment` and `.data/serialization_id` (UTF-8)
+  as torch's loader reads them;
 - the structure (rbtool.files.ptheader, the rules of rbtool.format.content): every tensor
   non-empty, of sizes and strides torch accepts, inside a storage record of exactly its
   declared size, each record of one dtype; values only dicts, tensors, strings, ints,
@@ -335,13 +336,16 @@ def _check_whole(path: Path, data: bytes) -> Checked | None:
         return None
     if mel is not None and not -INT64_LIMIT <= mel < INT64_LIMIT:
         return None
-    return Checked(structure, *_skeleton(data, found, prefix), len(data))
+    ident = records.get(f"{prefix}.data/serialization_id")
+    checked = Checked(structure, *_skeleton(data, found, prefix), len(data))
+    checked.ident = None if ident is None else ident[:2]
+    return checked if checked.ident_readable(data) else None
 
 
 def _skeleton(data: bytes, found: _Zip, prefix: str) -> tuple[np.ndarray, np.ndarray]:
     """The positions of every byte the checks read but the archive's name: all but the tensors'
     bytes, their CRC-32s where a data descriptor (which no reader reads) also holds them, the
-    descriptors, and the serialization id (a random name no reader checks); and the positions of
+    descriptors, and the serialization id (random, checked on its own); and the positions of
     the archive's name in each record's two names, one row per name (torch.save names the
     archive after the file, so files of one layout differ there)."""
     ranges: list[tuple[int, int]] = [(0, 4)]
@@ -382,6 +386,7 @@ class Checked:
         self.archive = archive
         self.expected = b""
         self.memo: dict[str, Any] = {}  # the caller's results that depend on the structure only
+        self.ident: tuple[int, int] | None = None  # where the serialization id is (start, size)
         self.floats = [spec for _, spec in iter_specs(structure) if is_floating(spec)]
         # contiguous whole-storage floats at aligned places: (uint dtype, element indices, mask)
         self.groups: list[tuple[str, np.ndarray, int]] = []
@@ -411,6 +416,17 @@ class Checked:
         names = octets[self.archive]  # the archive's name, the same in every record's two names
         first = names[0].tobytes()
         return bool((names == names[0]).all()) and first.isascii() and b"/" not in first
+
+    def ident_readable(self, data: bytes) -> bool:
+        """Whether the serialization id is text: torch's loader reads it as UTF-8 (for its logs)."""
+        if self.ident is None:
+            return True
+        start, size = self.ident
+        try:
+            data[start : start + size].decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+        return True
 
     def nonfinite(self, data: bytes) -> dict[int, int]:
         """NaN/Inf counts of this layout's floating tensors in `data`, by id() of their spec (those
@@ -455,7 +471,7 @@ def check_pt(path: Path, data: bytes) -> Checked | None:
     key = _layout_key(data)
     known = _LAYOUTS.get(key) if key is not None else None
     if known is not None and known.same_layout(data):
-        return known
+        return known if known.ident_readable(data) else None
     checked = _check_whole(path, data)
     if checked is None or key is None:
         return checked
