@@ -70,7 +70,7 @@ _UINTS = {2: "<u2", 4: "<u4", 8: "<u8"}
 
 
 @functools.cache
-def _torch_is_recent() -> bool:
+def torch_is_recent() -> bool:
     """Whether the torch path would load files at all: torch installed and not refused as too old
     (read from its metadata: importing torch costs seconds)."""
     import importlib.metadata
@@ -382,14 +382,15 @@ class Checked:
     ) -> None:
         self.structure = structure
         self.size = size
-        self.skeleton = skeleton
+        self.mask = np.zeros(size, dtype=np.uint8)  # 0xFF where the checks read a byte
+        self.mask[skeleton] = 0xFF
         self.archive = archive
-        self.expected = b""
+        self.expected = np.zeros(size, dtype=np.uint8)  # the checked file's bytes (where the mask is set)
         self.memo: dict[str, Any] = {}  # the caller's results that depend on the structure only
         self.ident: tuple[int, int] | None = None  # where the serialization id is (start, size)
         self.floats = [spec for _, spec in iter_specs(structure) if is_floating(spec)]
         # contiguous whole-storage floats at aligned places: (uint dtype, element indices, mask)
-        self.groups: list[tuple[str, np.ndarray, int]] = []
+        self.groups: list[tuple[np.dtype[Any], np.ndarray, Any]] = []
         by_kind: dict[tuple[str, int], list[np.ndarray]] = {}
         self.exact_only: list[TensorSpec] = []
         for spec in self.floats:
@@ -404,14 +405,15 @@ class Checked:
                 np.arange(first, first + spec.nbytes // width, dtype=np.intp)
             )
         for (uint, mask), parts in by_kind.items():
-            self.groups.append((uint, np.concatenate(parts), mask))
+            kind = np.dtype(uint)
+            self.groups.append((kind, np.concatenate(parts), kind.type(mask)))
 
     def same_layout(self, data: bytes) -> bool:
         """Whether `data` holds this layout: the same size and every byte the checks read the same."""
         if len(data) != self.size:
             return False
         octets = np.frombuffer(data, dtype=np.uint8)
-        if octets[self.skeleton].tobytes() != self.expected:
+        if np.bitwise_and(np.bitwise_xor(octets, self.expected), self.mask).any():
             return False
         names = octets[self.archive]  # the archive's name, the same in every record's two names
         first = names[0].tobytes()
@@ -433,8 +435,8 @@ class Checked:
         not listed hold none)."""
         counts = {id(spec): nonfinite(spec, data) for spec in self.exact_only}
         for uint, index, mask in self.groups:
-            bits = np.frombuffer(data, dtype=uint, count=len(data) // np.dtype(uint).itemsize)[index]
-            if np.any((bits & np.array(mask, dtype=bits.dtype)) == mask):
+            bits = np.frombuffer(data, dtype=uint, count=len(data) // uint.itemsize)[index]
+            if (np.bitwise_and(bits, mask) == mask).any():
                 return {id(spec): nonfinite(spec, data) for spec in self.floats}
         return {k: v for k, v in counts.items() if v}
 
@@ -466,7 +468,7 @@ def check_pt(path: Path, data: bytes) -> Checked | None:
 
     A file of a layout already checked (every byte the checks read the same) is that layout.
     Its structure may be shared: never change it."""
-    if not _torch_is_recent():
+    if not torch_is_recent():
         return None  # the torch path refuses every file: it says why
     key = _layout_key(data)
     known = _LAYOUTS.get(key) if key is not None else None
@@ -475,7 +477,7 @@ def check_pt(path: Path, data: bytes) -> Checked | None:
     checked = _check_whole(path, data)
     if checked is None or key is None:
         return checked
-    checked.expected = np.frombuffer(data, dtype=np.uint8)[checked.skeleton].tobytes()
+    checked.expected = np.frombuffer(data, dtype=np.uint8) & checked.mask
     if len(_LAYOUTS) >= _LAYOUTS_MAX:
         del _LAYOUTS[next(iter(_LAYOUTS))]
     _LAYOUTS[key] = checked
@@ -509,4 +511,4 @@ def nonfinite(spec: TensorSpec, data: bytes) -> int:
     return int(np.count_nonzero(view))
 
 
-__all__ = ["Checked", "check_pt", "is_floating", "nonfinite"]
+__all__ = ["Checked", "check_pt", "is_floating", "nonfinite", "torch_is_recent"]

@@ -596,6 +596,10 @@ def _run_deep(
     # import it when a file needs it, and start with it when a format always does
     torch = ("torch",) if any(t.path.suffix != ".pt" for t in tasks) else ()
     preload = (*torch, "rbtool.ops.verify", "rbtool.files.ptcheck")
+    if tasks:
+        from rbtool.files.ptcheck import torch_is_recent
+
+        torch_is_recent()  # (read once here: forked workers inherit it)
     results = file_pass(
         _deep_task, tasks, jobs, progress, journal, preload=preload, types=(Problem,), hashes=_hashes
     )
