@@ -111,6 +111,7 @@ def pickle_variants(base: bytes) -> Iterator[tuple[str, bytes]]:
         "frame opcode",
         with_pickle(base, b"\x80\x04\x95" + struct.pack("<Q", len(pickled) - 2) + pickled[2:]),
     )
+    yield "memo far away", with_pickle(base, body + b"r\xff\xff\xff\x7f.")
     yield "no stop", with_pickle(base, body)
     yield "stop only", with_pickle(base, b".")
     yield "trailing bytes", with_pickle(base, pickled + b"garbage")
@@ -149,6 +150,7 @@ def zip_variants(base: bytes) -> Iterator[tuple[str, bytes]]:
     yield "record in another archive", rezip([*items, ("other/data.pkl", b"x")])
     yield "record differing in case", rezip([*items, (f"{prefix}/DATA.PKL", b"x")])
     yield "record twice", rezip([*items, items[0]])
+    yield "a storage named data.pkl", rezip([*items, (f"{prefix}/data/data.pkl", b"\0" * 8)])
     yield "no version", rezip([i for i in items if not i[0].endswith("/version")])
     yield "no byteorder", rezip([i for i in items if not i[0].endswith("/byteorder")])
     yield "big endian", rezip([(n, b"big" if n.endswith("/byteorder") else b) for n, b in items])

@@ -99,6 +99,8 @@ _FIXED_ARGS = _fixed(
     (b"\x86", 0), (b"\x87", 0), (b")", 0), (b"R", 0), (b"s", 0), (b"u", 0), (b"h", 1), (b"j", 4),
 )  # fmt: skip
 _BINUNICODE, _LONG1, _GLOBAL, _STOP = b"X"[0], b"\x8a"[0], b"c"[0], b"."[0]
+_LONG_MEMO = {b"r"[0], b"j"[0]}  # LONG_BINPUT, LONG_BINGET
+_MAX_MEMO = 1 << 20
 _GLOBALS = {
     b"torch._utils\n_rebuild_tensor_v2\n",
     b"collections\nOrderedDict\n",
@@ -116,6 +118,8 @@ def _plain_instructions(pickled: bytes) -> bool:
         pos += 1
         size = fixed.get(op)
         if size is not None:
+            if op in _LONG_MEMO and int.from_bytes(pickled[pos : pos + 4], "little") >= _MAX_MEMO:
+                return False  # the C unpickler would size its memo to it
             pos += size
         elif op == _BINUNICODE:
             if pos + 4 > end:
@@ -264,7 +268,8 @@ def _archive_prefix(records: dict[str, tuple[int, int, int]]) -> str | None:
         if not name.startswith(prefix):
             return None
         rest = name[len(prefix) :]
-        if rest not in _RECORDS and not (rest.startswith("data/") and "/" not in rest[5:]):
+        storage = rest.startswith("data/") and "/" not in rest[5:] and rest != "data/data.pkl"
+        if rest not in _RECORDS and not storage:  # (the torch path scans any */data.pkl as a pickle)
             return None
     if not {"data.pkl", "version", "byteorder"} <= {n[len(prefix) :] for n in records}:
         return None

@@ -481,7 +481,7 @@ def _check_checked(
 
 def _check_contents(
     traj: dict[str, Any],
-    kind: type,
+    kind: type[Any],
     nonfinite: Any,
     name: str,
     tid: int,
