@@ -221,6 +221,9 @@ def content_variants() -> Iterator[tuple[str, bytes, dict[str, Any] | None]]:
     yield "int key", saved({**base, 3: torch.ones(1)}), ENTRY
     yield "uint16 tensor", saved(tiny(extra=torch.ones(1, 1, 2, dtype=torch.uint16))), ENTRY
     yield "deep nesting", saved(tiny(extra=_nested(40))), ENTRY
+    large = torch.randn(1, 1, 300_000)
+    large[0, 0, 12345] = float("nan")
+    yield "a large file with nan", saved(tiny(actions=large)), ENTRY  # its layout is not remembered
 
 
 def _nested(depth: int) -> dict[str, Any]:
@@ -326,3 +329,18 @@ def test_verify_deep_reports_the_same_over_a_checkpoint_on_two_jobs(
         doc.pop("seconds"), doc.pop("bytes_per_second"), doc.pop("jobs")
     assert fast == slow
     assert not fast["ok"]
+
+
+def test_the_layouts_remembered_stay_within_their_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ptcheck, "_REMEMBERED_BYTES", 40_000)
+    path = tmp_path / "trajectory_0_w0.pt"
+    for width in range(1, 30):  # each a layout of its own
+        data = saved(tiny(actions=torch.randn(1, 1, width)))
+        assert ptcheck.check_pt(path, data) is not None
+        assert ptcheck._remembered == sum(c.size for c in ptcheck._LAYOUTS.values()) <= 40_000
+    big = saved(tiny(actions=torch.randn(1, 1, 300_000)))
+    assert ptcheck.check_pt(path, big) is not None and len(big) not in {
+        c.size for c in ptcheck._LAYOUTS.values()
+    }

@@ -142,9 +142,12 @@ def _plain_instructions(pickled: bytes) -> bool:
 
 _SCANNED: dict[bytes, bool] = {}  # data.pkl bytes -> _plain_instructions (files of one writer share them)
 _SCANNED_MAX = 4096
+_SCANNED_PICKLE = 64 << 10  # larger pickles are scanned each time, not kept
 
 
 def _plain_pickle(pickled: bytes) -> bool:
+    if len(pickled) > _SCANNED_PICKLE:
+        return _plain_instructions(pickled)
     known = _SCANNED.get(pickled)
     if known is None:
         known = _plain_instructions(pickled)
@@ -387,17 +390,24 @@ class Checked:
     ) -> None:
         self.structure = structure
         self.size = size
-        self.mask = np.zeros(size, dtype=np.uint8)  # 0xFF where the checks read a byte
-        self.mask[skeleton] = 0xFF
+        self.skeleton = skeleton
         self.archive = archive
-        self.expected = np.zeros(size, dtype=np.uint8)  # the checked file's bytes (where the mask is set)
+        self.mask = self.expected = np.zeros(0, dtype=np.uint8)  # set by remember()
         self.memo: dict[str, Any] = {}  # the caller's results that depend on the structure only
         self.ident: tuple[int, int] | None = None  # where the serialization id is (start, size)
         self.floats = [spec for _, spec in iter_specs(structure) if is_floating(spec)]
-        # contiguous whole-storage floats at aligned places: (uint dtype, element indices, mask)
-        self.groups: list[tuple[np.dtype[Any], np.ndarray, Any]] = []
+        self.exact_only: list[TensorSpec] = list(self.floats)  # counted one by one
+        self.groups: list[tuple[np.dtype[Any], np.ndarray, Any]] = []  # tested at once: see remember()
+
+    def remember(self, data: bytes) -> None:
+        """Make this layout one to recognise in other files (`data`: the checked file's bytes):
+        the bytes the checks read under a mask, and the contiguous whole-storage floats at
+        aligned places as one index per dtype, to test them all at once."""
+        self.mask = np.zeros(self.size, dtype=np.uint8)  # 0xFF where the checks read a byte
+        self.mask[self.skeleton] = 0xFF
+        self.expected = np.frombuffer(data, dtype=np.uint8) & self.mask
         by_kind: dict[tuple[str, int], list[np.ndarray]] = {}
-        self.exact_only: list[TensorSpec] = []
+        self.exact_only = []
         for spec in self.floats:
             component = _COMPLEX.get(spec.dtype, spec.dtype)
             width = spec.itemsize // (2 if spec.dtype in _COMPLEX else 1)
@@ -446,8 +456,12 @@ class Checked:
         return {k: v for k, v in counts.items() if v}
 
 
+# Layouts remembered, by _layout_key: files up to _REMEMBERED_FILE bytes, _REMEMBERED_BYTES of
+# them at most (each holds a mask and the bytes of its file, and float indices up to its size).
 _LAYOUTS: dict[tuple[int, int, bytes], Checked] = {}
-_LAYOUTS_MAX = 1024
+_REMEMBERED_FILE = 1 << 20
+_REMEMBERED_BYTES = 32 << 20
+_remembered = 0
 
 
 def _layout_key(data: bytes) -> tuple[int, int, bytes] | None:
@@ -480,12 +494,16 @@ def check_pt(path: Path, data: bytes) -> Checked | None:
     if known is not None and known.same_layout(data):
         return known if known.ident_readable(data) else None
     checked = _check_whole(path, data)
-    if checked is None or key is None:
-        return checked
-    checked.expected = np.frombuffer(data, dtype=np.uint8) & checked.mask
-    if len(_LAYOUTS) >= _LAYOUTS_MAX:
-        del _LAYOUTS[next(iter(_LAYOUTS))]
+    if checked is None or key is None or len(data) > _REMEMBERED_FILE:
+        return checked  # (a large file's own checks cost little beside its read and hash)
+    checked.remember(data)
+    global _remembered
+    if known is not None:  # the same key, another layout: this one takes its place
+        _remembered -= _LAYOUTS.pop(key).size
+    while _LAYOUTS and _remembered + len(data) > _REMEMBERED_BYTES:
+        _remembered -= _LAYOUTS.pop(next(iter(_LAYOUTS))).size
     _LAYOUTS[key] = checked
+    _remembered += len(data)
     return checked
 
 
