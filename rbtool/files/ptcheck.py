@@ -1,7 +1,7 @@
 """A whole `.pt` trajectory checked without torch: the deep pass's fast path.
 
 `verify --deep` reads every byte of every file. For a file laid out exactly as torch.save
-writes it, `read_checked` takes the bytes already read and checks what the torch path
+writes it, `check_pt` takes the bytes already read and checks what the torch path
 (rbtool.files.trajfile.load_bytes: the zip checks, torch.load with weights_only,
 check_loaded) would look at, and more strictly:
 
@@ -26,6 +26,12 @@ Anything else, damaged or merely unusual, gives None: the caller then takes the 
 which finds and words the problem. So a file this module accepts is one the torch path
 loads to the same values, and what the deep pass checks after loading (shapes against the
 index, done rows, non-finite values, the schema) is computed from the TensorSpecs here.
+
+Files of one writer differ only in their tensors' bytes and CRC-32s, their serialization id
+and the archive's name (torch.save names it after the file). A small file's layout, once
+checked, is remembered: a file of the same size whose every byte the checks read is the same
+(one XOR under a mask) and whose archive name is one ASCII name without "/" throughout is that
+layout, the checks being a function of those bytes; only its serialization id is checked anew.
 """
 
 from __future__ import annotations
@@ -44,9 +50,8 @@ from rbtool.format.schema import INT64_LIMIT
 
 _EOCD = struct.Struct("<4sHHHHIIH")  # sig, disk, cd disk, entries here, entries, cd size, cd offset, comment
 _LOCATOR = struct.Struct("<4sIQI")  # sig, disk of the zip64 end record, its offset, disks
-_EOCD64 = struct.Struct(
-    "<4sQHHIIQQQQ"
-)  # sig, record size, versions, disks, entries here, entries, cd size, offset
+# sig, record size, versions, disks, entries here, entries, cd size, offset
+_EOCD64 = struct.Struct("<4sQHHIIQQQQ")
 # sig, made by, needed, flags, method, time, date, crc, comp, size, name, extra, comment, disk, attrs, offset
 _CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")
 # sig, needed, flags, method, time, date, crc, comp, size, name, extra
