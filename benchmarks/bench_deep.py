@@ -9,8 +9,15 @@ with hashlib (OpenSSL, often faster than coreutils), and `verify --deep` with `-
 speed-up from 1 to N jobs. Data is bench.py's checkpoint (built once, reused), page cache
 warm for every run.
 
+With `--tiny [N]` it measures files per second instead, on a checkpoint of N (default 20,000)
+one-transition trajectories (T=1, B=1, ~7 KB .pt files written by torch.save, an index as the
+reference implementation writes it; built once under --workdir, reused): `verify --deep` with
+the default jobs and with `--jobs 1`, each a fresh process, start-up included. Goal: at least
+5,000 files/s with the default jobs.
+
     .venv/bin/python benchmarks/bench_deep.py            # ~2.3 GiB checkpoint
     .venv/bin/python benchmarks/bench_deep.py --quick    # small checkpoint, seconds
+    .venv/bin/python benchmarks/bench_deep.py --tiny     # 20,000 tiny files
 """
 
 from __future__ import annotations
@@ -30,6 +37,48 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench
 
 GOAL = 1.5  # verify --deep at most this many times `cat | sha256sum`
+TINY_GOAL = 5000  # files/s verify --deep checks on one-transition trajectories, default jobs
+TINY_DEFAULT = 20_000
+PER_VERSION = 1000  # tiny trajectories per policy version (model_weights_id)
+
+
+def ensure_tiny(workdir: Path, n: int) -> Path:
+    """A checkpoint of `n` one-transition trajectories (T=1, B=1, ~6 KB .pt files written by
+    torch.save) with an index as the reference implementation writes it; built once, reused."""
+    import torch
+
+    final = workdir / f"tiny_{n}"
+    if (final / "metadata.json").is_file():
+        bench.log(f"reusing {final}")
+        return final
+    partial = workdir / f".tiny_{n}.partial"
+    bench.remove(partial)
+    partial.mkdir(parents=True)
+    bench.log(f"building {final} ({n} one-transition trajectories)")
+    entries: dict[str, Any] = {}
+    for tid in range(n):
+        weights = bench.weights_id(tid // PER_VERSION)
+        traj = bench.synthetic_trajectory(1, 1, 16, tid, weights)
+        torch.save(traj, partial / f"trajectory_{tid}_{weights}.pt")
+        entries[str(tid)] = {
+            "num_samples": 1,
+            "trajectory_id": tid,
+            "max_episode_length": 1,
+            "shape": [1, 1, 7],
+            "model_weights_id": weights,
+        }
+    index = {"trajectory_index": entries, "trajectory_id_list": list(range(n))}
+    (partial / "trajectory_index.json").write_text(json.dumps(index))
+    metadata = {
+        "trajectory_format": "pt",
+        "size": n,
+        "total_samples": n,
+        "trajectory_counter": n,
+        "seed": 1234,
+    }
+    (partial / "metadata.json").write_text(json.dumps(metadata))
+    partial.rename(final)
+    return final
 
 
 def timed(argv: list[str], *, shell: bool = False) -> float:
@@ -52,9 +101,75 @@ def hash_floor(files: list[Path]) -> float:
     return time.perf_counter() - started
 
 
+def split_tiny(args: list[str]) -> tuple[int | None, list[str]]:
+    """(N of `--tiny [N]`, or None without it; the other arguments)."""
+    if "--tiny" not in args:
+        return None, args
+    at = args.index("--tiny")
+    if at + 1 < len(args) and args[at + 1].isdigit():
+        n, rest = int(args[at + 1]), args[:at] + args[at + 2 :]
+    else:
+        n, rest = TINY_DEFAULT, args[:at] + args[at + 1 :]
+    if n < 1:
+        raise SystemExit(f"--tiny takes a number of files >= 1, got {n}")
+    return n, rest
+
+
+def tiny_main(n: int, cfg: bench.Config, as_json: bool) -> int:
+    """Files per second of `verify --deep` on `n` one-transition trajectories."""
+    ckpt = ensure_tiny(cfg.workdir, n)
+    files = sorted(ckpt.glob("trajectory_*_*.pt"))
+    size = sum(f.stat().st_size for f in files)
+    cores = len(os.sched_getaffinity(0))
+    rbtool = [*bench.rbtool_argv(), "verify", str(ckpt), "--deep"]
+    timed(rbtool)  # warm the page cache (and the interpreter's files)
+    keys = ("default_jobs", "jobs_1")
+    argv = {"default_jobs": rbtool, "jobs_1": [*rbtool, "--jobs", "1"]}
+    runs: dict[str, list[float]] = {k: [] for k in keys}
+    load_before = os.getloadavg()
+    for _ in range(cfg.repeats):  # interleaved, so a noisy moment hits both alike
+        for key in keys:
+            runs[key].append(timed(argv[key]))
+    load_after = os.getloadavg()
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    rate = {k: len(files) / med[k] for k in keys}
+    doc: dict[str, Any] = {
+        "checkpoint": str(ckpt),
+        "files": len(files),
+        "bytes": size,
+        "cores": cores,
+        "repeats": cfg.repeats,
+        "runs_seconds": runs,
+        "median_seconds": med,
+        "files_per_second": rate,
+        "load_average": {"before": list(load_before), "after": list(load_after)},
+        "goal_files_per_second": TINY_GOAL,
+        "met": rate["default_jobs"] >= TINY_GOAL,
+    }
+    if as_json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(
+        f"verify --deep on {ckpt} ({len(files)} one-transition files, {size / 2**20:.0f} MiB), "
+        f"medians of {cfg.repeats}, a fresh process each (start-up included):"
+    )
+    labels = {"default_jobs": f"default jobs ({cores} cores)", "jobs_1": "--jobs 1"}
+    for key in keys:
+        print(f"  {labels[key]:<24} {med[key]:7.2f} s  {rate[key]:8.0f} files/s")
+    print(
+        f"  goal: >= {TINY_GOAL} files/s with the default jobs: {'met' if doc['met'] else 'NOT met'} "
+        f"({rate['default_jobs']:.0f} files/s); load average {load_before[0]:.2f} before, "
+        f"{load_after[0]:.2f} after"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     as_json, args = bench.split_json_flag(argv)
+    tiny, args = split_tiny(args)
     cfg = bench.parse_args(args)
+    if tiny is not None:
+        return tiny_main(tiny, cfg, as_json)
     ckpt, files, size = bench.checkpoint_files(cfg)
     cores = len(os.sched_getaffinity(0))
     many = max(2, cores)

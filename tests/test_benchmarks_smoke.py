@@ -286,6 +286,16 @@ def test_deep_reports_every_figure(tmp_path: Path) -> None:
     assert not list(tmp_path.rglob(".files"))
 
 
+def test_deep_tiny_reports_files_per_second(tmp_path: Path) -> None:
+    doc = run_script("bench_deep.py", "--tiny", "30", "--repeats", "1", "--workdir", str(tmp_path))
+    runs = ("default_jobs", "jobs_1")
+    assert doc["files"] == 30 and positive(doc["bytes"]) and set(doc["median_seconds"]) == set(runs)
+    assert all(positive(doc["files_per_second"][k]) for k in runs)
+    assert doc["goal_files_per_second"] == 5000 and doc["met"] in (True, False)
+    assert len(doc["load_average"]["before"]) == 3
+    assert (tmp_path / "tiny_30" / "trajectory_index.json").is_file()
+
+
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 

@@ -92,23 +92,25 @@ def test_the_error_raised_is_the_first_in_list_order(jobs: int) -> None:
     assert no_children_left()
 
 
-def test_largest_tasks_start_first_and_at_most_two_per_worker_are_in_flight(
+def test_largest_tasks_start_first_and_at_most_two_chunks_per_worker_are_in_flight(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     started: list[int] = []
+    chunks: list[int] = []
     in_flight: list[int] = []
     completed = 0
     real_submit = ProcessPoolExecutor.submit
 
-    def submit(self: ProcessPoolExecutor, fn: Any, task: int) -> Any:
+    def submit(self: ProcessPoolExecutor, fn: Any, *args: Any) -> Any:
         if fn is not passes._ready:  # (each worker's first, empty task: the pool is up)
-            started.append(task)
-        return real_submit(self, fn, task)
+            started.extend(args[1])
+            chunks.append(len(args[1]))
+        return real_submit(self, fn, *args)
 
     def progress(n: int) -> None:
         nonlocal completed
-        in_flight.append(len(started) - completed)
-        completed += n
+        in_flight.append(len(chunks) - completed)
+        completed += 1
 
     monkeypatch.setattr(ProcessPoolExecutor, "submit", submit)
     tasks = list(range(40))
@@ -116,6 +118,35 @@ def test_largest_tasks_start_first_and_at_most_two_per_worker_are_in_flight(
     assert run_pass(square, tasks, jobs=2, weights=weights, progress=progress) == [n * n for n in tasks]
     assert [weights[t] for t in started] == sorted(weights, reverse=True)
     assert max(in_flight) <= 2 * passes.IN_FLIGHT_PER_WORKER
+
+
+def test_many_small_tasks_go_in_chunks_and_a_heavy_one_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    chunks: list[list[int]] = []
+    real_submit = ProcessPoolExecutor.submit
+
+    def submit(self: ProcessPoolExecutor, fn: Any, *args: Any) -> Any:
+        if fn is not passes._ready:
+            chunks.append(list(args[1]))
+        return real_submit(self, fn, *args)
+
+    monkeypatch.setattr(ProcessPoolExecutor, "submit", submit)
+    tasks = list(range(2000))
+    weights = [passes.CHUNK_WEIGHT + 1 if t == 7 else 10 for t in tasks]
+    calls: list[int] = []
+    assert run_pass(square, tasks, jobs=2, weights=weights, progress=calls.append) == [t * t for t in tasks]
+    assert chunks[0] == [7] and sum(calls) == len(tasks)
+    assert max(map(len, chunks)) == passes.CHUNK_TASKS and len(chunks) < len(tasks) // 10
+    assert sorted(t for c in chunks for t in c) == tasks
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_the_first_error_in_list_order_wins_inside_chunks(jobs: int) -> None:
+    tasks = [0, 2] * 200 + [5, 4, 3]  # chunks of many tasks
+    with pytest.raises(TrajectoryFileError, match=r"^task 5: odd$"):
+        run_pass(fail_on_odd, tasks, jobs=jobs)
+    with pytest.raises(TrajectoryFileError, match=r"^task 5: odd$"):  # 3 starts first, fails first
+        run_pass(fail_on_odd, tasks, jobs=jobs, weights=[1 if t == 3 else 0 for t in tasks])
+    assert no_children_left()
 
 
 def test_a_worker_that_dies_is_one_line_error_not_a_hang() -> None:

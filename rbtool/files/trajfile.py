@@ -385,13 +385,27 @@ def _torch_load(path: Path, source: Any, mmap: bool) -> Any:
         raise TrajectoryFileError(f"{path}: not a readable .pt trajectory ({message})") from None
 
 
+_READ_CAP = 0x7FFFF000  # the most one read() returns on Linux
+
+
 def read_file_bytes(path: Path) -> bytes:
-    """A regular file's bytes, read once (a deep check hashes and loads the same bytes)."""
-    _open_regular(path)
+    """A regular file's bytes, read once (a deep check hashes and loads the same bytes): one open,
+    one fstat (a FIFO or device refused without blocking), reads until the end."""
+    from rbtool.files.ptheader import open_regular
+
+    fd, size = open_regular(path)
     try:
-        return path.read_bytes()
+        first = os.read(fd, size + 1)
+        if len(first) <= size < _READ_CAP:  # a short read of a regular file is its end
+            return first
+        parts = [first]
+        while block := os.read(fd, 1 << 26):
+            parts.append(block)
+        return b"".join(parts)
     except OSError as exc:
         raise TrajectoryFileError(f"{path}: cannot read ({exc.strerror})") from None
+    finally:
+        os.close(fd)
 
 
 def load_bytes(data: bytes, path: Path, *, suffix: str | None = None) -> dict[str, Any]:

@@ -372,12 +372,12 @@ def _deep_task(task: _DeepTask) -> _DeepResult:
 
 
 # -------------------------------------------------------------------- deep checks
-def _schema_of(traj: dict[str, Any]) -> dict[str, str]:
+def _schema_of(traj: dict[str, Any], kind: type) -> dict[str, str]:
     """Field path -> 'dtype[trailing dims]' ('dtype(1-dim)' for per-env vectors)."""
     from rbtool.format.layout import iter_tensors
 
     out = {}
-    for path, tensor in iter_tensors(traj):
+    for path, tensor in iter_tensors(traj, kind=kind):
         dtype = str(tensor.dtype).removeprefix("torch.")
         trailing = "(1-dim)" if tensor.dim() < 2 else str(list(tensor.shape[2:]))
         out[".".join(path)] = f"{dtype}{trailing}"
@@ -387,58 +387,42 @@ def _schema_of(traj: dict[str, Any]) -> dict[str, str]:
 def _deep_check_file(
     path: Path, tid: int, entry: Any, report: CheckpointReport, hints_only: bool
 ) -> tuple[dict[str, str] | None, int]:
-    """Read one file once, hash and load those bytes, check it: (its schema or None, bytes read)."""
-    import torch
+    """Read one file once, hash and load those bytes, check it: (its schema or None, bytes read).
 
-    from rbtool.errors import InvalidTrajectoryError
-    from rbtool.files import trajfile
-    from rbtool.format import layout
+    A `.pt` file laid out as torch.save writes it is checked from its bytes without torch
+    (rbtool.files.ptcheck, which accepts only what the torch path loads to the same values);
+    any other file, and any file that check does not accept, is loaded with torch."""
+    from rbtool.files import ptcheck, trajfile
 
     name = path.name
     data = b""
     try:
         data = trajfile.read_file_bytes(path)
-        traj = trajfile.load_bytes(data, path)
-    except UnsafePickleError as exc:
-        report.add("file_unsafe", one_line(str(exc)), trajectory_id=tid, file=name)
-        return None, len(data)
     except RbtoolError as exc:
         report.add("file_unreadable", one_line(str(exc)), trajectory_id=tid, file=name)
         return None, len(data)
-    traj = layout.with_stored_defaults(traj, name)
-    plain = {k: v for k, v in traj.items() if k not in layout.DONE_LIKE}
-    try:
-        info = layout.describe(plain, name)
-    except InvalidTrajectoryError as exc:
-        report.add("trajectory_invalid", one_line(str(exc)), trajectory_id=tid, file=name)
-        info = None
-    if info is not None:
-        t, b = info.shape[0], info.shape[1]
-        for key in layout.DONE_LIKE:
-            value = traj.get(key)
-            if not isinstance(value, torch.Tensor) or value.dim() < 2:
-                continue
-            try:
-                layout.done_extra_rows(int(value.shape[0]), t, int(value.shape[1]), b)
-            except ValueError as exc:
-                report.add(
-                    "done_rows_invalid",
-                    f"{name}: field {key!r} has shape {list(value.shape)}; {exc}",
-                    trajectory_id=tid,
-                    file=name,
-                )
-        if entry is not None:
-            _compare_entry(name, tid, info, traj, entry, report)
-    for field_path, tensor in layout.iter_tensors(traj):
-        if tensor.is_floating_point() or tensor.is_complex():
-            bad = int((~torch.isfinite(tensor)).sum())
-            if bad:
-                report.add(
-                    "non_finite",
-                    f"{name}: field {'.'.join(field_path)!r} holds {bad} NaN/Inf value(s)",
-                    trajectory_id=tid,
-                    file=name,
-                )
+    checked = ptcheck.check_pt(path, data) if path.suffix == ".pt" else None
+    if checked is not None:
+        schema = _check_checked(checked, data, name, tid, entry, report)
+    else:
+        import torch
+
+        try:
+            traj = trajfile.load_bytes(data, path)
+        except UnsafePickleError as exc:
+            report.add("file_unsafe", one_line(str(exc)), trajectory_id=tid, file=name)
+            return None, len(data)
+        except RbtoolError as exc:
+            report.add("file_unreadable", one_line(str(exc)), trajectory_id=tid, file=name)
+            return None, len(data)
+
+        def bad_tensor(tensor: Any) -> int:
+            if tensor.is_floating_point() or tensor.is_complex():
+                return int((~torch.isfinite(tensor)).sum())
+            return 0
+
+        _check_contents(traj, torch.Tensor, bad_tensor, name, tid, entry, report)
+        schema = _schema_of(traj, torch.Tensor)
     recorded = entry.get("sha256") if entry is not None else None
     if isinstance(recorded, str):
         actual = trajfile.sha256_bytes(data)
@@ -451,7 +435,97 @@ def _deep_check_file(
                 trajectory_id=tid,
                 file=name,
             )
-    return _schema_of(traj), len(data)
+    return schema, len(data)
+
+
+def _check_checked(
+    checked: Any, data: bytes, name: str, tid: int, entry: Any, report: CheckpointReport
+) -> dict[str, str]:
+    """_check_contents on a file of a layout rbtool.files.ptcheck checked; what depends only on the
+    layout (its shape, fields and schema) is worked out once per layout, when it finds nothing."""
+    from rbtool.files.ptheader import TensorSpec
+
+    structure = checked.structure
+    layout = checked.memo.get("verify") if structure.get("model_weights_id") is not None else None
+    counts = checked.nonfinite(data)
+    if layout is None:
+        found = CheckpointReport(report.path)
+        _check_contents(structure, TensorSpec, lambda spec: counts.get(id(spec), 0), name, tid, entry, found)
+        report.problems.extend(found.problems)
+        schema = _schema_of(structure, TensorSpec)
+        if not found.problems and structure.get("model_weights_id") is not None:
+            from rbtool.format import layout as rules
+
+            info = rules.describe(
+                {k: v for k, v in structure.items() if k not in rules.DONE_LIKE}, name, TensorSpec
+            )
+            checked.memo["verify"] = (info, schema)
+        return schema
+    info, schema = layout
+    if entry is not None:
+        _compare_entry(name, tid, info, structure, entry, report)
+    if counts:
+        from rbtool.format.layout import iter_tensors
+
+        for field_path, spec in iter_tensors(structure, kind=TensorSpec):
+            bad = counts.get(id(spec), 0)
+            if bad:
+                report.add(
+                    "non_finite",
+                    f"{name}: field {'.'.join(field_path)!r} holds {bad} NaN/Inf value(s)",
+                    trajectory_id=tid,
+                    file=name,
+                )
+    return schema
+
+
+def _check_contents(
+    traj: dict[str, Any],
+    kind: type[Any],
+    nonfinite: Any,
+    name: str,
+    tid: int,
+    entry: Any,
+    report: CheckpointReport,
+) -> None:
+    """The checks of a loaded file's values, whoever loaded it: tensors of `kind` (torch's, or
+    TensorSpecs of a header), `nonfinite(tensor)` counting a tensor's NaN/Inf values."""
+    from rbtool.errors import InvalidTrajectoryError
+    from rbtool.format import layout
+
+    traj = layout.with_stored_defaults(traj, name)
+    plain = {k: v for k, v in traj.items() if k not in layout.DONE_LIKE}
+    try:
+        info = layout.describe(plain, name, kind)
+    except InvalidTrajectoryError as exc:
+        report.add("trajectory_invalid", one_line(str(exc)), trajectory_id=tid, file=name)
+        info = None
+    if info is not None:
+        t, b = info.shape[0], info.shape[1]
+        for key in layout.DONE_LIKE:
+            value = traj.get(key)
+            if not isinstance(value, kind) or value.dim() < 2:
+                continue
+            try:
+                layout.done_extra_rows(int(value.shape[0]), t, int(value.shape[1]), b)
+            except ValueError as exc:
+                report.add(
+                    "done_rows_invalid",
+                    f"{name}: field {key!r} has shape {list(value.shape)}; {exc}",
+                    trajectory_id=tid,
+                    file=name,
+                )
+        if entry is not None:
+            _compare_entry(name, tid, info, traj, entry, report)
+    for field_path, tensor in layout.iter_tensors(traj, kind=kind):
+        bad = nonfinite(tensor)
+        if bad:
+            report.add(
+                "non_finite",
+                f"{name}: field {'.'.join(field_path)!r} holds {bad} NaN/Inf value(s)",
+                trajectory_id=tid,
+                file=name,
+            )
 
 
 def _compare_entry(
@@ -518,7 +592,14 @@ def _run_deep(
     per_checker = [c.deep_tasks() for c in checkers]
     tasks = [t for ts in per_checker for t in ts]
     start_phase(progress, len(tasks), "loading trajectory files")
-    preload = ("torch", "rbtool.ops.verify")
+    # .pt files of torch.save's layout are checked without torch (rbtool.files.ptcheck); workers
+    # import it when a file needs it, and start with it when a format always does
+    torch = ("torch",) if any(t.path.suffix != ".pt" for t in tasks) else ()
+    preload = (*torch, "rbtool.ops.verify", "rbtool.files.ptcheck")
+    if tasks:
+        from rbtool.files.ptcheck import torch_is_recent
+
+        torch_is_recent()  # (read once here: forked workers inherit it)
     results = file_pass(
         _deep_task, tasks, jobs, progress, journal, preload=preload, types=(Problem,), hashes=_hashes
     )

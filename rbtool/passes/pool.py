@@ -13,8 +13,10 @@ threads do not make it faster: worker processes do.
   single process (later tasks are not waited for once it is known);
 - big files start first (tasks are handed out largest `weights` first), so a few big
   files at the end of the list do not leave one worker running alone;
-- at most two tasks per worker are handed out at a time, so memory stays that of about
-  2 x N files whatever the number of tasks;
+- tasks are handed out in chunks (up to CHUNK_TASKS tasks weighing up to CHUNK_WEIGHT together,
+  a heavier task alone), one round trip to a worker per chunk instead of per task, which is most
+  of the cost of a small file; at most two chunks per worker are handed out at a time, and a
+  worker holds one task's file at a time, so memory stays bounded whatever the number of tasks;
 - `progress(1)` is called in the calling process as each task completes;
 - Ctrl-C (or any error) stops the workers at once; a worker that dies (killed, out of
   memory) is a one-line RbtoolError, never a hang;
@@ -58,7 +60,10 @@ from rbtool.progress import Progress
 T = TypeVar("T")
 R = TypeVar("R")
 
-IN_FLIGHT_PER_WORKER = 2  # tasks handed to the pool per worker at any time
+IN_FLIGHT_PER_WORKER = 2  # chunks of tasks handed to the pool per worker at any time
+CHUNK_TASKS = 64  # the most tasks a worker is handed at once
+CHUNK_WEIGHT = 4 << 20  # ... and the most weight (bytes of files), unless one task weighs more
+CHUNKS_PER_WORKER = 8  # a pass is cut in at least this many chunks per worker, so the last ones end together
 
 
 def default_jobs() -> int:
@@ -164,6 +169,35 @@ def _started(begin: float) -> None:
 
 def _ready(_: int) -> None:
     """A worker's first task: it is up, its start-up imports done."""
+
+
+def _run_chunk(func: Callable[[T], R], tasks: Sequence[T]) -> list[tuple[bool, Any]]:
+    """`func` on each task of a chunk, in a worker: (True, result) or (False, the error) for each."""
+    outcomes: list[tuple[bool, Any]] = []
+    for task in tasks:
+        try:
+            outcomes.append((True, func(task)))
+        except Exception as exc:
+            outcomes.append((False, exc))
+    return outcomes
+
+
+def _chunks(order: Sequence[int], weights: Sequence[int] | None, workers: int) -> list[list[int]]:
+    """`order` cut into consecutive chunks (see the module docstring)."""
+    most = max(1, min(CHUNK_TASKS, len(order) // (workers * CHUNKS_PER_WORKER)))
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    weight = 0
+    for position in order:
+        heavy = weights[position] if weights is not None else 0
+        if current and (len(current) >= most or weight + heavy > CHUNK_WEIGHT):
+            chunks.append(current)
+            current, weight = [], 0
+        current.append(position)
+        weight += heavy
+    if current:
+        chunks.append(current)
+    return chunks
 
 
 def _context(preload: Sequence[str]) -> Any:
@@ -347,8 +381,9 @@ def _run(
     first_error: tuple[int, BaseException] | None = None
     finished = bytearray(len(tasks))  # 1 where a task has completed (with a result or an error)
     lowest_unfinished = 0
-    pending: dict[Future[R], int] = {}
-    queue = iter(order)
+    pending: dict[Future[list[tuple[bool, Any]]], list[int]] = {}
+    # with a window, tasks go one at a time, as their files arrive
+    queue = iter(_chunks(order, weights, workers) if window is None else [])
     pool = ProcessPoolExecutor(
         max_workers=workers,
         mp_context=_context(preload),
@@ -363,22 +398,26 @@ def _run(
         raise
     _started(begin)
 
-    def taken() -> Iterator[int]:
-        """The next positions to submit; with a window, those whose files are here now (it may run
-        dry while the tasks in flight hold the budget, and be called again once they are done)."""
+    def taken() -> Iterator[list[int]]:
+        """The next chunks to submit; with a window, single tasks whose files are here now (it may
+        run dry while the tasks in flight hold the budget, and be called again once they are done)."""
         if window is None:
             yield from queue
             return
         while (position := window.next()) is not None:
-            yield position
+            yield [position]
 
     def submit_next() -> None:
-        for position in taken() if window is not None else queue:
-            if first_error is not None and position > first_error[0]:
-                if window is not None:
-                    window.done(position)
-                continue  # its result would not be used: an earlier task failed
-            pending[pool.submit(func, tasks[position])] = position
+        for chunk in taken():
+            if first_error is not None:
+                dropped = [p for p in chunk if p > first_error[0]]
+                for position in dropped:  # their results would not be used: an earlier task failed
+                    if window is not None:
+                        window.done(position)
+                chunk = [p for p in chunk if p <= first_error[0]]
+                if not chunk:
+                    continue
+            pending[pool.submit(_run_chunk, func, [tasks[p] for p in chunk])] = chunk
             return
 
     try:
@@ -387,21 +426,23 @@ def _run(
         while pending:
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
             for future in done:
-                position = pending.pop(future)
+                chunk = pending.pop(future)
                 error = future.exception()
                 if isinstance(error, BrokenProcessPool):
-                    pending[future] = position
+                    pending[future] = chunk
                     raise error
-                if error is not None:
-                    if first_error is None or position < first_error[0]:
-                        first_error = (position, error)
-                else:
-                    results_by_position[position] = future.result()
-                finished[position] = 1
-                if window is not None:
-                    window.done(position)
+                outcomes = future.result() if error is None else [(False, error)] * len(chunk)
+                for position, (ok, value) in zip(chunk, outcomes, strict=True):
+                    if not ok:
+                        if first_error is None or position < first_error[0]:
+                            first_error = (position, value)
+                    else:
+                        results_by_position[position] = value
+                    finished[position] = 1
+                    if window is not None:
+                        window.done(position)
                 if progress is not None:
-                    progress(1)
+                    progress(len(chunk))
                 submit_next()
             if window is not None:
                 window.fill()  # the next batch, while the workers read the tasks in flight
@@ -411,7 +452,7 @@ def _run(
                 break  # every task before the failed one is done: its error is the pass's
     except BrokenProcessPool:
         _stop(pool)
-        lost = min(pending.values(), default=0)  # one of the tasks in flight killed its worker
+        lost = min((p for chunk in pending.values() for p in chunk), default=0)  # one in flight killed it
         raise RbtoolError(
             f"{describe(tasks[lost])}: a worker process of the pass died (killed, or out of memory?) "
             "while working on it or on another file in flight"
