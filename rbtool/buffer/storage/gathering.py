@@ -103,7 +103,8 @@ def _gather(
         in_cache = cached is not None and covered is not None and path in cached.columns
         if in_cache and covered is not None and covered.size == count:
             assert cached is not None and cache_rows is not None
-            out[path] = _take(cached.columns[path], cache_rows, empty(path, (count, *shape), dtype))
+            source = cached.byte_rows.get(path) if cached.byte_rows is not None else None
+            out[path] = _take(cached.columns[path], cache_rows, empty(path, (count, *shape), dtype), source)
             continue
         target = empty(path, (count, *shape), dtype)
         if in_cache:
@@ -122,15 +123,17 @@ def _gather(
 SERIAL_GATHER_BYTES = 1 << 20
 
 
-def _take(column: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Rows `rows` of a contiguous `column` into `out` (`[len(rows), ...]`, contiguous)."""
+def _take(column: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, source: Any = None) -> torch.Tensor:
+    """Rows `rows` of a contiguous `column` into `out` (`[len(rows), ...]`, contiguous);
+    `source`: the column's rows as bytes, when known already."""
     import numpy as np
     import torch
 
     row_bytes = out[0].numel() * out.element_size() if out.shape[0] else 0
     if not row_bytes or out.shape[0] * row_bytes > SERIAL_GATHER_BYTES:
         return torch.index_select(column, 0, rows, out=out)
-    source = column.reshape(-1).view(torch.uint8).reshape(column.shape[0], row_bytes).numpy()
+    if source is None:
+        source = column.reshape(-1).view(torch.uint8).reshape(column.shape[0], row_bytes).numpy()
     target = out.reshape(-1).view(torch.uint8).reshape(out.shape[0], row_bytes).numpy()
     np.take(source, rows.numpy(), axis=0, out=target)
     return out

@@ -166,6 +166,8 @@ class CachedRows:
     first: int
     stop: int
     shift: int
+    # each column's rows as bytes (`[rows, row bytes]` uint8 numpy views), where known
+    byte_rows: dict[FieldPath, Any] | None = None
 
 
 class RowCache:
@@ -183,6 +185,7 @@ class RowCache:
         self.reset(0, 0)
 
     def reset(self, position: int, base: int) -> None:
+        self._covered: tuple[Any, ...] | None = None  # covering()'s last columns, while unchanged
         self.columns: dict[FieldPath, torch.Tensor] = {}
         self.specs: dict[FieldPath, tuple[Any, tuple[int, ...]]] = {}
         self.lo = self.hi = position
@@ -194,6 +197,7 @@ class RowCache:
         """Cache trajectory `position` (its first sample is cumulative sample `base`)."""
         import torch
 
+        self._covered = None
         if position != self.hi or (self.full and self.lo == self.hi):
             self.reset(position, base)
         if self.full:
@@ -251,6 +255,7 @@ class RowCache:
             return
         dead = base - self.base
         if lo > self.lo and dead > self.rows - dead:
+            self._covered = None
             self.columns = {p: c[dead : self.rows].clone() for p, c in self.columns.items()}
             self.rows -= dead
             self.lo, self.base = lo, base
@@ -260,5 +265,15 @@ class RowCache:
         first, stop = max(self.lo, lo), min(self.hi, hi)
         if first >= stop or not self.columns:
             return None
-        columns = {p: c[: self.rows] for p, c in self.columns.items()}
-        return CachedRows(columns, first - lo, stop - lo, window_base - self.base)
+        import torch
+
+        if self._covered is None or self._covered[0] != self.rows:
+            columns = {p: c[: self.rows] for p, c in self.columns.items()}
+            byte_rows = {
+                p: c.reshape(-1).view(torch.uint8).reshape(c.shape[0], -1).numpy()
+                for p, c in columns.items()
+                if c.numel()
+            }
+            self._covered = (self.rows, columns, byte_rows)
+        _, columns, byte_rows = self._covered
+        return CachedRows(columns, first - lo, stop - lo, window_base - self.base, byte_rows)
