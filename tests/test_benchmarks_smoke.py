@@ -208,7 +208,10 @@ def test_torchrl_reports_every_figure_or_says_why_not(tmp_path: Path) -> None:
         assert positive(doc[key]), key
     assert doc["met"] in (True, False)
     # one process per side, each with its own time, first call and memory
-    assert set(doc["sides"]) == {"torchrl", *doc["settings"]} and doc["goal_setting"] in doc["settings"]
+    assert set(doc["sides"]) == {"torchrl", "memcpy", *doc["settings"]}
+    assert doc["goal_setting"] in doc["settings"]
+    assert doc["vs_memcpy"] == doc["rbtool_s"] / doc["sides"]["memcpy"]["median_s"]
+    assert positive(doc["vs_memcpy_cold"])
     assert doc["settings"]["default"] == {} and doc["goal_setting"] == "default"
     assert doc["settings"]["rows_from_files"] == {"hold_rows_budget": 0}
     copy = doc["batch_memcpy"]
