@@ -262,3 +262,29 @@ def test_a_held_window_of_files_in_a_copied_directory(tmp_path: Path) -> None:
     held, drawn = twins(moved)
     assert is_held(held)
     assert_batches_equal(held.sample(100), drawn.sample(100))
+
+
+def test_files_with_holes_and_range_read_buffers_hold_nothing(tmp_path: Path) -> None:
+    """A file with holes (the sparse stand-ins a remote checkpoint's byte ranges are fetched
+    into) is not read whole, and a buffer sampled by byte ranges holds no rows at all."""
+    ckpt = write(tmp_path, [make_traj(seed=i, image=160) for i in range(3)])  # files > 256 KiB
+    victim = ckpt / read_index(ckpt).file_name(1)
+    data = victim.read_bytes()
+    assert len(data) > ptbulk.BULK_FILE_BYTES
+    victim.unlink()
+    image = ptheader.read_header(victim, data)["curr_obs"]["main_images"]
+    with victim.open("wb") as f:  # the same bytes with a 64 KiB hole of zeros in an image field
+        middle = -(-image.data_start // 4096) * 4096 + 4096
+        f.write(data[:middle])
+        f.seek(middle + 65536)
+        f.write(data[middle + 65536 :])
+    assert victim.stat().st_blocks * 512 < victim.stat().st_size
+    held, drawn = twins(ckpt)
+    assert not is_held(held)
+    assert_batches_equal(held.sample(32), drawn.sample(32))
+    whole = TrajectoryReplayBuffer(sample_window_size=0)
+    whole.load_checkpoint(write(tmp_path / "other", [make_traj(seed=i) for i in range(3)]))
+    assert is_held(whole)
+    whole.read_rows_when_drawn()
+    assert not is_held(whole) and whole.hold_rows_budget == 0 and whole.info()["held_rows_bytes"] == 0
+    whole.sample(8)

@@ -465,6 +465,17 @@ class TrajectoryReplayBuffer:
             columns, specs = held
             self._rows.adopt(lo, hi, base, columns, specs, total)
 
+    def read_rows_when_drawn(self) -> None:
+        """Hold no rows from now on: drawn rows are read from the files when drawn (as with
+        `hold_rows_budget=0`), and rows held so far are let go. For files that are filled as
+        they are drawn (the stand-ins of `rbtool.remote.ranges.RangeReads`), whose unfetched
+        bytes must never be read as data."""
+        with self._window_lock:
+            self.hold_rows_budget = 0
+            self._rows = RowCache(0)
+            end = len(self._index.id_list)
+            self._rows.reset(end, self._counts.start(end))
+
     def _file_signature(self, tid: int, signature: Signature, path: Path | None) -> None:
         """A trajectory's signature as its file (or memory) shows it, read for the window's rows:
         noted, unless its index entry records another one (then its file is left to the row

@@ -330,6 +330,7 @@ class RangeReads:
         cache: RangeCache | None = None,
     ) -> None:
         self.buffer = buffer
+        buffer.read_rows_when_drawn()  # a stand-in's unfetched bytes are not data
         index = view.index
         if not all(e.get("schema") in index.schemas for e in index.entries.values()):
             mirror.fetch()

@@ -252,8 +252,8 @@ def _read(path: Path, pin: PinnedFile | None) -> bytes:
         if len(data) <= STACK_FILE_BYTES:
             return data
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise _Giveup
+        if not stat.S_ISREG(info.st_mode) or info.st_blocks * 512 < info.st_size:
+            raise _Giveup  # not a regular file, or one with holes (a stand-in filled as drawn)
         size = info.st_size
         data = os.pread(fd, size, 0)
     finally:
