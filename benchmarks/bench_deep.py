@@ -134,13 +134,7 @@ def tiny_main(n: int, cfg: bench.Config, as_json: bool) -> int:
     med = {k: statistics.median(v) for k, v in runs.items()}
     rate = {k: len(files) / med[k] for k in keys}
     doc: dict[str, Any] = {
-        "checkpoint": str(ckpt),
-        "files": len(files),
-        "bytes": size,
-        "cores": cores,
-        "repeats": cfg.repeats,
-        "runs_seconds": runs,
-        "median_seconds": med,
+        **document_head(ckpt, files, size, cores, cfg.repeats, runs, med),
         "files_per_second": rate,
         "load_average": {"before": list(load_before), "after": list(load_after)},
         "goal_files_per_second": TINY_GOAL,
@@ -162,6 +156,21 @@ def tiny_main(n: int, cfg: bench.Config, as_json: bool) -> int:
         f"{load_after[0]:.2f} after"
     )
     return 0
+
+
+def document_head(
+    ckpt: Path, files: list[Path], size: int, cores: int, repeats: int, runs: Any, med: Any
+) -> dict[str, Any]:
+    """The keys both documents (the image checkpoint's and the tiny one's) begin with."""
+    return {
+        "checkpoint": str(ckpt),
+        "files": len(files),
+        "bytes": size,
+        "cores": cores,
+        "repeats": repeats,
+        "runs_seconds": runs,
+        "median_seconds": med,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,13 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     med = {k: statistics.median(v) for k, v in runs.items()}
     ratio = {k: med[k] / med["sha256sum"] for k in ("jobs_1", f"jobs_{many}")}
     doc: dict[str, Any] = {
-        "checkpoint": str(ckpt),
-        "files": len(files),
-        "bytes": size,
-        "cores": cores,
-        "repeats": cfg.repeats,
-        "runs_seconds": runs,
-        "median_seconds": med,
+        **document_head(ckpt, files, size, cores, cfg.repeats, runs, med),
         "throughput_bytes_per_second": {k: size / v for k, v in med.items()},
         # time of verify --deep over time of cat | sha256sum: <= GOAL meets the goal
         "verify_vs_sha256sum": ratio,

@@ -50,7 +50,8 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 _libc: Any = None
 
 
-def _load_libc() -> Any:
+def load_libc() -> Any:
+    """libc through ctypes, its mapping calls typed (loaded once)."""
     global _libc
     if _libc is None:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -70,7 +71,7 @@ def available() -> bool:
     if not sys.platform.startswith("linux") or sys.maxsize < 2**32:
         return False
     try:
-        libc = _load_libc()
+        libc = load_libc()
         return all(hasattr(libc, name) for name in ("mmap", "mremap", "munmap", "madvise"))
     except OSError:
         return False
@@ -97,7 +98,7 @@ class RowMap:
     """Files mapped side by side in one reserved address range, each under a key."""
 
     def __init__(self, budget: int | None = None) -> None:
-        self.libc = _load_libc()
+        self.libc = load_libc()
         self.budget = budget
         self.base = 0
         self.reserved = 0

@@ -141,11 +141,15 @@ def _complement(ranges: list[tuple[int, int]], size: int) -> list[tuple[int, int
     return out
 
 
-def read_headers(paths: Sequence[Path], datas: Sequence[bytes]) -> list[dict[str, Any] | RbtoolError]:
+def read_headers(
+    paths: Sequence[Path], datas: Sequence[bytes], templates: dict[int, Template | None] | None = None
+) -> list[dict[str, Any] | RbtoolError]:
     """The header of each file (`datas[i]`: all of `paths[i]`'s bytes), or its error.
 
     Exactly what read_header(path, data) returns or raises (UnusualLayout included), file
     by file; files of one layout are compared with a template instead of being parsed.
+    `templates` (by file size) keeps the templates for later calls over the same files'
+    kind: a file that does not match its size's template is parsed whole all the same.
     """
     import numpy as np
 
@@ -153,8 +157,11 @@ def read_headers(paths: Sequence[Path], datas: Sequence[bytes]) -> list[dict[str
     by_size: dict[int, list[int]] = {}
     for k, data in enumerate(datas):
         by_size.setdefault(len(data), []).append(k)
+    known = {} if templates is None else templates
     for size, ks in by_size.items():
-        template = _template(paths[ks[0]], datas[ks[0]]) if len(ks) > 1 and size else None
+        template = known.get(size)
+        if template is None and size not in known and (len(ks) > 1 or templates is not None) and size:
+            template = known[size] = _template(paths[ks[0]], datas[ks[0]])
         if template is None:
             for k in ks:
                 out[k] = _parse(paths[k], datas[k])

@@ -17,7 +17,6 @@ before, so holding rows never changes what sampling returns or raises.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import math
 import os
 import queue
@@ -29,6 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rbtool.buffer.rowmap import load_libc
 from rbtool.buffer.storage.held import raw_layout
 from rbtool.buffer.storage.ptfile import PinnedFile
 from rbtool.buffer.storage.view import FieldPath, FlatView, flat_rows
@@ -141,6 +141,7 @@ def hold_window(
     """
     columns = Columns(total_rows, budget)
     plans: dict[tuple[int, int, int], tuple[dict[str, Any], _Plan]] = {}
+    templates: dict[int, ptbulk.Template | None] = {}  # by file size, for every chunk
     reader = _Reader(store, tids)
     try:
         for item in reader:
@@ -148,7 +149,7 @@ def hold_window(
                 tid, traj = item
                 _hold_memory(tid, traj, shape_of(tid), columns, store, record)
             else:
-                _flush(item, columns, plans, store, shape_of, record, progress)
+                _flush(item, columns, plans, templates, store, shape_of, record, progress)
     except (_Giveup, RbtoolError, OSError, struct.error):
         return None
     finally:
@@ -237,9 +238,7 @@ def _huge(column: torch.Tensor) -> torch.Tensor:
     start = -(-column.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
     stop = (column.data_ptr() + nbytes) // _HUGE_PAGE * _HUGE_PAGE
     with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.madvise(start, stop - start, _MADV_HUGEPAGE)  # advice only: a refusal changes nothing
+        load_libc().madvise(start, stop - start, _MADV_HUGEPAGE)  # advice only: a refusal changes nothing
     return column
 
 
@@ -285,6 +284,7 @@ def _flush(
     chunk: list[tuple[int, Path, bytes]],
     columns: Columns,
     plans: dict[tuple[int, int, int], tuple[dict[str, Any], _Plan]],
+    templates: dict[int, ptbulk.Template | None],
     store: TrajectoryStore,
     shape_of: Callable[[int], tuple[int, int]],
     record: Callable[[int, Signature, Path | None], None],
@@ -297,7 +297,7 @@ def _flush(
         return
     small = [k for k, (_, _, data) in enumerate(chunk) if len(data) <= STACK_FILE_BYTES]
     headers: list[Any] = [None] * len(chunk)
-    found = ptbulk.read_headers([chunk[k][1] for k in small], [chunk[k][2] for k in small])
+    found = ptbulk.read_headers([chunk[k][1] for k in small], [chunk[k][2] for k in small], templates)
     for k, header in zip(small, found, strict=True):
         headers[k] = header
     for k, (_, path, data) in enumerate(chunk):
