@@ -79,6 +79,12 @@ class TrajectoryReplayBuffer:
     `(t, b)` rows uniformly from the last `sample_window_size` trajectories. Batches hold
     the fields RLinf's sampler keeps; `extra_fields=True` samples every tensor of >= 2 dims.
 
+    `load_checkpoint` reads the window's files once and holds their sampled rows in memory,
+    one column per field, when they fit `hold_rows_budget` bytes (default a quarter of
+    physical memory; 0 holds none): a batch is then one gather per field, and the rows are
+    those the files held at load. Otherwise, and for `.pkl` or unusual files, drawn rows are
+    read from the files when drawn.
+
     `map_rows=True` gathers large rows (>= 2 KiB, e.g. images) of `.pt` files from the files
     mapped side by side in one address range, one index_select per field per batch, instead
     of one pread per drawn row: faster, but the mapped file pages count in the resident set
