@@ -288,3 +288,83 @@ def test_files_with_holes_and_range_read_buffers_hold_nothing(tmp_path: Path) ->
     whole.read_rows_when_drawn()
     assert not is_held(whole) and whole.hold_rows_budget == 0 and whole.info()["held_rows_bytes"] == 0
     whole.sample(8)
+
+
+def test_headers_of_many_pickles_in_one_group_are_read_headers_verdicts(tmp_path: Path) -> None:
+    """More distinct pickles (model_weights_ids of one length) than are found by comparison:
+    the rest are looked up one by one, with the same verdicts."""
+    paths = []
+    for i in range(2 * ptbulk._PICKLE_GROUPS + 3):
+        path = tmp_path / f"trajectory_{i:02d}_w.pt"
+        torch.save(
+            make_traj(t=1, b=1, seed=i, model_weights_id=f"w{i % (ptbulk._PICKLE_GROUPS + 4):02d}"), path
+        )
+        paths.append(path)
+    datas = [p.read_bytes() for p in paths]
+    assert len({len(d) for d in datas}) == 1
+    got = ptbulk.read_headers(paths, datas, {})
+    assert [outcome(h) for h in got] == [reference(p, d) for p, d in zip(paths, datas, strict=True)]
+
+
+def test_a_record_named_under_another_directory_only_in_its_local_header_is_read_as_read_header_reads_it(
+    tmp_path: Path,
+) -> None:
+    """read_header reads names from the central directory only: a local header's copy of a
+    name may differ, and the verdict is still read_header's (the file's header)."""
+    paths = tiny_files(tmp_path, 4)
+    datas = [p.read_bytes() for p in paths]
+    prefix = paths[1].stem.encode()
+    changed = bytearray(datas[1])
+    first = changed.find(prefix)  # the first local header's name
+    changed[first] ^= 1
+    group = [datas[0], bytes(changed), *datas[2:]]
+    got = ptbulk.read_headers(paths, group, {})
+    assert [outcome(h) for h in got] == [reference(p, d) for p, d in zip(paths, group, strict=True)]
+    assert not isinstance(got[1], Exception)
+
+
+def test_a_held_window_across_chunks_of_mixed_sizes_and_a_large_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Files of several sizes (ids of one to three digits, two weights ids), one file larger
+    than those read side by side, and chunks of a few files: the batches of the row readers."""
+    from rbtool.buffer.storage import bulk
+
+    monkeypatch.setattr(bulk, "CHUNK_FILES", 7)
+    trajs = [
+        make_traj(t=1, b=1, seed=i, model_weights_id="a" if i < 60 else "b", image=3) for i in range(130)
+    ]
+    ckpt = write(tmp_path, trajs)
+    big = ckpt / read_index(ckpt).file_name(77)
+    padded = dict(trajs[77])
+    padded["padding"] = torch.zeros(bulk.STACK_FILE_BYTES)  # a left-out field makes the file large
+    torch.save(padded, big)
+    assert big.stat().st_size > bulk.STACK_FILE_BYTES
+    held, drawn = twins(ckpt)
+    assert is_held(held)
+    for num_chunks in (1, 9, 300):
+        assert_batches_equal(held.sample(num_chunks), drawn.sample(num_chunks))
+
+
+def test_a_file_map_names_files_when_asked(tmp_path: Path) -> None:
+    from rbtool.buffer.storage import FileMap
+
+    asked: list[int] = []
+
+    def place(tid: int) -> tuple[Path, str]:
+        asked.append(tid)
+        return tmp_path, f"f{tid}.pt"
+
+    files = FileMap(range(5), place)
+    assert len(files) == 5 and 3 in files and 9 not in files and asked == []
+    assert files[3] == tmp_path / "f3.pt" and files.place(4) == (tmp_path, "f4.pt")
+    files[3] = tmp_path / "other.pt"
+    assert files[3] == tmp_path / "other.pt" and files.place(3) == (tmp_path, "other.pt")
+    del files[0]
+    files[7] = tmp_path / "seven.pt"
+    assert list(files) == [3, 7, 1, 2, 4] and len(files) == 5 and 0 not in files
+    with pytest.raises(KeyError):
+        del files[0]
+    with pytest.raises(KeyError):
+        files.place(0)
+    assert files.get(0) is None and asked == [3, 4]

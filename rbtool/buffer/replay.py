@@ -28,6 +28,7 @@ from rbtool.buffer.sampling import (
     effective_window,
 )
 from rbtool.buffer.storage import (
+    FileMap,
     FlatView,
     RawTrajectory,
     RowCache,
@@ -465,7 +466,7 @@ class TrajectoryReplayBuffer:
         total = self._counts.start(hi) - base
         start_phase(progress, len(tids), "reading the window's trajectories")
         held = hold_window(
-            self._store, tids, self._shape, total, self.hold_rows_budget, self._file_signature, progress
+            self._store, tids, self._shape, total, self.hold_rows_budget, self._file_signatures, progress
         )
         if held is not None:
             columns, specs = held
@@ -482,21 +483,27 @@ class TrajectoryReplayBuffer:
             end = len(self._index.id_list)
             self._rows.reset(end, self._counts.start(end))
 
-    def _file_signature(self, tid: int, signature: Signature, path: Path | None) -> None:
-        """A trajectory's signature as its file (or memory) shows it, read for the window's rows:
-        noted, unless its index entry records another one (then its file is left to the row
-        readers, which report the difference when it is drawn)."""
+    def _file_signatures(
+        self, tids: list[int], signature: Signature, where: Callable[[int], Path | None]
+    ) -> None:
+        """Trajectories' signature as their files (or memory) show it, read for the window's
+        rows: noted, unless an index entry records another one (then that file is left to
+        the row readers, which report the difference when it is drawn). `where(k)`: the
+        path of `tids[k]`'s file."""
         store = self._store
         signature = store.intern(signature)
-        known = store.signatures.get(tid)
-        recorded = self._recorded_signature(tid)
-        if (known is not None and known is not signature) or (
-            recorded is not None and store.intern(recorded) is not signature
-        ):
-            raise TrajectoryFileError(
-                f"{path or f'trajectory {tid}'}: its fields differ from its index entry"
-            )
-        store.signatures[tid] = signature
+        known = store.signatures
+        if known or self._index.schemas:  # else nothing is known of them yet (a foreign load)
+            for k, tid in enumerate(tids):
+                seen = known.get(tid)
+                recorded = self._recorded_signature(tid)
+                if (seen is not None and seen is not signature) or (
+                    recorded is not None and store.intern(recorded) is not signature
+                ):
+                    raise TrajectoryFileError(
+                        f"{where(k) or f'trajectory {tid}'}: its fields differ from its index entry"
+                    )
+        known.update(dict.fromkeys(tids, signature))
 
     def _left_window(self, position: int) -> None:
         self._store.forget(self._index.id_list[position])
@@ -708,8 +715,10 @@ class TrajectoryReplayBuffer:
                 self.seed = index.seed
                 self.random_generator.manual_seed(int(index.seed))
             self.trajectory_format = index.trajectory_format
+            # the entries of a view opened here are the buffer's own; a caller's are copied
+            own = not isinstance(load_path, CheckpointView) and len(index.entries) == len(index.id_list)
             new = Index(
-                entries={i: dict(index.entries[i]) for i in index.id_list},
+                entries=dict(index.entries) if own else {i: dict(index.entries[i]) for i in index.id_list},
                 id_list=list(index.id_list),
                 trajectory_counter=index.trajectory_counter,
                 seed=self.seed,
@@ -718,10 +727,10 @@ class TrajectoryReplayBuffer:
             )
             if self.auto_save_path is not None:
                 files = self._adopt_files(new, {i: view.file_of(i) for i in index.id_list})
-                self._store.set_files(files, pin=False)
+                self._store.set_files(FileMap.of(files), pin=False)
             else:
                 held = window_of(new.id_list, self._capacity)
-                self._store.set_files({i: view.file_of(i) for i in held}, pin=True)
+                self._store.set_files(FileMap(held, view.place_of), pin=True)
             self._cached.reset(new.id_list)
             self._index = new
             self._unloaded_size = 0
@@ -753,7 +762,8 @@ class TrajectoryReplayBuffer:
         self._check_open()
         self.flush()
         with self._window_lock, self._lock:
-            old_files = list(self._store.files.values())
+            own = self._writer is not None and self.auto_save_path is not None
+            old_files = list(self._store.files.values()) if own else []
             self._index = Index(seed=self.seed, trajectory_format=self.trajectory_format)
             self._store.clear()
             self._cached.reset()

@@ -117,6 +117,11 @@ def missing_files(directory: Path, index: Index) -> list[int]:
     One directory listing instead of a stat per id: a million-entry index is checked in
     a fraction of a second.
     """
+    return _missing(directory, index)[0]
+
+
+def _missing(directory: Path, index: Index) -> tuple[list[int], list[str]]:
+    """missing_files, and the file name of each listed id (in id_list order)."""
     try:
         with os.scandir(directory) as it:
             entries = [e for e in it if e.is_file()]
@@ -124,7 +129,9 @@ def missing_files(directory: Path, index: Index) -> list[int]:
         entries = []
     present = {e.name for e in entries}
     name = index.file_name
-    listed = {name(i) for i in index.id_list} & {e.name for e in entries if e.is_symlink()}
+    names = [name(i) for i in index.id_list]
+    links = {e.name for e in entries if e.is_symlink()}
+    listed = links.intersection(names) if links else set()
     outside = [(n, t) for n in sorted(listed) if (t := escapes(directory, n)) is not None]
     if outside:
         shown = ", ".join(f"{n} -> {t}" for n, t in outside[:5])
@@ -132,7 +139,8 @@ def missing_files(directory: Path, index: Index) -> list[int]:
             f"{directory}: {len(outside)} listed file(s) are symlinks to files outside the checkpoint "
             f"({shown}); refused"
         )
-    return [i for i in index.id_list if name(i) not in present]
+    missing = [i for i, n in zip(index.id_list, names, strict=True) if n not in present]
+    return missing, names
 
 
 def open_checkpoint(path: str | os.PathLike[str], *, strict: bool = True) -> tuple[Path, Index]:
@@ -143,8 +151,15 @@ def open_checkpoint(path: str | os.PathLike[str], *, strict: bool = True) -> tup
 
 def _open_checkpoint(directory: Path, strict: bool) -> tuple[Path, Index, list[int]]:
     """open_checkpoint, also returning the ids a non-strict open dropped."""
+    directory, index, missing, _ = _open_named(directory, strict)
+    return directory, index, missing
+
+
+def _open_named(directory: Path, strict: bool) -> tuple[Path, Index, list[int], dict[int, str]]:
+    """_open_checkpoint, also returning each kept id's file name."""
     index = read_index(directory)
-    missing = missing_files(directory, index)
+    missing, names = _missing(directory, index)
+    named = dict(zip(index.id_list, names, strict=True))
     if missing:
         if strict:
             shown = ", ".join(map(str, missing[:20])) + (" ..." if len(missing) > 20 else "")
@@ -155,7 +170,9 @@ def _open_checkpoint(directory: Path, strict: bool) -> tuple[Path, Index, list[i
             )
         gone = set(missing)
         index = index.subset([i for i in index.id_list if i not in gone])
-    return directory, index, missing
+        for i in gone:
+            named.pop(i, None)
+    return directory, index, missing, named
 
 
 # ------------------------------------------------------------------ views
@@ -183,6 +200,8 @@ class CheckpointView:
     origin: dict[int, tuple[int, int]] | None = None
     renumbered: bool = False
     dropped: list[tuple[Path, int]] = field(default_factory=list)
+    # each input's file names by its own ids, where they were worked out already
+    names: list[dict[int, str] | None] = field(default_factory=list)
 
     @property
     def is_tree(self) -> bool:
@@ -191,10 +210,16 @@ class CheckpointView:
 
     def file_of(self, trajectory_id: int) -> Path:
         """The file holding trajectory `trajectory_id` (an id of the merged index)."""
-        if self.origin is None:
-            return self.dirs[0] / self.index.file_name(trajectory_id)
-        n, old = self.origin[trajectory_id]
-        return self.dirs[n] / self.indexes[n].file_name(old)
+        directory, name = self.place_of(trajectory_id)
+        return directory / name
+
+    def place_of(self, trajectory_id: int) -> tuple[Path, str]:
+        """file_of as (directory, file name), without building a Path (a million ids are
+        named in a fraction of a second)."""
+        n, old = (0, trajectory_id) if self.origin is None else self.origin[trajectory_id]
+        names = self.names[n] if n < len(self.names) else None
+        name = names.get(old) if names is not None else None
+        return self.dirs[n], name if name is not None else self.indexes[n].file_name(old)
 
     def source_of(self, trajectory_id: int) -> tuple[Path, int]:
         """(checkpoint directory, id in that directory) of a merged id."""
@@ -287,16 +312,20 @@ def open_view(
     dirs = [d for p in given for d in checkpoint_dirs(p)]
     indexes: list[Index] = []
     dropped: list[tuple[Path, int]] = []
+    names: list[dict[int, str] | None] = []
     for d in dirs:
         if check_files:
-            _, idx, missing = _open_checkpoint(d, strict)  # the index read once, missing ids kept
+            _, idx, missing, named = _open_named(d, strict)  # the index read once, missing ids kept
             dropped.extend((d, i) for i in missing)
+            names.append(named)
         else:
             idx = read_index(d)
+            names.append(None)
         indexes.append(idx)
     root = Path(given[0]) if len(given) == 1 else dirs[0].parent
     view = merge_indexes(dirs, indexes, root)
     view.dropped = dropped
+    view.names = names
     return view
 
 

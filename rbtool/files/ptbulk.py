@@ -12,14 +12,14 @@ same pickle and layout (headers are shared, never changed) and builds once other
 file that differs anywhere else is parsed whole by read_header, so every file gets exactly
 the header read_header would give it, or its error.
 
-The comparison runs over every file of one size at once (numpy, a few slices per record),
-so a file costs its read and a dictionary lookup of its pickle.
+The comparison runs over every file of one size at once (numpy, eight bytes at a time, on
+the buffer the files were read into), and so does the pickle's: a file costs its read.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +41,15 @@ class Template:
     """What a file must match to have the layout of the file `data` (parsed whole).
 
     `same`: the byte ranges that must equal the template's; `names`: where each record's
-    name starts and the length of its directory part (which must be one name in a file);
+    name starts in the central directory (`central`), and `dir_len` the length of its
+    directory part (which must be one name in a file; read_header reads names only there,
+    so the local headers' copies of the names vary freely);
     `pickle`: where data.pkl's bytes are; `places`: its tensor records, as read_header keys
-    them.
+    them; `header`: read_header's header of the file (the header of every file that matches
+    and has the same pickle).
     """
 
-    def __init__(self, path: Path, data: bytes) -> None:
+    def __init__(self, path: Path, data: bytes, header: dict[str, Any]) -> None:
         import numpy as np
 
         self.size = len(data)
@@ -75,7 +78,6 @@ class Template:
                 crc = end + 4 if data[end : end + 4] == b"PK\x07\x08" else end
                 varies.append((crc, crc + 4))
             varies.append((at + _LOCAL_NAME, at + _LOCAL_NAME + dir_len))
-            self.names.append(at + _LOCAL_NAME)
             if record is pickles[0]:
                 self.pickle = (start, start + record.size)
                 varies.append(self.pickle)
@@ -85,16 +87,32 @@ class Template:
                     places.append((record.name[len(storages) :], start, record.size))
         self.places = tuple(places)
         # the central directory's entries: their CRC-32s and names vary too
-        at = self._central_start(data, len(records))
+        at = central = self._central_start(data, len(records))
+        crcs: list[int] = []
         for _ in records:
             _, _, name_len, extra_len, comment_len = _CENTRAL.unpack_from(data, at)
             varies.append((at + _CENTRAL_CRC, at + _CENTRAL_CRC + 4))
+            crcs.extend(range(at + _CENTRAL_CRC - central, at + _CENTRAL_CRC - central + 4))
             varies.append((at + _CENTRAL_NAME, at + _CENTRAL_NAME + dir_len))
             self.names.append(at + _CENTRAL_NAME)
             at += _CENTRAL.size + name_len + extra_len + comment_len
         self.dir_len = dir_len
+        self.central = (central, at)
+        # the central directory with every name's directory part replaced by a file's own
+        # is what that file's must be: exact when the template's directory name occurs in
+        # its central directory at the names and nowhere else
+        directory = data[central:at]
+        name = data[self.names[0] : self.names[0] + dir_len]
+        found, pos = [], directory.find(name)
+        while dir_len and pos >= 0:
+            found.append(central + pos)
+            pos = directory.find(name, pos + 1)
+        self.replaceable = found == self.names
+        self.central_crcs = np.array(crcs, dtype=np.intp)  # in the directory, where CRC-32s are
         self.same = _complement(varies, self.size)
         self._mask: Any = None
+        self._words: tuple[Any, Any] = (None, None)
+        self.header = header
 
     @staticmethod
     def _central_start(data: bytes, count: int) -> int:
@@ -105,28 +123,64 @@ class Template:
         return int(cd_offset)
 
     def matches(self, rows: Any) -> Any:
-        """Which of `rows` (files of this size, one per row of a uint8 array) have its layout."""
+        """Which of `rows` (files of this size, one per row of a uint8 array, rows maybe
+        strided) have its layout. Compared eight bytes at a time, a few rows at once."""
         import numpy as np
 
         if self._mask is None:
             mask = np.zeros(self.size, dtype=np.uint8)
             for start, stop in self.same:
                 mask[start:stop] = 0xFF
+            whole = self.size // 8 * 8
             self._mask = mask
+            self._words = (self.bytes[:whole].view(np.uint64), mask[:whole].view(np.uint64))
+        words, word_mask = self._words
+        whole = words.size * 8
         ok = np.empty(rows.shape[0], dtype=bool)
+        scratch = np.empty((min(_CHUNK_ROWS, rows.shape[0]), words.size), dtype=np.uint64)
         for lo in range(0, rows.shape[0], _CHUNK_ROWS):  # a chunk's bytes stay in the cache
             part = rows[lo : lo + _CHUNK_ROWS]
-            differ = np.bitwise_xor(part, self.bytes)
-            differ &= self._mask
+            differ = scratch[: part.shape[0]]
+            np.bitwise_xor(part[:, :whole].view(np.uint64), words, out=differ)
+            differ &= word_mask
             ok[lo : lo + part.shape[0]] = ~differ.any(axis=1)
+        if whole < self.size:
+            tail = np.bitwise_xor(rows[:, whole:], self.bytes[whole:]) & self._mask[whole:]
+            ok &= ~tail.any(axis=1)
         if self.dir_len:
-            first = rows[:, self.names[0] : self.names[0] + self.dir_len]
+            ok &= self._one_directory(rows, ok)
+        return ok
+
+    def _one_directory(self, rows: Any, candidates: Any) -> Any:
+        """Which rows name every record in their central directory under one directory (the
+        other rows are not looked at, where the template's names allow it)."""
+        import numpy as np
+
+        start, stop = self.central
+        first, length = self.names[0], self.dir_len
+        if not self.replaceable:
+            ok = np.ones(rows.shape[0], dtype=bool)
+            name = rows[:, first : first + length]
             for at in self.names[1:]:
-                ok &= (rows[:, at : at + self.dir_len] == first).all(axis=1)
+                ok &= (rows[:, at : at + length] == name).all(axis=1)
+            return ok
+        ok = np.zeros(rows.shape[0], dtype=bool)
+        keep = np.flatnonzero(candidates)
+        width = stop - start
+        directories = np.ascontiguousarray(rows[keep, start:stop])
+        template = self.bytes[start:stop]
+        directories[:, self.central_crcs] = template[self.central_crcs]  # CRC-32s vary
+        blob = directories.tobytes()
+        at = first - start
+        pieces = template.tobytes().split(template[at : at + length].tobytes())
+        for j, k in enumerate(keep.tolist()):
+            directory = blob[j * width : (j + 1) * width]
+            ok[k] = directory == directory[at : at + length].join(pieces)
         return ok
 
 
 _CHUNK_ROWS = 128
+_PICKLE_GROUPS = 8  # distinct pickles found by comparison in one call, at most
 
 
 def _complement(ranges: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
@@ -147,9 +201,9 @@ def read_headers(
     """The header of each file (`datas[i]`: all of `paths[i]`'s bytes), or its error.
 
     Exactly what read_header(path, data) returns or raises (UnusualLayout included), file
-    by file; files of one layout are compared with a template instead of being parsed.
-    `templates` (by file size) keeps the templates for later calls over the same files'
-    kind: a file that does not match its size's template is parsed whole all the same.
+    by file; files of one size are compared with a template instead of being parsed (see
+    headers_of). `templates` (by file size) keeps the templates for later calls over the
+    same files' kind.
     """
     import numpy as np
 
@@ -159,26 +213,73 @@ def read_headers(
         by_size.setdefault(len(data), []).append(k)
     known = {} if templates is None else templates
     for size, ks in by_size.items():
-        template = known.get(size)
-        if template is None and size not in known and (len(ks) > 1 or templates is not None) and size:
-            template = known[size] = _template(paths[ks[0]], datas[ks[0]])
-        if template is None:
+        if (len(ks) == 1 and templates is None) or not size:
             for k in ks:
                 out[k] = _parse(paths[k], datas[k])
             continue
         rows = np.frombuffer(b"".join([datas[k] for k in ks]), dtype=np.uint8).reshape(len(ks), size)
-        matched = template.matches(rows)
-        start, stop = template.pickle
-        for k, same in zip(ks, matched.tolist(), strict=True):
-            header = ptheader.known_header(datas[k][start:stop], template.places) if same else None
-            out[k] = header if header is not None else _parse(paths[k], datas[k])
+        for k, header in zip(ks, headers_of(rows, _naming(paths, ks), known), strict=True):
+            out[k] = header
     return out  # type: ignore[return-value]
+
+
+def _naming(paths: Sequence[Path], ks: list[int]) -> Callable[[int], Path]:
+    return lambda j: paths[ks[j]]
+
+
+def headers_of(
+    rows: Any, where: Callable[[int], Path], templates: dict[int, Template | None]
+) -> list[dict[str, Any] | RbtoolError]:
+    """read_header's verdict on each of `rows` (a uint8 array of files of one size, one a
+    row; rows may be strided, as files read side by side into one buffer are): compared
+    with the template of their size (made from the first row when there is none yet), and
+    parsed whole only where they differ from it. `where(k)`: the path of row k's file,
+    named in errors."""
+    import numpy as np
+
+    count, size = rows.shape
+    if size not in templates and size:
+        templates[size] = _template(where(0), rows[0].tobytes())
+    template = templates.get(size)
+    if template is None:
+        return [_parse(where(k), rows[k].tobytes()) for k in range(count)]
+    matched = template.matches(rows)
+    start, stop = template.pickle
+    pickles = rows[:, start:stop]
+    out: list[dict[str, Any] | RbtoolError] = [template.header] * count
+    # the files of one pickle (as a writer's run of one model_weights_id) are found at once,
+    # the template's first; past a few distinct pickles, one a file
+    pending = np.flatnonzero(matched)
+    reference = template.bytes[start:stop]
+    header: dict[str, Any] | None = template.header
+    for _ in range(_PICKLE_GROUPS):
+        if not pending.size:
+            break
+        same = (pickles[pending] == reference).all(axis=1)
+        if header is not None:
+            for k in pending[same].tolist():
+                out[k] = header
+        else:  # a pickle read_header refuses: each file's own verdict
+            for k in pending[same].tolist():
+                out[k] = _parse(where(k), rows[k].tobytes())
+        pending = pending[~same]
+        if pending.size:
+            first = int(pending[0])
+            reference = pickles[first]
+            parsed = _parse(where(first), rows[first].tobytes())
+            header = None if isinstance(parsed, RbtoolError) else parsed
+    for k in pending.tolist():
+        known = ptheader.known_header(pickles[k].tobytes(), template.places)
+        out[k] = known if known is not None else _parse(where(k), rows[k].tobytes())
+    for k in np.flatnonzero(~matched).tolist():
+        out[k] = _parse(where(k), rows[k].tobytes())
+    return out
 
 
 def _template(path: Path, data: bytes) -> Template | None:
     try:
-        ptheader.read_header(path, data)  # a template is a file read_header accepts
-        return Template(path, data)
+        header = ptheader.read_header(path, data)  # a template is a file read_header accepts
+        return Template(path, data, header)
     except (RbtoolError, struct.error, ValueError):
         return None
 

@@ -36,7 +36,7 @@ from rbtool.buffer.storage.ptfile import (
     open_trajectory,
     read_rows,
 )
-from rbtool.buffer.storage.store import RAW_CACHE_MAX_BYTES, TrajectoryStore
+from rbtool.buffer.storage.store import RAW_CACHE_MAX_BYTES, FileMap, TrajectoryStore
 from rbtool.buffer.storage.view import (
     FieldPath,
     FlatField,
@@ -88,6 +88,7 @@ __all__ = [
     "Schema",
     "Signature",
     "Storage",
+    "FileMap",
     "TrajectoryStore",
     "WindowSchema",
     "default_hold_budget",

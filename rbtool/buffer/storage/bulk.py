@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 
 from rbtool.buffer.rowmap import load_libc
 from rbtool.buffer.storage.held import raw_layout
-from rbtool.buffer.storage.ptfile import PinnedFile
 from rbtool.buffer.storage.view import FieldPath, FlatView, flat_rows
 from rbtool.buffer.storage.window import Signature, signature_of
 from rbtool.errors import RbtoolError
@@ -43,8 +42,8 @@ if TYPE_CHECKING:
     from rbtool.buffer.storage.store import TrajectoryStore
 
 # Files are read and cut into columns this many bytes (or files) at a time.
-CHUNK_BYTES = 64 << 20
-CHUNK_FILES = 4096
+CHUNK_BYTES = 32 << 20
+CHUNK_FILES = 16384
 # A file larger than this is read on its own, not stacked with others of its size.
 STACK_FILE_BYTES = ptbulk.BULK_FILE_BYTES
 
@@ -130,14 +129,15 @@ def hold_window(
     shape_of: Callable[[int], tuple[int, int]],
     total_rows: int,
     budget: int,
-    record: Callable[[int, Signature, Path | None], None],
+    record: Callable[[list[int], Signature, Callable[[int], Path | None]], None],
     progress: Progress | None = None,
 ) -> tuple[dict[FieldPath, torch.Tensor], dict[FieldPath, Spec]] | None:
     """Every sampled row of the trajectories `tids` (in order), read into one column per field.
 
     None when they take more than `budget` bytes, or when a trajectory is one this reader
-    does not take on. `record(tid, signature, path)` is told each trajectory's signature as
-    its file shows it. `total_rows`: the trajectories' samples, as the index records them.
+    does not take on. `record(tids, signature, where)` is told the trajectories whose files
+    (or memory) show `signature`; `where(k)`: the path of `tids[k]`'s file. `total_rows`:
+    the trajectories' samples, as the index records them.
     """
     columns = Columns(total_rows, budget)
     plans: dict[tuple[int, int, int], tuple[dict[str, Any], _Plan]] = {}
@@ -149,7 +149,10 @@ def hold_window(
                 tid, traj = item
                 _hold_memory(tid, traj, shape_of(tid), columns, store, record)
             else:
-                _flush(item, columns, plans, templates, store, shape_of, record, progress)
+                try:
+                    _flush(item, columns, plans, templates, store, shape_of, record, progress)
+                finally:
+                    reader.done_with(item)
     except (_Giveup, RbtoolError, OSError, struct.error):
         return None
     finally:
@@ -159,16 +162,53 @@ def hold_window(
     return columns.columns, columns.specs
 
 
+class _Chunk:
+    """Files read side by side into one buffer: file k's bytes are `buf[offsets[k]:][:sizes[k]]`,
+    each file starting eight-byte aligned (files of one size in a row form a strided array)."""
+
+    def __init__(self, buf: Any) -> None:
+        self.buf = buf
+        self.tids: list[int] = []
+        self.offsets: list[int] = []
+        self.sizes: list[int] = []
+        self.places: list[tuple[Path, str]] = []
+
+    def add(self, tid: int, offset: int, size: int, place: tuple[Path, str]) -> None:
+        self.tids.append(tid)
+        self.offsets.append(offset)
+        self.sizes.append(size)
+        self.places.append(place)
+
+    def where(self, k: int) -> Path:
+        directory, name = self.places[k]
+        return directory / name
+
+    def where_from(self, first: int) -> Callable[[int], Path]:
+        """where(), counted from file `first`."""
+        return lambda k: self.where(first + k)
+
+
 class _Reader:
     """The trajectories' files read in order on a thread, a chunk ahead of their cutting
     (the reads wait in the kernel without the GIL while the last chunk is cut): yields
-    chunks of (tid, path, bytes), and (tid, dict) for a trajectory held in memory; raises
-    _Giveup at a trajectory that is not a `.pt` file, and what a read raised."""
+    _Chunks, and (tid, dict) for a trajectory held in memory; raises _Giveup at a
+    trajectory that is not a `.pt` file, and what a read raised. Small files are read
+    straight into a few reused buffers (fresh memory would cost a page fault every 4 KiB);
+    a larger file makes a chunk of its own."""
+
+    BUFFERS = 3
 
     def __init__(self, store: TrajectoryStore, tids: Sequence[int]) -> None:
+        import numpy as np
+
         self.store, self.tids = store, tids
-        self.queue: queue.Queue[Any] = queue.Queue(maxsize=2)
+        self.queue: queue.Queue[Any] = queue.Queue(maxsize=self.BUFFERS - 1)
+        self.free: queue.Queue[Any] = queue.Queue()
+        self.small = min(CHUNK_BYTES, max(STACK_FILE_BYTES + 8, _chunk_guess(store, tids)))
+        for _ in range(self.BUFFERS):
+            self.free.put(np.empty(self.small, dtype=np.uint8))
         self.stopped = threading.Event()
+        self.dir_fds: dict[Path, int] = {}
         self.thread = threading.Thread(target=self._run, name="rbtool-hold-reader", daemon=True)
         self.thread.start()
 
@@ -181,33 +221,98 @@ class _Reader:
                 continue
         return False
 
+    def _buffer(self) -> Any:
+        while not self.stopped.is_set():
+            try:
+                return self.free.get(timeout=0.1)
+            except queue.Empty:
+                continue
+        return None
+
+    def done_with(self, chunk: _Chunk) -> None:
+        """The consumer is done with a chunk: its buffer is read into again."""
+        if chunk.buf.size == self.small:
+            self.free.put(chunk.buf)
+
     def _run(self) -> None:
-        store = self.store
         try:
-            chunk: list[tuple[int, Path, bytes]] = []
-            size = 0
-            for tid in self.tids:
-                traj = store.memory.get(tid)
-                if traj is not None:
-                    if (chunk and not self._put(chunk)) or not self._put((tid, traj)):
-                        return
-                    chunk, size = [], 0
-                    continue
-                path = store.files.get(tid)
-                if path is None or not str(path).endswith(".pt"):
-                    raise _Giveup
-                data = _read(path, store.pins.get(tid))
-                chunk.append((tid, path, data))
-                size += len(data)
-                if size >= CHUNK_BYTES or len(chunk) >= CHUNK_FILES:
-                    if not self._put(chunk):
-                        return
-                    chunk, size = [], 0
-            if chunk:
-                self._put(chunk)
-            self._put(None)
+            self._read_all()
         except BaseException as exc:  # handed to the consumer
             self._put(exc)
+        finally:
+            for fd in self.dir_fds.values():
+                os.close(fd)
+
+    def _read_all(self) -> None:
+        import numpy as np
+
+        store = self.store
+        memory, pins, files = store.memory, store.pins, store.files
+        place = getattr(files, "place", None)
+        open_, preadv, close = os.open, os.preadv, os.close
+        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
+        room = STACK_FILE_BYTES + 1  # a read of more than this finds a file too large to stack
+        buf = self._buffer()
+        if buf is None:
+            return
+        chunk, view, at, limit = _Chunk(buf), memoryview(buf), 0, buf.size - room - 8
+        for tid in self.tids:
+            traj = memory.get(tid)
+            if traj is not None:
+                if chunk.tids:
+                    if not self._put(chunk) or (buf := self._buffer()) is None:
+                        return
+                    chunk, view, at = _Chunk(buf), memoryview(buf), 0
+                if not self._put((tid, traj)):
+                    return
+                continue
+            if place is not None:
+                directory, name = place(tid)
+            else:
+                path = files[tid]
+                directory, name = path.parent, path.name
+            if not name.endswith(".pt"):
+                raise _Giveup
+            pin = pins.get(tid)
+            if pin is not None:
+                fd = pin.fd
+            else:
+                dir_fd = self.dir_fds.get(directory)
+                if dir_fd is None:
+                    dir_fd = self.dir_fds[directory] = open_(directory, os.O_RDONLY | os.O_DIRECTORY)
+                fd = open_(name, flags, dir_fd=dir_fd)
+            try:
+                n = preadv(fd, [view[at : at + room]], 0)
+                large = _read_large(fd) if n == room else None
+            finally:
+                if pin is None:
+                    close(fd)
+            if large is not None:  # a chunk of its own, after the files before it
+                if chunk.tids and not self._put(chunk):
+                    return
+                alone = _Chunk(np.frombuffer(large, dtype=np.uint8))
+                alone.tids, alone.offsets, alone.sizes, alone.places = (
+                    [tid],
+                    [0],
+                    [len(large)],
+                    [(directory, name)],
+                )
+                if not self._put(alone):
+                    return
+                if chunk.tids:
+                    if (buf := self._buffer()) is None:
+                        return
+                    chunk, view, at = _Chunk(buf), memoryview(buf), 0
+                continue
+            chunk.add(tid, at, n, (directory, name))
+            at = (at + n + 7) & ~7
+            if at > limit or len(chunk.tids) >= CHUNK_FILES:
+                if not self._put(chunk) or (buf := self._buffer()) is None:
+                    return
+                chunk, view, at = _Chunk(buf), memoryview(buf), 0
+        if chunk.tids and not self._put(chunk):
+            return
+        self._put(None)
 
     def __iter__(self) -> Iterator[Any]:
         while True:
@@ -221,6 +326,11 @@ class _Reader:
     def stop(self) -> None:
         self.stopped.set()
         self.thread.join()
+
+
+def _chunk_guess(store: TrajectoryStore, tids: Sequence[int]) -> int:
+    """A buffer size for the reads: CHUNK_BYTES, less for a window of few files."""
+    return min(CHUNK_BYTES, len(tids) * (STACK_FILE_BYTES + 8))
 
 
 _HUGE_PAGE = 2 << 20
@@ -242,23 +352,14 @@ def _huge(column: torch.Tensor) -> torch.Tensor:
     return column
 
 
-def _read(path: Path, pin: PinnedFile | None) -> bytes:
-    """A file's bytes, through its pinned descriptor when it has one. A small file is one
-    read (no fstat): what is not a regular file reads as nothing a header can come from."""
-    fd = pin.fd if pin is not None else os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    try:
-        data = os.pread(fd, STACK_FILE_BYTES + 1, 0)
-        if len(data) <= STACK_FILE_BYTES:
-            return data
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_blocks * 512 < info.st_size:
-            raise _Giveup  # not a regular file, or one with holes (a stand-in filled as drawn)
-        size = info.st_size
-        data = os.pread(fd, size, 0)
-    finally:
-        if pin is None:
-            os.close(fd)
-    if len(data) != size:
+def _read_large(fd: int) -> bytes:
+    """All of a file larger than the stacked ones, refused (_Giveup) when it is not a regular
+    file or has holes (a stand-in filled as drawn, whose unfetched bytes are not data)."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_blocks * 512 < info.st_size:
+        raise _Giveup
+    data = os.pread(fd, info.st_size, 0)
+    if len(data) != info.st_size:
         raise _Giveup
     return data
 
@@ -269,10 +370,10 @@ def _hold_memory(
     shape: tuple[int, int],
     columns: Columns,
     store: TrajectoryStore,
-    record: Callable[[int, Signature, Path | None], None],
+    record: Callable[[list[int], Signature, Callable[[int], Path | None]], None],
 ) -> None:
     view = FlatView(traj, *shape, extra_fields=store.extra_fields)
-    record(tid, signature_of(traj, store.extra_fields), None)
+    record([tid], signature_of(traj, store.extra_fields), lambda k: None)
     columns.begin({p: f.spec for p, f in view.fields.items()})
     rows = shape[0] * shape[1]
     for path in columns.specs:
@@ -281,64 +382,86 @@ def _hold_memory(
 
 
 def _flush(
-    chunk: list[tuple[int, Path, bytes]],
+    chunk: _Chunk,
     columns: Columns,
     plans: dict[tuple[int, int, int], tuple[dict[str, Any], _Plan]],
     templates: dict[int, ptbulk.Template | None],
     store: TrajectoryStore,
     shape_of: Callable[[int], tuple[int, int]],
-    record: Callable[[int, Signature, Path | None], None],
+    record: Callable[[list[int], Signature, Callable[[int], Path | None]], None],
     progress: Progress | None,
 ) -> None:
-    """Cut a chunk of files' sampled rows into the columns, files of one plan and size at once."""
+    """Cut a chunk's sampled rows into the columns: its files of one size in a row are one
+    strided array, their headers read at once (ptbulk) and their fields cut together."""
     import numpy as np
 
-    if not chunk:
-        return
-    small = [k for k, (_, _, data) in enumerate(chunk) if len(data) <= STACK_FILE_BYTES]
-    headers: list[Any] = [None] * len(chunk)
-    found = ptbulk.read_headers([chunk[k][1] for k in small], [chunk[k][2] for k in small], templates)
-    for k, header in zip(small, found, strict=True):
-        headers[k] = header
-    for k, (_, path, data) in enumerate(chunk):
-        if headers[k] is None:
-            headers[k] = ptbulk.read_headers([path], [data])[0]
-    # runs of consecutive files of one plan and size are cut together
-    runs: list[tuple[_Plan, int, list[int]]] = []
-    for k, (tid, path, data) in enumerate(chunk):
-        header = headers[k]
+    sizes, offsets, tids = chunk.sizes, chunk.offsets, chunk.tids
+    k = 0
+    while k < len(tids):
+        size = sizes[k]
+        stop = k + 1
+        while stop < len(tids) and sizes[stop] == size:
+            stop += 1
+        stride = (size + 7) & ~7
+        rows = np.lib.stride_tricks.as_strided(
+            chunk.buf[offsets[k] :], shape=(stop - k, size), strides=(stride, 1), writeable=False
+        )
+        if size > STACK_FILE_BYTES:  # a large file alone: parsed, not compared
+            headers: list[Any] = [ptbulk.read_headers([chunk.where(k)], [rows[0].tobytes()])[0]]
+        else:
+            headers = ptbulk.headers_of(rows, chunk.where_from(k), templates)
+        _cut(rows, headers, k, chunk, columns, plans, store, shape_of, record)
+        if progress is not None:
+            progress(stop - k)
+        k = stop
+
+
+def _cut(
+    rows: Any,
+    headers: list[Any],
+    first: int,
+    chunk: _Chunk,
+    columns: Columns,
+    plans: dict[tuple[int, int, int], tuple[dict[str, Any], _Plan]],
+    store: TrajectoryStore,
+    shape_of: Callable[[int], tuple[int, int]],
+    record: Callable[[list[int], Signature, Callable[[int], Path | None]], None],
+) -> None:
+    """Cut files of one size (`rows`, chunk files `first`...) into the columns, a run of
+    files of one header and [T, B] at a time."""
+    tids = chunk.tids[first : first + len(headers)]
+    shapes = [shape_of(tid) for tid in tids]
+    j = 0
+    while j < len(headers):
+        header, shape = headers[j], shapes[j]
         if isinstance(header, Exception):  # UnusualLayout too: left to the row readers
             raise _Giveup
-        t, b = shape_of(tid)
+        end = j + 1
+        while end < len(headers) and headers[end] is header and shapes[end] == shape:
+            end += 1
+        t, b = shape
         key = (id(header), t, b)
         known = plans.get(key)
         if known is None or known[0] is not header:
-            known = plans[key] = (header, _Plan(header, str(path), t, b, store.extra_fields))
-        plan = known[1]
-        record(tid, store.header_signature(header), path)
-        if runs and runs[-1][0] is plan and runs[-1][1] == len(data):
-            runs[-1][2].append(k)
-        else:
-            runs.append((plan, len(data), [k]))
-    for plan, size, ks in runs:
-        columns.begin({path: spec for path, spec, _ in plan.fields})
-        rows = plan.rows * len(ks)
-        if columns.at + rows > columns.total_rows:
-            raise _Giveup
-        if len(ks) == 1:
-            stacked = np.frombuffer(chunk[ks[0]][2], dtype=np.uint8).reshape(1, size)
-        else:
-            stacked = np.frombuffer(b"".join([chunk[k][2] for k in ks]), dtype=np.uint8).reshape(
-                len(ks), size
+            known = plans[key] = (
+                header,
+                _Plan(header, str(chunk.where(first + j)), t, b, store.extra_fields),
             )
-        for field, (_, shape), byte_runs in plan.fields:
-            if field not in columns.columns or not math.prod(shape):
+        plan = known[1]
+        record(tids[j:end], store.header_signature(header), chunk.where_from(first + j))
+        columns.begin({path: spec for path, spec, _ in plan.fields})
+        count = end - j
+        taken = plan.rows * count
+        if columns.at + taken > columns.total_rows:
+            raise _Giveup
+        part = rows[j:end]
+        for field, (_, row_shape), byte_runs in plan.fields:
+            if field not in columns.columns or not math.prod(row_shape):
                 continue
-            out = columns.numpy(field, rows).reshape(len(ks), -1)
+            out = columns.numpy(field, taken).reshape(count, -1)
             at = 0
             for start, stop in byte_runs:
-                out[:, at : at + stop - start] = stacked[:, start:stop]
+                out[:, at : at + stop - start] = part[:, start:stop]
                 at += stop - start
-        columns.at += rows
-        if progress is not None:
-            progress(len(ks))
+        columns.at += taken
+        j = end

@@ -264,10 +264,15 @@ class PinnedFile:
         with _PIN_LOCK:
             _PINNED_COUNT[0] += 1
 
+    @staticmethod
+    def budget_spent() -> bool:
+        """True when no more files may be pinned."""
+        return _PINNED_COUNT[0] >= MAX_PINNED
+
     @classmethod
     def try_open(cls, path: Path) -> PinnedFile | None:
         """Pin `path` if the budget allows and the file opens; None otherwise (read by name)."""
-        if _PINNED_COUNT[0] >= MAX_PINNED:
+        if cls.budget_spent():
             return None
         try:
             return cls(path)

@@ -12,7 +12,7 @@ import contextlib
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,60 @@ from rbtool.progress import Progress
 RAW_CACHE_MAX_BYTES = 384 << 20
 
 
+class FileMap(MutableMapping[int, Path]):
+    """Where each trajectory's file is. The files of a loaded checkpoint are named from
+    `place(id)` ((directory, file name)) when asked for: building a million Paths up front
+    takes seconds, and a held window never asks for most of them. Files set later are kept
+    as given."""
+
+    def __init__(
+        self, named: Iterable[int] = (), place: Callable[[int], tuple[Path, str]] | None = None
+    ) -> None:
+        self._paths: dict[int, Path] = {}
+        self._named: dict[int, None] = dict.fromkeys(named)
+        self._place = place
+
+    @classmethod
+    def of(cls, paths: dict[int, Path]) -> FileMap:
+        files = cls()
+        files._paths = dict(paths)
+        return files
+
+    def place(self, tid: int) -> tuple[Path, str]:
+        """(directory, file name) of a trajectory's file; KeyError when it has none."""
+        path = self._paths.get(tid)
+        if path is not None:
+            return path.parent, path.name
+        if tid in self._named and self._place is not None:
+            return self._place(tid)
+        raise KeyError(tid)
+
+    def __getitem__(self, tid: int) -> Path:
+        path = self._paths.get(tid)
+        if path is not None:
+            return path
+        directory, name = self.place(tid)
+        return directory / name
+
+    def __setitem__(self, tid: int, path: Path) -> None:
+        self._named.pop(tid, None)
+        self._paths[tid] = path
+
+    def __delitem__(self, tid: int) -> None:
+        if self._paths.pop(tid, None) is None and self._named.pop(tid, 0) is not None:
+            raise KeyError(tid)
+
+    def __contains__(self, tid: object) -> bool:
+        return tid in self._paths or tid in self._named
+
+    def __iter__(self) -> Iterator[int]:
+        yield from self._paths
+        yield from self._named
+
+    def __len__(self) -> int:
+        return len(self._paths) + len(self._named)
+
+
 class TrajectoryStore:
     """Where each trajectory of a buffer is: in memory, in a file (maybe pinned open).
 
@@ -58,7 +112,7 @@ class TrajectoryStore:
         self.extra_fields = extra_fields
         self.lock = lock
         self.memory: dict[int, dict[str, Any]] = {}
-        self.files: dict[int, Path] = {}
+        self.files = FileMap()
         self.pins: dict[int, PinnedFile] = {}
         self.views: OrderedDict[int, FlatView] = OrderedDict()
         # what sampling knows of each trajectory without its data: its signature, and the
@@ -86,20 +140,23 @@ class TrajectoryStore:
         return tid in self.memory or tid in self.files
 
     def __len__(self) -> int:
-        return len(self.memory.keys() | self.files.keys())
+        return len(self.files) + sum(1 for tid in self.memory if tid not in self.files)
 
     def put(self, tid: int, traj: dict[str, Any]) -> None:
         with self.lock:
             self.memory[tid] = traj
 
-    def set_files(self, files: dict[int, Path], *, pin: bool) -> None:
-        """Replace everything held by these files (pinned open when `pin`)."""
+    def set_files(self, files: FileMap, *, pin: bool) -> None:
+        """Replace everything held by these files (pinned open when `pin`, as many as the
+        descriptor budget allows, the first ones first)."""
         with self.lock:
             self.clear()
-            self.files = dict(files)
+            self.files = files
             if pin:
-                for tid, path in files.items():
-                    opened = PinnedFile.try_open(path)
+                for tid in files:
+                    if PinnedFile.budget_spent():
+                        break
+                    opened = PinnedFile.try_open(files[tid])
                     if opened is not None:
                         self.pins[tid] = opened
 
