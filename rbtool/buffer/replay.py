@@ -44,7 +44,6 @@ from rbtool.errors import (
     BufferClosedError,
     CheckpointError,
     EmptyBufferError,
-    TrajectoryFileError,
     UsageError,
 )
 from rbtool.files import trajfile
@@ -486,24 +485,9 @@ class TrajectoryReplayBuffer:
     def _file_signatures(
         self, tids: list[int], signature: Signature, where: Callable[[int], Path | None]
     ) -> None:
-        """Trajectories' signature as their files (or memory) show it, read for the window's
-        rows: noted, unless an index entry records another one (then that file is left to
-        the row readers, which report the difference when it is drawn). `where(k)`: the
-        path of `tids[k]`'s file."""
-        store = self._store
-        signature = store.intern(signature)
-        known = store.signatures
-        if known or self._index.schemas:  # else nothing is known of them yet (a foreign load)
-            for k, tid in enumerate(tids):
-                seen = known.get(tid)
-                recorded = self._recorded_signature(tid)
-                if (seen is not None and seen is not signature) or (
-                    recorded is not None and store.intern(recorded) is not signature
-                ):
-                    raise TrajectoryFileError(
-                        f"{where(k) or f'trajectory {tid}'}: its fields differ from its index entry"
-                    )
-        known.update(dict.fromkeys(tids, signature))
+        """Trajectories' signature as their files (or memory) show it, read for the window's rows."""
+        recorded = self._recorded_signature if self._index.schemas else None
+        self._store.note_signatures(tids, signature, recorded, where)
 
     def _left_window(self, position: int) -> None:
         self._store.forget(self._index.id_list[position])
@@ -524,7 +508,12 @@ class TrajectoryReplayBuffer:
             start_phase(progress, len(unknown), "reading the window's trajectory headers")
             shapes = [(tid, *self._shape(tid)) for tid in unknown]
             self._store.read_headers(shapes, progress)
-        self._window_schema.track(self._generation, lo, hi, self._signature_at, self._left_window)
+        self._window_schema.track(
+            self._generation, lo, hi, self._signature_at, self._left_window, self._signatures_in
+        )
+
+    def _signatures_in(self, start: int, stop: int) -> list[Signature]:
+        return self._store.signatures_of(self._index.id_list[start:stop], start, self._signature_at)
 
     def sample(
         self, num_chunks: int, strategy: str = "uniform", k: int | None = None, temperature: float = 1.0

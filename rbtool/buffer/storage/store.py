@@ -389,6 +389,42 @@ class TrajectoryStore:
         signature = self.signatures[tid] = self.intern(recorded)
         return signature
 
+    def signatures_of(
+        self, tids: Sequence[int], first: int, signature_at: Callable[[int], Signature]
+    ) -> list[Signature]:
+        """The signatures of the trajectories at window positions `first, first + 1, ...`:
+        the known ones looked up at once, the others from `signature_at(position)`."""
+        found = list(map(self.signatures.get, tids))
+        for k, known in enumerate(found):
+            if known is None:
+                found[k] = signature_at(first + k)
+        return found  # type: ignore[return-value]
+
+    def note_signatures(
+        self,
+        tids: list[int],
+        signature: Signature,
+        recorded: Callable[[int], Signature | None] | None,
+        where: Callable[[int], Path | None],
+    ) -> None:
+        """Trajectories' signature as their files (or memory) show it: noted, unless one is
+        known already or `recorded(tid)` (its index entry's) is another (then that file is
+        left to the row readers, which report the difference when it is drawn). `where(k)`:
+        the path of `tids[k]`'s file, named in the error."""
+        signature = self.intern(signature)
+        known = self.signatures
+        if known or recorded is not None:  # else nothing is known of them yet (a foreign load)
+            for k, tid in enumerate(tids):
+                seen = known.get(tid)
+                other = recorded(tid) if recorded is not None else None
+                if (seen is not None and seen is not signature) or (
+                    other is not None and self.intern(other) is not signature
+                ):
+                    raise TrajectoryFileError(
+                        f"{where(k) or f'trajectory {tid}'}: its fields differ from its index entry"
+                    )
+        known.update(dict.fromkeys(tids, signature))
+
     def header_signature(self, header: dict[str, Any]) -> Signature:
         """signature_of(header), computed once per distinct structure (headers are shared)."""
         known = self._by_header.get(id(header))

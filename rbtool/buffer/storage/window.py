@@ -9,7 +9,7 @@ memory concatenated over the window, so that a batch costs one index_select per 
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -84,8 +84,10 @@ class WindowSchema:
         hi: int,
         signature_at: Callable[[int], Signature],
         left: Callable[[int], None] | None = None,
+        signatures_in: Callable[[int, int], list[Signature]] | None = None,
     ) -> None:
-        """Bring the counts to positions `[lo, hi)`; `left(position)` for each that left."""
+        """Bring the counts to positions `[lo, hi)`; `left(position)` for each that left.
+        `signatures_in(start, stop)`: signature_at over a range, at once."""
         if generation is not self.generation or lo < self.lo or hi < self.hi or lo > self.hi:
             if left is not None and generation is self.generation:
                 for position in range(self.lo, min(self.hi, lo)):
@@ -93,10 +95,16 @@ class WindowSchema:
             self.counts, self.members = {}, deque()
             self.lo = self.hi = lo
         counts, members = self.counts, self.members
-        for position in range(self.hi, hi):
-            sig = signature_at(position)
-            counts[sig] = counts.get(sig, 0) + 1
-            members.append(sig)
+        if hi - self.hi > 64 and signatures_in is not None:  # many at once: counted in C
+            entered = signatures_in(self.hi, hi)
+            members.extend(entered)
+            for sig, n in Counter(entered).items():
+                counts[sig] = counts.get(sig, 0) + n
+        else:
+            for position in range(self.hi, hi):
+                sig = signature_at(position)
+                counts[sig] = counts.get(sig, 0) + 1
+                members.append(sig)
         for position in range(self.lo, lo):
             sig = members.popleft()
             counts[sig] -= 1
