@@ -368,3 +368,66 @@ def test_a_file_map_names_files_when_asked(tmp_path: Path) -> None:
     with pytest.raises(KeyError):
         files.place(0)
     assert files.get(0) is None and asked == [3, 4]
+
+
+# ---------------------------------------------------------------- helper processes
+
+
+@pytest.fixture
+def helpers_for_small_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Helper processes read windows of a few files, in segments of 5 files, through small
+    buffers (each holds a few files, so reports split across segments and buffers are reused)."""
+    from rbtool.buffer.storage import bulk, helpread
+
+    monkeypatch.setattr(helpread, "MIN_FILES", 8)
+    monkeypatch.setattr(bulk, "SEGMENT_FILES", 5)
+    monkeypatch.setattr(bulk, "CHUNK_BYTES", bulk.STACK_FILE_BYTES + 4 * 8192)
+    monkeypatch.setattr("rbtool.buffer.storage.ptfile.MAX_PINNED", 3)
+
+
+def uses_helpers(buffer: TrajectoryReplayBuffer) -> bool:
+    from rbtool.buffer.storage import bulk
+
+    lo, hi = buffer._window_range()
+    reader = bulk._open_reader(buffer._store, buffer._index.id_list[lo:hi])
+    try:
+        return isinstance(reader, bulk._Joined)
+    finally:
+        reader.stop()
+
+
+@pytest.mark.usefixtures("helpers_for_small_windows")
+def test_helper_processes_hold_the_row_readers_batches(tmp_path: Path) -> None:
+    """Files of several sizes, a pinned prefix read here, one file too large to be read side
+    by side and read here in its place: the batches of the row readers."""
+    from rbtool.buffer.storage import bulk
+
+    trajs = [
+        make_traj(t=1, b=1, seed=i, model_weights_id="a" if i < 23 else "bb", image=3) for i in range(57)
+    ]
+    ckpt = write(tmp_path, trajs)
+    big = ckpt / read_index(ckpt).file_name(31)
+    padded = dict(trajs[31])
+    padded["padding"] = torch.zeros(bulk.STACK_FILE_BYTES)
+    torch.save(padded, big)
+    held, drawn = twins(ckpt)
+    assert is_held(held) and uses_helpers(held)
+    for num_chunks in (1, 9, 300):
+        assert_batches_equal(held.sample(num_chunks), drawn.sample(num_chunks))
+
+
+@pytest.mark.usefixtures("helpers_for_small_windows")
+def test_a_file_a_helper_cannot_read_leaves_the_window_to_the_row_readers(tmp_path: Path) -> None:
+    from rbtool.files.dirs import open_view
+
+    ckpt = write(tmp_path, [make_traj(t=1, b=1, seed=i) for i in range(30)])
+    view = open_view(ckpt)  # then a file is replaced by a directory: its read fails
+    victim = ckpt / view.index.file_name(20)
+    victim.unlink()
+    victim.mkdir()
+    buffer = TrajectoryReplayBuffer(sample_window_size=0)
+    buffer.load_checkpoint(view)
+    assert not is_held(buffer) and uses_helpers(buffer)
+    with pytest.raises(TrajectoryFileError, match="trajectory_20_"):
+        for _ in range(50):
+            buffer.sample(16)

@@ -719,7 +719,7 @@ class TrajectoryReplayBuffer:
                 self._store.set_files(FileMap.of(files), pin=False)
             else:
                 held = window_of(new.id_list, self._capacity)
-                self._store.set_files(FileMap(held, view.place_of), pin=True)
+                self._store.set_files(FileMap(held, view.place_of, view.places_of), pin=True)
             self._cached.reset(new.id_list)
             self._index = new
             self._unloaded_size = 0

@@ -221,6 +221,18 @@ class CheckpointView:
         name = names.get(old) if names is not None else None
         return self.dirs[n], name if name is not None else self.indexes[n].file_name(old)
 
+    def places_of(self, trajectory_ids: Sequence[int]) -> list[tuple[Path, str]]:
+        """place_of of each id; the names worked out at the open are looked up at once."""
+        names = self.names[0] if self.origin is None and self.names else None
+        if names is None:
+            return [self.place_of(i) for i in trajectory_ids]
+        try:
+            found = list(map(names.__getitem__, trajectory_ids))
+        except KeyError:
+            return [self.place_of(i) for i in trajectory_ids]
+        directory = self.dirs[0]
+        return [(directory, name) for name in found]
+
     def source_of(self, trajectory_id: int) -> tuple[Path, int]:
         """(checkpoint directory, id in that directory) of a merged id."""
         if self.origin is None:

@@ -17,6 +17,7 @@ before, so holding rows never changes what sampling returns or raises.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import queue
@@ -28,6 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import rbtool.buffer.storage.helpread as helpread
 from rbtool.buffer.rowmap import load_libc
 from rbtool.buffer.storage.held import raw_layout
 from rbtool.buffer.storage.view import FieldPath, FlatView, flat_rows
@@ -42,8 +44,10 @@ if TYPE_CHECKING:
     from rbtool.buffer.storage.store import TrajectoryStore
 
 # Files are read and cut into columns this many bytes (or files) at a time.
-CHUNK_BYTES = 32 << 20
-CHUNK_FILES = 16384
+CHUNK_BYTES = 16 << 20
+CHUNK_FILES = 4096
+# The ids are read in segments of this many, the reading threads taking them in turn.
+SEGMENT_FILES = 4096
 # A file larger than this is read on its own, not stacked with others of its size.
 STACK_FILE_BYTES = ptbulk.BULK_FILE_BYTES
 
@@ -142,7 +146,7 @@ def hold_window(
     columns = Columns(total_rows, budget)
     plans: dict[tuple[int, int, int], tuple[dict[str, Any], _Plan]] = {}
     templates: dict[int, ptbulk.Template | None] = {}  # by file size, for every chunk
-    reader = _Reader(store, tids)
+    reader = _open_reader(store, tids)
     try:
         for item in reader:
             if isinstance(item, tuple):  # a trajectory held in memory
@@ -153,7 +157,7 @@ def hold_window(
                     _flush(item, columns, plans, templates, store, shape_of, record, progress)
                 finally:
                     reader.done_with(item)
-    except (_Giveup, RbtoolError, OSError, struct.error):
+    except (_Giveup, RbtoolError, OSError, struct.error, helpread.HelperFailed):
         return None
     finally:
         reader.stop()
@@ -166,8 +170,9 @@ class _Chunk:
     """Files read side by side into one buffer: file k's bytes are `buf[offsets[k]:][:sizes[k]]`,
     each file starting eight-byte aligned (files of one size in a row form a strided array)."""
 
-    def __init__(self, buf: Any) -> None:
+    def __init__(self, buf: Any, release: Callable[[], None] | None = None) -> None:
         self.buf = buf
+        self.release = release  # called when the chunk is cut: its buffer is read into again
         self.tids: list[int] = []
         self.offsets: list[int] = []
         self.sizes: list[int] = []
@@ -189,97 +194,100 @@ class _Chunk:
 
 
 class _Reader:
-    """The trajectories' files read in order on a thread, a chunk ahead of their cutting
-    (the reads wait in the kernel without the GIL while the last chunk is cut): yields
+    """The trajectories' files read in order on a thread, ahead of their cutting: yields
     _Chunks, and (tid, dict) for a trajectory held in memory; raises _Giveup at a
-    trajectory that is not a `.pt` file, and what a read raised. Small files are read
-    straight into a few reused buffers (fresh memory would cost a page fault every 4 KiB);
-    a larger file makes a chunk of its own."""
+    trajectory that is not a `.pt` file, and what a read raised.
 
-    BUFFERS = 3
+    The ids are cut into segments of SEGMENT_FILES, which THREADS threads read in turn.
+    One: its system calls wait in the kernel without the GIL, but each return waits for
+    the GIL, so two threads read small files no faster than one (helper processes do:
+    rbtool.buffer.storage.helpread). Small files are read straight into a few reused
+    buffers (fresh memory would cost a page fault every 4 KiB); a larger file makes a
+    chunk of its own."""
+
+    THREADS = 1
+    BUFFERS = 2  # per thread
 
     def __init__(self, store: TrajectoryStore, tids: Sequence[int]) -> None:
         import numpy as np
 
         self.store, self.tids = store, tids
-        self.queue: queue.Queue[Any] = queue.Queue(maxsize=self.BUFFERS - 1)
-        self.free: queue.Queue[Any] = queue.Queue()
         self.small = min(CHUNK_BYTES, max(STACK_FILE_BYTES + 8, _chunk_guess(store, tids)))
-        for _ in range(self.BUFFERS):
-            self.free.put(np.empty(self.small, dtype=np.uint8))
         self.stopped = threading.Event()
-        self.dir_fds: dict[Path, int] = {}
-        self.thread = threading.Thread(target=self._run, name="rbtool-hold-reader", daemon=True)
-        self.thread.start()
-
-    def _put(self, item: Any) -> bool:
-        while not self.stopped.is_set():
-            try:
-                self.queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _buffer(self) -> Any:
-        while not self.stopped.is_set():
-            try:
-                return self.free.get(timeout=0.1)
-            except queue.Empty:
-                continue
-        return None
+        self.lanes = []
+        segments = range(0, len(tids), SEGMENT_FILES)
+        for n in range(min(self.THREADS, max(1, len(segments)))):
+            lane = _Lane(queue.Queue(maxsize=self.BUFFERS), queue.Queue(), list(segments[n :: self.THREADS]))
+            for _ in range(self.BUFFERS):
+                lane.free.put(np.empty(self.small, dtype=np.uint8))
+            lane.thread = threading.Thread(
+                target=self._run, args=(lane,), name="rbtool-hold-reader", daemon=True
+            )
+            self.lanes.append(lane)
+        for lane in self.lanes:
+            lane.thread.start()
 
     def done_with(self, chunk: _Chunk) -> None:
         """The consumer is done with a chunk: its buffer is read into again."""
-        if chunk.buf.size == self.small:
-            self.free.put(chunk.buf)
+        if chunk.release is not None:
+            chunk.release()
 
-    def _run(self) -> None:
+    def _run(self, lane: _Lane) -> None:
+        dir_fds: dict[Path, int] = {}
         try:
-            self._read_all()
+            for first in lane.segments:
+                if not self._segment(lane, self.tids[first : first + SEGMENT_FILES], dir_fds):
+                    return
+                if not lane.put(_END, self.stopped):
+                    return
         except BaseException as exc:  # handed to the consumer
-            self._put(exc)
+            lane.put(exc, self.stopped)
         finally:
-            for fd in self.dir_fds.values():
+            for fd in dir_fds.values():
                 os.close(fd)
 
-    def _read_all(self) -> None:
+    def _segment(self, lane: _Lane, tids: Sequence[int], dir_fds: dict[Path, int]) -> bool:
+        """Read one segment's files into chunks (False: stopped). The loop is what a small
+        file costs besides its three system calls: kept to a few list operations."""
         import numpy as np
 
-        store = self.store
-        memory, pins, files = store.memory, store.pins, store.files
-        place = getattr(files, "place", None)
+        store, stopped = self.store, self.stopped
+        memory, pins = store.memory, store.pins
+        places = _places(store, tids)
         open_, preadv, close = os.open, os.preadv, os.close
         flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
         room = STACK_FILE_BYTES + 1  # a read of more than this finds a file too large to stack
-        buf = self._buffer()
-        if buf is None:
-            return
-        chunk, view, at, limit = _Chunk(buf), memoryview(buf), 0, buf.size - room - 8
-        for tid in self.tids:
-            traj = memory.get(tid)
-            if traj is not None:
-                if chunk.tids:
-                    if not self._put(chunk) or (buf := self._buffer()) is None:
-                        return
-                    chunk, view, at = _Chunk(buf), memoryview(buf), 0
-                if not self._put((tid, traj)):
-                    return
+        chunk: _Chunk | None = None
+        view: memoryview | None = None
+        at = limit = 0
+        last_dir, dir_fd = None, -1
+        for tid, (directory, name) in zip(tids, places, strict=True):
+            if memory and tid in memory:
+                if chunk is not None and not lane.put(chunk, stopped):
+                    return False
+                chunk = None
+                if not lane.put((tid, memory[tid]), stopped):
+                    return False
                 continue
-            if place is not None:
-                directory, name = place(tid)
-            else:
-                path = files[tid]
-                directory, name = path.parent, path.name
             if not name.endswith(".pt"):
                 raise _Giveup
-            pin = pins.get(tid)
+            if chunk is None:
+                buf = lane.buffer(stopped)
+                if buf is None:
+                    return False
+                chunk = _Chunk(buf, functools.partial(lane.free.put, buf))
+                view, at, limit = memoryview(buf), 0, buf.size - room - 8
+                ids, offsets, sizes, named = chunk.tids, chunk.offsets, chunk.sizes, chunk.places
+            assert view is not None
+            pin = pins.get(tid) if pins else None
             if pin is not None:
                 fd = pin.fd
             else:
-                dir_fd = self.dir_fds.get(directory)
-                if dir_fd is None:
-                    dir_fd = self.dir_fds[directory] = open_(directory, os.O_RDONLY | os.O_DIRECTORY)
+                if directory is not last_dir:
+                    dir_fd = dir_fds.get(directory, -1)
+                    if dir_fd < 0:
+                        dir_fd = dir_fds[directory] = open_(directory, os.O_RDONLY | os.O_DIRECTORY)
+                    last_dir = directory
                 fd = open_(name, flags, dir_fd=dir_fd)
             try:
                 n = preadv(fd, [view[at : at + room]], 0)
@@ -288,44 +296,130 @@ class _Reader:
                 if pin is None:
                     close(fd)
             if large is not None:  # a chunk of its own, after the files before it
-                if chunk.tids and not self._put(chunk):
-                    return
+                if chunk.tids and not lane.put(chunk, stopped):
+                    return False
+                if not chunk.tids:
+                    lane.free.put(chunk.buf)
+                chunk = None
                 alone = _Chunk(np.frombuffer(large, dtype=np.uint8))
-                alone.tids, alone.offsets, alone.sizes, alone.places = (
-                    [tid],
-                    [0],
-                    [len(large)],
-                    [(directory, name)],
-                )
-                if not self._put(alone):
-                    return
-                if chunk.tids:
-                    if (buf := self._buffer()) is None:
-                        return
-                    chunk, view, at = _Chunk(buf), memoryview(buf), 0
+                alone.add(tid, 0, len(large), (directory, name))
+                if not lane.put(alone, stopped):
+                    return False
                 continue
-            chunk.add(tid, at, n, (directory, name))
+            ids.append(tid)
+            offsets.append(at)
+            sizes.append(n)
+            named.append((directory, name))
             at = (at + n + 7) & ~7
-            if at > limit or len(chunk.tids) >= CHUNK_FILES:
-                if not self._put(chunk) or (buf := self._buffer()) is None:
-                    return
-                chunk, view, at = _Chunk(buf), memoryview(buf), 0
-        if chunk.tids and not self._put(chunk):
-            return
-        self._put(None)
+            if at > limit or len(ids) >= CHUNK_FILES:
+                if not lane.put(chunk, stopped):
+                    return False
+                chunk = None
+        return chunk is None or lane.put(chunk, stopped)
 
     def __iter__(self) -> Iterator[Any]:
-        while True:
-            item = self.queue.get()
-            if item is None:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+        segment = 0
+        while segment * SEGMENT_FILES < len(self.tids):
+            lane = self.lanes[segment % len(self.lanes)]
+            while (item := lane.queue.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+            segment += 1
 
     def stop(self) -> None:
         self.stopped.set()
-        self.thread.join()
+        for lane in self.lanes:
+            lane.thread.join()
+
+
+_END = object()  # a segment's last item
+
+
+class _Lane:
+    """One reading thread's queue of chunks, its free buffers and its segments (first ids)."""
+
+    def __init__(self, chunks: queue.Queue[Any], free: queue.Queue[Any], segments: list[int]) -> None:
+        self.queue, self.free, self.segments = chunks, free, segments
+        self.thread: threading.Thread
+
+    def put(self, item: Any, stopped: threading.Event) -> bool:
+        while not stopped.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def buffer(self, stopped: threading.Event) -> Any:
+        while not stopped.is_set():
+            try:
+                return self.free.get(timeout=0.1)
+            except queue.Empty:
+                continue
+        return None
+
+
+def _open_reader(store: TrajectoryStore, tids: Sequence[int]) -> Any:
+    """The reader of a window's files: helper processes for the many files of one directory
+    that a load leaves (after the pinned ones, read here), else a thread."""
+    pinned = len(store.pins)
+    rest = tids[pinned:]
+    if not helpread.usable(len(rest)) or not set(tids[:pinned]) >= store.pins.keys():
+        return _Reader(store, tids)
+    if store.memory and not store.memory.keys().isdisjoint(tids):
+        return _Reader(store, tids)
+    places = store.files.places(rest)
+    directory = places[0][0]
+    if any(d is not directory and d != directory for d, _ in places):
+        return _Reader(store, tids)
+    names = [name for _, name in places]
+    if not all(name.endswith(".pt") for name in names):
+        return _Reader(store, tids)
+    room = STACK_FILE_BYTES + 1
+    size = min(CHUNK_BYTES, max(room + 8, _chunk_guess(store, rest)))
+    try:
+        read_large = functools.partial(_read_named, directory, names)
+        helpers = helpread.HelperReader(directory, rest, names, SEGMENT_FILES, size, room, _Chunk, read_large)
+    except helpread.HelperFailed:
+        return _Reader(store, tids)
+    return _Joined(_Reader(store, tids[:pinned]) if pinned else None, helpers)
+
+
+class _Joined:
+    """A thread reader's chunks (the pinned files first), then the helpers'."""
+
+    def __init__(self, first: _Reader | None, helpers: helpread.HelperReader) -> None:
+        self.first, self.helpers = first, helpers
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.first is not None:
+            yield from self.first
+        yield from self.helpers
+
+    def done_with(self, chunk: _Chunk) -> None:
+        if chunk.release is not None:
+            chunk.release()
+
+    def stop(self) -> None:
+        if self.first is not None:
+            self.first.stop()
+        self.helpers.stop()
+
+
+def _read_named(directory: Path, names: Sequence[str], k: int) -> bytes:
+    """All of file `names[k]`, too large to be read side by side (by name: _read_large's rules)."""
+    fd = os.open(directory / names[k], os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        return _read_large(fd)
+    finally:
+        os.close(fd)
+
+
+def _places(store: TrajectoryStore, tids: Sequence[int]) -> list[tuple[Path, str]]:
+    """(directory, file name) of each trajectory's file ((None, "") for one in memory)."""
+    return store.files.places(tids, store.memory)
 
 
 def _chunk_guess(store: TrajectoryStore, tids: Sequence[int]) -> int:

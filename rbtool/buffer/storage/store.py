@@ -12,7 +12,7 @@ import contextlib
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,11 +45,15 @@ class FileMap(MutableMapping[int, Path]):
     as given."""
 
     def __init__(
-        self, named: Iterable[int] = (), place: Callable[[int], tuple[Path, str]] | None = None
+        self,
+        named: Iterable[int] = (),
+        place: Callable[[int], tuple[Path, str]] | None = None,
+        place_many: Callable[[Sequence[int]], list[tuple[Path, str]]] | None = None,
     ) -> None:
         self._paths: dict[int, Path] = {}
         self._named: dict[int, None] = dict.fromkeys(named)
         self._place = place
+        self._place_many = place_many  # place() of many named ids at once
 
     @classmethod
     def of(cls, paths: dict[int, Path]) -> FileMap:
@@ -65,6 +69,13 @@ class FileMap(MutableMapping[int, Path]):
         if tid in self._named and self._place is not None:
             return self._place(tid)
         raise KeyError(tid)
+
+    def places(self, tids: Sequence[int], skip: Container[int] = ()) -> list[tuple[Path, str]]:
+        """place() of each id, those of a loaded checkpoint at once when its view can name
+        them so; an id in `skip` gets (None, "") (a trajectory held in memory)."""
+        if not self._paths and not skip and self._place_many is not None:
+            return self._place_many(tids)
+        return [self.place(t) if t not in skip else (None, "") for t in tids]  # type: ignore[misc]
 
     def __getitem__(self, tid: int) -> Path:
         path = self._paths.get(tid)
