@@ -12,7 +12,8 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from operator import itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,7 @@ from rbtool.buffer.sampling import (
     Draw,
     SampleCounts,
     as_num_chunks,
+    check_budget,
     check_draw,
     check_num_chunks,
     draw_range,
@@ -70,6 +72,9 @@ PUBLISH_SHARE = 0.2
 # Trajectories kept open for sampling (small fields in memory, large rows left in their
 # files), least recently used dropped first; file descriptors are bounded separately.
 DEFAULT_MAX_OPEN_FILES = 1024
+
+
+_SHAPE, _TB = itemgetter("shape"), itemgetter(0, 1)  # an index entry's shape, its [T, B]
 
 
 class TrajectoryReplayBuffer:
@@ -139,16 +144,10 @@ class TrajectoryReplayBuffer:
         self._lock = threading.RLock()
         self._window_lock = threading.RLock()
         self._index = Index(seed=seed, trajectory_format=trajectory_format)
-        if map_rows_budget is not None and (isinstance(map_rows_budget, bool) or map_rows_budget < 0):
-            raise UsageError(
-                f"map_rows_budget must be None or a number of bytes >= 0, got {map_rows_budget!r}"
-            )
+        check_budget("map_rows_budget", map_rows_budget)
         self.map_rows = bool(map_rows)
         self.map_rows_budget = map_rows_budget
-        if hold_rows_budget is not None and (isinstance(hold_rows_budget, bool) or hold_rows_budget < 0):
-            raise UsageError(
-                f"hold_rows_budget must be None or a number of bytes >= 0, got {hold_rows_budget!r}"
-            )
+        check_budget("hold_rows_budget", hold_rows_budget)
         if hold_rows_budget is None:  # mapped rows are read from the files, as asked
             hold_rows_budget = 0 if self.map_rows else default_hold_budget()
         self.hold_rows_budget = int(hold_rows_budget)
@@ -429,6 +428,10 @@ class TrajectoryReplayBuffer:
         shape = self._index.entries[tid]["shape"]
         return shape[0], shape[1]
 
+    def _shapes(self, tids: Sequence[int]) -> list[tuple[int, int]]:
+        """_shape of each id, looked up at once."""
+        return list(map(_TB, map(_SHAPE, map(self._index.entries.__getitem__, tids))))
+
     def _raws(self, tids: list[int]) -> list[RawTrajectory | None]:
         return self._store.raw_many(tids, self._shape)
 
@@ -465,7 +468,7 @@ class TrajectoryReplayBuffer:
         total = self._counts.start(hi) - base
         start_phase(progress, len(tids), "reading the window's trajectories")
         held = hold_window(
-            self._store, tids, self._shape, total, self.hold_rows_budget, self._file_signatures, progress
+            self._store, tids, self._shapes, total, self.hold_rows_budget, self._file_signatures, progress
         )
         if held is not None:
             columns, specs = held

@@ -34,6 +34,12 @@ class Draw:
         return [self.window_ids[int(k)] for k in self.positions]
 
 
+def check_budget(name: str, value: object) -> None:
+    """A memory budget argument: None or a number of bytes >= 0."""
+    if value is not None and (isinstance(value, bool) or value < 0):  # type: ignore[operator]
+        raise UsageError(f"{name} must be None or a number of bytes >= 0, got {value!r}")
+
+
 def check_num_chunks(num_chunks: int) -> None:
     if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
         raise UsageError(f"num_chunks must be an integer >= 1, got {num_chunks!r}")

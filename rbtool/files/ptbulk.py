@@ -88,30 +88,18 @@ class Template:
         self.places = tuple(places)
         # the central directory's entries: their CRC-32s and names vary too
         at = central = self._central_start(data, len(records))
-        crcs: list[int] = []
         for _ in records:
             _, _, name_len, extra_len, comment_len = _CENTRAL.unpack_from(data, at)
             varies.append((at + _CENTRAL_CRC, at + _CENTRAL_CRC + 4))
-            crcs.extend(range(at + _CENTRAL_CRC - central, at + _CENTRAL_CRC - central + 4))
             varies.append((at + _CENTRAL_NAME, at + _CENTRAL_NAME + dir_len))
             self.names.append(at + _CENTRAL_NAME)
             at += _CENTRAL.size + name_len + extra_len + comment_len
         self.dir_len = dir_len
         self.central = (central, at)
-        # the central directory with every name's directory part replaced by a file's own
-        # is what that file's must be: exact when the template's directory name occurs in
-        # its central directory at the names and nowhere else
-        directory = data[central:at]
-        name = data[self.names[0] : self.names[0] + dir_len]
-        found, pos = [], directory.find(name)
-        while dir_len and pos >= 0:
-            found.append(central + pos)
-            pos = directory.find(name, pos + 1)
-        self.replaceable = found == self.names
-        self.central_crcs = np.array(crcs, dtype=np.intp)  # in the directory, where CRC-32s are
         self.same = _complement(varies, self.size)
         self._mask: Any = None
         self._words: tuple[Any, Any] = (None, None)
+        self._runs: list[tuple[int, int]] = []
         self.header = header
 
     @staticmethod
@@ -124,7 +112,8 @@ class Template:
 
     def matches(self, rows: Any) -> Any:
         """Which of `rows` (files of this size, one per row of a uint8 array, rows maybe
-        strided) have its layout. Compared eight bytes at a time, a few rows at once."""
+        strided) have its layout. Compared eight bytes at a time, a few rows at once, over
+        the runs of words that hold bytes to compare (not the pickle's, not large tensors')."""
         import numpy as np
 
         if self._mask is None:
@@ -134,52 +123,66 @@ class Template:
             whole = self.size // 8 * 8
             self._mask = mask
             self._words = (self.bytes[:whole].view(np.uint64), mask[:whole].view(np.uint64))
+            self._runs = _word_runs(self._words[1])
         words, word_mask = self._words
         whole = words.size * 8
-        ok = np.empty(rows.shape[0], dtype=bool)
-        scratch = np.empty((min(_CHUNK_ROWS, rows.shape[0]), words.size), dtype=np.uint64)
+        ok = np.ones(rows.shape[0], dtype=bool)
+        width = max((stop - start for start, stop in self._runs), default=0)
+        scratch = np.empty((min(_CHUNK_ROWS, rows.shape[0]), width), dtype=np.uint64)
         for lo in range(0, rows.shape[0], _CHUNK_ROWS):  # a chunk's bytes stay in the cache
-            part = rows[lo : lo + _CHUNK_ROWS]
-            differ = scratch[: part.shape[0]]
-            np.bitwise_xor(part[:, :whole].view(np.uint64), words, out=differ)
-            differ &= word_mask
-            ok[lo : lo + part.shape[0]] = ~differ.any(axis=1)
+            part = rows[lo : lo + _CHUNK_ROWS, :whole].view(np.uint64)
+            for start, stop in self._runs:
+                differ = scratch[: part.shape[0], : stop - start]
+                np.bitwise_xor(part[:, start:stop], words[start:stop], out=differ)
+                differ &= word_mask[start:stop]
+                ok[lo : lo + part.shape[0]] &= ~differ.any(axis=1)
         if whole < self.size:
             tail = np.bitwise_xor(rows[:, whole:], self.bytes[whole:]) & self._mask[whole:]
             ok &= ~tail.any(axis=1)
         if self.dir_len:
-            ok &= self._one_directory(rows, ok)
+            ok &= self._one_directory(rows)
         return ok
 
-    def _one_directory(self, rows: Any, candidates: Any) -> Any:
-        """Which rows name every record in their central directory under one directory (the
-        other rows are not looked at, where the template's names allow it)."""
+    def _one_directory(self, rows: Any) -> Any:
+        """Which rows name every record in their central directory under one directory: a
+        copy of each row's directory with every name's directory part overwritten by the
+        first one's is the same as the row's (the copy is made a few rows at a time, so
+        that it stays in the cache)."""
         import numpy as np
 
         start, stop = self.central
-        first, length = self.names[0], self.dir_len
-        if not self.replaceable:
-            ok = np.ones(rows.shape[0], dtype=bool)
-            name = rows[:, first : first + length]
-            for at in self.names[1:]:
-                ok &= (rows[:, at : at + length] == name).all(axis=1)
-            return ok
-        ok = np.zeros(rows.shape[0], dtype=bool)
-        keep = np.flatnonzero(candidates)
-        width = stop - start
-        directories = np.ascontiguousarray(rows[keep, start:stop])
-        template = self.bytes[start:stop]
-        directories[:, self.central_crcs] = template[self.central_crcs]  # CRC-32s vary
-        blob = directories.tobytes()
-        at = first - start
-        pieces = template.tobytes().split(template[at : at + length].tobytes())
-        for j, k in enumerate(keep.tolist()):
-            directory = blob[j * width : (j + 1) * width]
-            ok[k] = directory == directory[at : at + length].join(pieces)
+        length = self.dir_len
+        first = self.names[0] - start
+        others = [at - start for at in self.names[1:]]
+        ok = np.empty(rows.shape[0], dtype=bool)
+        for lo in range(0, rows.shape[0], _CHUNK_ROWS):
+            directories = rows[lo : lo + _CHUNK_ROWS, start:stop]
+            copy = np.array(directories)
+            name = copy[:, first : first + length].copy()
+            for at in others:
+                copy[:, at : at + length] = name
+            ok[lo : lo + copy.shape[0]] = (copy == directories).all(axis=1)
         return ok
 
 
-_CHUNK_ROWS = 128
+_CHUNK_ROWS = 256
+_RUN_GAP = 16  # words of nothing to compare that end a run of words to compare
+
+
+def _word_runs(mask: Any) -> list[tuple[int, int]]:
+    """[start, stop) of the runs of `mask`'s nonzero words, runs less than _RUN_GAP apart joined."""
+    import numpy as np
+
+    nonzero = np.flatnonzero(mask).tolist()
+    runs: list[tuple[int, int]] = []
+    for k in nonzero:
+        if runs and k - runs[-1][1] < _RUN_GAP:
+            runs[-1] = (runs[-1][0], k + 1)
+        else:
+            runs.append((k, k + 1))
+    return runs
+
+
 _PICKLE_GROUPS = 8  # distinct pickles found by comparison in one call, at most
 
 

@@ -130,7 +130,7 @@ class Columns:
 def hold_window(
     store: TrajectoryStore,
     tids: Sequence[int],
-    shape_of: Callable[[int], tuple[int, int]],
+    shapes_of: Callable[[Sequence[int]], list[tuple[int, int]]],
     total_rows: int,
     budget: int,
     record: Callable[[list[int], Signature, Callable[[int], Path | None]], None],
@@ -151,10 +151,10 @@ def hold_window(
         for item in reader:
             if isinstance(item, tuple):  # a trajectory held in memory
                 tid, traj = item
-                _hold_memory(tid, traj, shape_of(tid), columns, store, record)
+                _hold_memory(tid, traj, shapes_of([tid])[0], columns, store, record)
             else:
                 try:
-                    _flush(item, columns, plans, templates, store, shape_of, record, progress)
+                    _flush(item, columns, plans, templates, store, shapes_of, record, progress)
                 finally:
                     reader.done_with(item)
     except (_Giveup, RbtoolError, OSError, struct.error, helpread.HelperFailed):
@@ -481,7 +481,7 @@ def _flush(
     plans: dict[tuple[int, int, int], tuple[dict[str, Any], _Plan]],
     templates: dict[int, ptbulk.Template | None],
     store: TrajectoryStore,
-    shape_of: Callable[[int], tuple[int, int]],
+    shapes_of: Callable[[Sequence[int]], list[tuple[int, int]]],
     record: Callable[[list[int], Signature, Callable[[int], Path | None]], None],
     progress: Progress | None,
 ) -> None:
@@ -504,7 +504,7 @@ def _flush(
             headers: list[Any] = [ptbulk.read_headers([chunk.where(k)], [rows[0].tobytes()])[0]]
         else:
             headers = ptbulk.headers_of(rows, chunk.where_from(k), templates)
-        _cut(rows, headers, k, chunk, columns, plans, store, shape_of, record)
+        _cut(rows, headers, k, chunk, columns, plans, store, shapes_of, record)
         if progress is not None:
             progress(stop - k)
         k = stop
@@ -518,13 +518,13 @@ def _cut(
     columns: Columns,
     plans: dict[tuple[int, int, int], tuple[dict[str, Any], _Plan]],
     store: TrajectoryStore,
-    shape_of: Callable[[int], tuple[int, int]],
+    shapes_of: Callable[[Sequence[int]], list[tuple[int, int]]],
     record: Callable[[list[int], Signature, Callable[[int], Path | None]], None],
 ) -> None:
     """Cut files of one size (`rows`, chunk files `first`...) into the columns, a run of
     files of one header and [T, B] at a time."""
     tids = chunk.tids[first : first + len(headers)]
-    shapes = [shape_of(tid) for tid in tids]
+    shapes = shapes_of(tids)
     j = 0
     while j < len(headers):
         header, shape = headers[j], shapes[j]
