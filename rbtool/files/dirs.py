@@ -128,8 +128,7 @@ def _missing(directory: Path, index: Index) -> tuple[list[int], list[str]]:
     except OSError:
         entries = []
     present = {e.name for e in entries}
-    name = index.file_name
-    names = [name(i) for i in index.id_list]
+    names = index.file_names(index.id_list)
     links = {e.name for e in entries if e.is_symlink()}
     listed = links.intersection(names) if links else set()
     outside = [(n, t) for n in sorted(listed) if (t := escapes(directory, n)) is not None]
@@ -139,6 +138,8 @@ def _missing(directory: Path, index: Index) -> tuple[list[int], list[str]]:
             f"{directory}: {len(outside)} listed file(s) are symlinks to files outside the checkpoint "
             f"({shown}); refused"
         )
+    if present.issuperset(names):
+        return [], names
     missing = [i for i, n in zip(index.id_list, names, strict=True) if n not in present]
     return missing, names
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from rbtool.format import (
     check_json,
     is_checkpoint_dir,
     trajectory_file_name,
+    trajectory_file_names,
 )
 
 
@@ -94,6 +96,7 @@ def window_of(id_list: Sequence[int], window_size: int) -> list[int]:
     return list(id_list[window_start(len(id_list), window_size) :])
 
 
+_WEIGHTS_ID = itemgetter("model_weights_id")
 DEFAULT_SEED = 1234  # RLinf's buffer's default seed: recorded when a checkpoint is made without one
 
 
@@ -126,6 +129,11 @@ class Index:
     def file_name(self, trajectory_id: int) -> str:
         entry = self.entries[trajectory_id]
         return trajectory_file_name(trajectory_id, entry["model_weights_id"], self.trajectory_format)
+
+    def file_names(self, ids: Sequence[int]) -> list[str]:
+        """file_name of each id, at once."""
+        weights = map(_WEIGHTS_ID, map(self.entries.__getitem__, ids))
+        return trajectory_file_names(ids, weights, self.trajectory_format)
 
     def next_counter(self) -> int:
         """The smallest counter that keeps ids unique: above every listed id."""

@@ -32,6 +32,7 @@ from rbtool.format.names import (
     is_checkpoint_dir,
     parse_trajectory_file_name,
     trajectory_file_name,
+    trajectory_file_names,
 )
 from rbtool.format.problems import (
     ERROR,
@@ -84,4 +85,5 @@ __all__ = [
     "read_json_bytes",
     "read_json_file",
     "trajectory_file_name",
+    "trajectory_file_names",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 from rbtool.format.problems import shown
@@ -69,7 +70,12 @@ def check_weights_id(value: object, where: str) -> str:
 
 def trajectory_file_name(trajectory_id: int, model_weights_id: str, fmt: str) -> str:
     """The file name of a trajectory, as the reference implementation spells it."""
-    return f"trajectory_{trajectory_id}_{model_weights_id}.{fmt}"
+    return trajectory_file_names((trajectory_id,), (model_weights_id,), fmt)[0]
+
+
+def trajectory_file_names(ids: Iterable[int], model_weights_ids: Iterable[str], fmt: str) -> list[str]:
+    """trajectory_file_name of many trajectories at once."""
+    return [f"trajectory_{i}_{w}.{fmt}" for i, w in zip(ids, model_weights_ids, strict=True)]
 
 
 def parse_trajectory_file_name(name: str) -> tuple[int, str, str] | None:
