@@ -38,8 +38,11 @@ class HelperFailed(Exception):
 
 
 def usable(count: int) -> bool:
-    """True where helpers can read a window of `count` files (Linux memory files, and many files)."""
-    return count >= MIN_FILES and hasattr(os, "memfd_create") and bool(sys.executable)
+    """True where helpers can read a window of `count` files: many files, Linux memory files,
+    and a Python interpreter to start (not an embedding program or a frozen application)."""
+    name = os.path.basename(sys.executable or "")
+    python = name.startswith(("python", "pypy")) and not getattr(sys, "frozen", False)
+    return count >= MIN_FILES and hasattr(os, "memfd_create") and python
 
 
 class _Helper:
