@@ -98,7 +98,10 @@ class WindowSchema:
         if hi - self.hi > 64 and signatures_in is not None:  # many at once: counted in C
             entered = signatures_in(self.hi, hi)
             members.extend(entered)
-            for sig, n in Counter(entered).items():
+            # counted by identity (signatures are shared, and a tuple's hash is not kept)
+            distinct = dict(zip(map(id, entered), entered, strict=True))
+            for key, n in Counter(map(id, entered)).items():
+                sig = distinct[key]
                 counts[sig] = counts.get(sig, 0) + n
         else:
             for position in range(self.hi, hi):
