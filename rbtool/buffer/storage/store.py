@@ -424,7 +424,7 @@ class TrajectoryStore:
         the path of `tids[k]`'s file, named in the error."""
         signature = self.intern(signature)
         known = self.signatures
-        if known or recorded is not None:  # else nothing is known of them yet (a foreign load)
+        if recorded is not None or not known.keys().isdisjoint(tids):  # else nothing to compare
             for k, tid in enumerate(tids):
                 seen = known.get(tid)
                 other = recorded(tid) if recorded is not None else None
