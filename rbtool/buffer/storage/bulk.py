@@ -100,6 +100,7 @@ class Columns:
         self.specs: dict[FieldPath, Spec] = {}
         self.at = 0  # rows filled
         self.started = False
+        self._arrays: dict[FieldPath, Any] = {}
 
     def begin(self, specs: dict[FieldPath, Spec]) -> None:
         """The next trajectory holds fields `specs`: keep only the columns it shares."""
@@ -120,11 +121,15 @@ class Columns:
             del self.specs[path], self.columns[path]
 
     def numpy(self, path: FieldPath, rows: int) -> Any:
-        """Rows `[at, at + rows)` of a column as a uint8 array of `[rows, row bytes]`."""
+        """Rows `[at, at + rows)` of a column as a uint8 array of `[rows, row bytes]` (each
+        column's array made once: a tensor's numpy view costs microseconds)."""
         import torch
 
-        column = self.columns[path][self.at : self.at + rows]
-        return column.view(torch.uint8).reshape(rows, -1).numpy()
+        array = self._arrays.get(path)
+        if array is None:
+            column = self.columns[path]
+            array = self._arrays[path] = column.view(torch.uint8).reshape(self.total_rows, -1).numpy()
+        return array[self.at : self.at + rows]
 
 
 def hold_window(
