@@ -258,8 +258,11 @@ def headers_of(
     for _ in range(_PICKLE_GROUPS):
         if not pending.size:
             break
-        same = (pickles[pending] == reference).all(axis=1)
-        if header is not None:
+        candidates = pickles if pending.size == count else pickles[pending]
+        same = (candidates == reference).all(axis=1)
+        if header is template.header:  # `out` holds it already
+            pass
+        elif header is not None:
             for k in pending[same].tolist():
                 out[k] = header
         else:  # a pickle read_header refuses: each file's own verdict
