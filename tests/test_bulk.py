@@ -431,3 +431,81 @@ def test_a_file_a_helper_cannot_read_leaves_the_window_to_the_row_readers(tmp_pa
     with pytest.raises(TrajectoryFileError, match="trajectory_20_"):
         for _ in range(50):
             buffer.sample(16)
+
+
+# ---------------------------------------------------------------- held before the load
+
+
+def pinned_count() -> int:
+    from rbtool.buffer.storage import ptfile
+
+    return ptfile._PINNED_COUNT[0]
+
+
+def test_a_link_out_of_the_checkpoint_is_refused_and_leaves_the_buffer_as_it_was(tmp_path: Path) -> None:
+    """The window is held before the directory check only through no link: a file that is a
+    link makes the load check the directory first, as before, which refuses a link out."""
+    from rbtool.errors import CheckpointError
+
+    ckpt = write(tmp_path, [make_traj(seed=i) for i in range(6)])
+    secret = tmp_path / "secret.pt"
+    victim = ckpt / read_index(ckpt).file_name(4)
+    victim.rename(secret)
+    victim.symlink_to(secret)
+    buffer = TrajectoryReplayBuffer(sample_window_size=0, seed=1)
+    buffer.load_checkpoint(write(tmp_path / "first", [make_traj(seed=50 + i) for i in range(3)]))
+    pins = pinned_count()
+    with pytest.raises(CheckpointError, match="symlinks to files outside"):
+        buffer.load_checkpoint(ckpt)
+    assert pinned_count() == pins and buffer.trajectory_id_list == [0, 1, 2] and is_held(buffer)
+    assert buffer.sample(8)["actions"].shape == (8, 7)
+
+
+def test_a_link_within_the_checkpoint_loads_as_before(tmp_path: Path) -> None:
+    ckpt = write(tmp_path, [make_traj(seed=i) for i in range(6)])
+    victim = ckpt / read_index(ckpt).file_name(2)
+    inside = ckpt / "kept.bin"
+    victim.rename(inside)
+    victim.symlink_to(inside.name)
+    held, drawn = twins(ckpt)
+    assert is_held(held)
+    assert_batches_equal(held.sample(64), drawn.sample(64))
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_missing_file_is_refused_or_dropped_as_before(tmp_path: Path, strict: bool) -> None:
+    from rbtool.errors import MissingTrajectoryFilesError
+
+    ckpt = write(tmp_path, [make_traj(seed=i) for i in range(6)])
+    (ckpt / read_index(ckpt).file_name(3)).unlink()
+    buffer = TrajectoryReplayBuffer(sample_window_size=0)
+    pins = pinned_count()
+    if strict:
+        with pytest.raises(MissingTrajectoryFilesError, match="ids 3"):
+            buffer.load_checkpoint(ckpt)
+        assert buffer.size == 0 and pinned_count() == pins
+    else:
+        buffer.load_checkpoint(ckpt, strict=False)
+        assert buffer.trajectory_id_list == [0, 1, 2, 4, 5] and is_held(buffer)
+
+
+def test_a_held_load_does_not_list_the_directory_and_a_failed_hold_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rbtool.files import dirs
+
+    listed: list[Path] = []
+    real = dirs._missing
+
+    def counting(directory: Path, index: Any) -> Any:
+        listed.append(directory)
+        return real(directory, index)
+
+    monkeypatch.setattr(dirs, "_missing", counting)
+    ckpt = write(tmp_path, [make_traj(seed=i) for i in range(6)])
+    buffer = TrajectoryReplayBuffer(sample_window_size=0)
+    buffer.load_checkpoint(ckpt)
+    assert is_held(buffer) and listed == []
+    (ckpt / read_index(ckpt).file_name(5)).write_bytes(b"not a zip")
+    buffer.load_checkpoint(ckpt)
+    assert not is_held(buffer) and listed == [ckpt]

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from rbtool.buffer.batchmem import BatchMemory
 from rbtool.buffer.cache import CachedIds
+from rbtool.buffer.loading import buffer_index, stage
 from rbtool.buffer.sampling import (
     Draw,
     SampleCounts,
@@ -55,8 +56,7 @@ from rbtool.files.writer import (
     AutoSaveWriter,
     Progress,
     Rules,
-    WriteReport,
-    place_trajectory,
+    adopt_files,
     record_schema,
     start_phase,
     write_checkpoint,
@@ -151,13 +151,7 @@ class TrajectoryReplayBuffer:
         if hold_rows_budget is None:  # mapped rows are read from the files, as asked
             hold_rows_budget = 0 if self.map_rows else default_hold_budget()
         self.hold_rows_budget = int(hold_rows_budget)
-        self._store = TrajectoryStore(
-            max_open=self.max_open_files,
-            extra_fields=self.extra_fields,
-            lock=self._lock,
-            row_map=self.map_rows,
-            row_map_budget=map_rows_budget,
-        )
+        self._store = self._new_store()
         self._writer: AutoSaveWriter | None = None
         # auto-save publishing: the last id count queued, when and how long the last took
         self._publish_upto = 0
@@ -695,9 +689,17 @@ class TrajectoryReplayBuffer:
         self.flush()
         if is_distributed:
             Index().rank_block(world_size, local_rank)  # validates world_size and rank
-        # an already-open view (what a caller has looked at) is loaded as it is: reading the
-        # directory again could meet a newer index, if a live buffer writes there
-        view = load_path if isinstance(load_path, CheckpointView) else open_view(load_path, strict=strict)
+        # an already-open view (what a caller has looked at) is loaded as it is (reading the
+        # directory again could meet a newer index); a directory's window is held first
+        staged = None
+        if not isinstance(load_path, CheckpointView) and self.auto_save_path is None:
+            rank = (world_size, local_rank) if is_distributed else None
+            staged = stage(load_path, rank, self._capacity, self.sample_window_size, self.hold_rows_budget,
+                           self._new_store, self._recorded, self.extra_fields)  # fmt: skip
+        if staged is not None:
+            view = staged.view
+        else:
+            view = load_path if isinstance(load_path, CheckpointView) else open_view(load_path, strict=strict)
         warn_layout(view, world_size if is_distributed else None)
         index = view.index
         if is_distributed:
@@ -709,44 +711,39 @@ class TrajectoryReplayBuffer:
             self.trajectory_format = index.trajectory_format
             # the entries of a view opened here are the buffer's own; a caller's are copied
             own = not isinstance(load_path, CheckpointView) and len(index.entries) == len(index.id_list)
-            new = Index(
-                entries=dict(index.entries) if own else {i: dict(index.entries[i]) for i in index.id_list},
-                id_list=list(index.id_list),
-                trajectory_counter=index.trajectory_counter,
-                seed=self.seed,
-                trajectory_format=self.trajectory_format,
-                schemas=dict(index.schemas),
-            )
+            new = buffer_index(index, self.seed, copy_entries=not own)
             if self.auto_save_path is not None:
-                files = self._adopt_files(new, {i: view.file_of(i) for i in index.id_list})
+                sources = {i: view.file_of(i) for i in index.id_list}
+                old = self._store.files.values()
+                files = adopt_files(self._writer, self.auto_save_path, new, sources, old)  # type: ignore[arg-type]
                 self._store.set_files(FileMap.of(files), pin=False)
+            elif staged is not None:
+                self._store.clear()
+                self._store = staged.store
             else:
-                held = window_of(new.id_list, self._capacity)
-                self._store.set_files(FileMap(held, view.place_of, view.places_of), pin=True)
+                kept = window_of(new.id_list, self._capacity)
+                self._store.set_files(FileMap(kept, view.place_of, view.places_of), pin=True)
             self._cached.reset(new.id_list)
             self._index = new
             self._unloaded_size = 0
             self._new_generation()
+            if staged is not None:
+                lo, hi = self._window_range()
+                if new.id_list[lo:hi] == staged.tids:  # as it must be; else read again below
+                    base, end, self._held_generation = (
+                        self._counts.start(lo),
+                        self._counts.start(hi),
+                        self._generation,
+                    )
+                    self._rows.adopt(lo, hi, base, staged.columns, staged.specs, end - base)
         with self._window_lock:  # files are read without the writer thread's lock
             self._hold_window_rows()
         self._notify_size_changed()
 
-    def _adopt_files(self, new: Index, files: dict[int, Path]) -> dict[int, Path]:
-        """auto_save on: bring the loaded files into the auto-save directory and publish its index."""
-        assert self.auto_save_path is not None and self._writer is not None
-        target_dir = self.auto_save_path
-        placed: dict[int, Path] = {}
-        report = WriteReport()
-        for tid, src in files.items():
-            dst = target_dir / new.file_name(tid)
-            place_trajectory(src, dst, new.entries[tid], report)
-            placed[tid] = dst
-        self._writer.publish(new)
-        keep = set(placed.values())
-        for path in self._store.files.values():
-            if path.parent == target_dir and path not in keep:
-                path.unlink(missing_ok=True)
-        return placed
+    def _new_store(self) -> TrajectoryStore:
+        budget, lock = self.map_rows_budget, self._lock
+        return TrajectoryStore(max_open=self.max_open_files, extra_fields=self.extra_fields, lock=lock,
+                               row_map=self.map_rows, row_map_budget=budget)  # fmt: skip
 
     # -------------------------------------------------------------- lifecycle
     def clear(self) -> None:

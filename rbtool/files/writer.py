@@ -9,7 +9,7 @@ through here, holding the directory's lock.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +55,26 @@ class WriteReport:
             "written": self.written,
             "bytes": self.bytes,
         }
+
+
+def adopt_files(
+    writer: AutoSaveWriter, target_dir: Path, index: Index, files: dict[int, Path], held: Iterable[Path]
+) -> dict[int, Path]:
+    """auto_save on: bring a loaded checkpoint's files (`files`) into the auto-save directory
+    `target_dir`, publish its index there, and remove the files it held before (`held`) that
+    the load does not list; where each file is now."""
+    placed: dict[int, Path] = {}
+    report = WriteReport()
+    for tid, src in files.items():
+        dst = target_dir / index.file_name(tid)
+        place_trajectory(src, dst, index.entries[tid], report)
+        placed[tid] = dst
+    writer.publish(index)
+    keep = set(placed.values())
+    for path in held:
+        if path.parent == target_dir and path not in keep:
+            path.unlink(missing_ok=True)
+    return placed
 
 
 def place_trajectory(

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
     from rbtool.buffer.storage.store import TrajectoryStore
 
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 # Files are read and cut into columns this many bytes (or files) at a time.
 CHUNK_BYTES = 16 << 20
 CHUNK_FILES = 4096
@@ -260,7 +261,7 @@ class _Reader:
         memory, pins = store.memory, store.pins
         places = _places(store, tids)
         open_, preadv, close = os.open, os.preadv, os.close
-        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
+        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (0 if store.follow_links else _NOFOLLOW)
         room = STACK_FILE_BYTES + 1  # a read of more than this finds a file too large to stack
         chunk: _Chunk | None = None
         view: memoryview | None = None
@@ -385,8 +386,10 @@ def _open_reader(store: TrajectoryStore, tids: Sequence[int]) -> Any:
     room = STACK_FILE_BYTES + 1
     size = min(CHUNK_BYTES, max(room + 8, _chunk_guess(store, rest)))
     try:
-        read_large = functools.partial(_read_named, directory, names)
-        helpers = helpread.HelperReader(directory, rest, names, SEGMENT_FILES, size, room, _Chunk, read_large)
+        read_large = functools.partial(_read_named, directory, names, store.follow_links)
+        helpers = helpread.HelperReader(
+            directory, rest, names, SEGMENT_FILES, size, room, _Chunk, read_large, store.follow_links
+        )
     except helpread.HelperFailed:
         return _Reader(store, tids)
     return _Joined(_Reader(store, tids[:pinned]) if pinned else None, helpers)
@@ -413,9 +416,11 @@ class _Joined:
         self.helpers.stop()
 
 
-def _read_named(directory: Path, names: Sequence[str], k: int) -> bytes:
+def _read_named(directory: Path, names: Sequence[str], follow: bool, k: int) -> bytes:
     """All of file `names[k]`, too large to be read side by side (by name: _read_large's rules)."""
-    fd = os.open(directory / names[k], os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    fd = os.open(
+        directory / names[k], os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (0 if follow else _NOFOLLOW)
+    )
     try:
         return _read_large(fd)
     finally:

@@ -48,7 +48,7 @@ def usable(count: int) -> bool:
 class _Helper:
     """One helper process, its shared buffers and its report stream."""
 
-    def __init__(self, dir_fd: int, names: list[str], size: int, room: int) -> None:
+    def __init__(self, dir_fd: int, names: list[str], size: int, room: int, follow: bool) -> None:
         import numpy as np
 
         self.size = size
@@ -66,7 +66,15 @@ class _Helper:
 
             self.shared = mmap.mmap(buffers_fd, BUFFERS * size)
             self.buffers: Any = np.frombuffer(self.shared, dtype=np.uint8)
-            argv = [str(dir_fd), str(names_fd), str(buffers_fd), str(BUFFERS), str(size), str(room)]
+            argv = [
+                str(dir_fd),
+                str(names_fd),
+                str(buffers_fd),
+                str(BUFFERS),
+                str(size),
+                str(room),
+                str(int(follow)),
+            ]
             self.process = subprocess.Popen(
                 [sys.executable, "-I", "-S", readmany.__file__, *argv],
                 stdin=subprocess.PIPE,
@@ -141,6 +149,7 @@ class HelperReader:
         room: int,
         make_chunk: Callable[[Any, Callable[[], None] | None], Any],
         read_large: Callable[[int], bytes],
+        follow: bool = True,
     ) -> None:
         self.directory, self.tids, self.names, self.segment = directory, tids, names, segment
         self.room, self.make_chunk, self.read_large = room, make_chunk, read_large
@@ -150,7 +159,7 @@ class HelperReader:
             starts = range(0, len(tids), segment)
             for h in range(HELPERS):
                 mine = [n for first in starts[h::HELPERS] for n in names[first : first + segment]]
-                self.helpers.append(_Helper(dir_fd, mine, size, room))
+                self.helpers.append(_Helper(dir_fd, mine, size, room, follow))
         except BaseException:
             self.stop()
             raise

@@ -252,13 +252,16 @@ _PINNED_COUNT = [0]
 _PIN_LOCK = threading.Lock()
 
 
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
 class PinnedFile:
     """An open descriptor on a loaded trajectory file: its data stays readable after the
     name is deleted or replaced, as long as the buffer lists it."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, follow: bool = True) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
+        self.fd = os.open(path, os.O_RDONLY | (0 if follow else _NOFOLLOW))
         info = os.fstat(self.fd)
         self._identity = (info.st_dev, info.st_ino)
         with _PIN_LOCK:
@@ -270,12 +273,13 @@ class PinnedFile:
         return _PINNED_COUNT[0] >= MAX_PINNED
 
     @classmethod
-    def try_open(cls, path: Path) -> PinnedFile | None:
-        """Pin `path` if the budget allows and the file opens; None otherwise (read by name)."""
+    def try_open(cls, path: Path, follow: bool = True) -> PinnedFile | None:
+        """Pin `path` if the budget allows and the file opens; None otherwise (read by name).
+        `follow=False`: a symbolic link does not open."""
         if cls.budget_spent():
             return None
         try:
-            return cls(path)
+            return cls(path, follow)
         except OSError:
             return None
 

@@ -124,6 +124,7 @@ class TrajectoryStore:
         self.lock = lock
         self.memory: dict[int, dict[str, Any]] = {}
         self.files = FileMap()
+        self.follow_links = True  # see set_files
         self.pins: dict[int, PinnedFile] = {}
         self.views: OrderedDict[int, FlatView] = OrderedDict()
         # what sampling knows of each trajectory without its data: its signature, and the
@@ -157,17 +158,20 @@ class TrajectoryStore:
         with self.lock:
             self.memory[tid] = traj
 
-    def set_files(self, files: FileMap, *, pin: bool) -> None:
+    def set_files(self, files: FileMap, *, pin: bool, follow: bool = True) -> None:
         """Replace everything held by these files (pinned open when `pin`, as many as the
-        descriptor budget allows, the first ones first)."""
+        descriptor budget allows, the first ones first). `follow=False`: the files are opened
+        (pinned and read whole for the window) without following symbolic links, so that a
+        read that succeeds shows the name is a file of the directory itself."""
         with self.lock:
             self.clear()
             self.files = files
+            self.follow_links = follow
             if pin:
                 for tid in files:
                     if PinnedFile.budget_spent():
                         break
-                    opened = PinnedFile.try_open(files[tid])
+                    opened = PinnedFile.try_open(files[tid], follow)
                     if opened is not None:
                         self.pins[tid] = opened
 
