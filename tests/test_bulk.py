@@ -501,11 +501,19 @@ def test_a_held_load_does_not_list_the_directory_and_a_failed_hold_does(
         listed.append(directory)
         return real(directory, index)
 
+    reads: list[Path] = []
+    real_read = dirs.read_index
+
+    def reading(directory: Any) -> Any:
+        reads.append(directory)
+        return real_read(directory)
+
     monkeypatch.setattr(dirs, "_missing", counting)
+    monkeypatch.setattr(dirs, "read_index", reading)
     ckpt = write(tmp_path, [make_traj(seed=i) for i in range(6)])
     buffer = TrajectoryReplayBuffer(sample_window_size=0)
     buffer.load_checkpoint(ckpt)
-    assert is_held(buffer) and listed == []
+    assert is_held(buffer) and listed == [] and len(reads) == 1
     (ckpt / read_index(ckpt).file_name(5)).write_bytes(b"not a zip")
     buffer.load_checkpoint(ckpt)
-    assert not is_held(buffer) and listed == [ckpt]
+    assert not is_held(buffer) and listed == [ckpt] and len(reads) == 2  # the index read once

@@ -17,7 +17,7 @@ keeps fewer, or one rank's block, must still check the files it does not read).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import itemgetter
 from pathlib import Path
 from typing import Any
@@ -32,13 +32,14 @@ _SHAPE, _TB = itemgetter("shape"), itemgetter(0, 1)
 
 @dataclass
 class Staged:
-    """A view read without its directory check, and its window held in `store`."""
+    """A view read without its directory check, and its window held in `store` (None where
+    the window could not be held: then `view` is checked as open_view checks it)."""
 
     view: CheckpointView
-    store: TrajectoryStore
-    tids: list[int]  # the held window, in order
-    columns: dict[Any, Any]
-    specs: dict[Any, Any]
+    store: TrajectoryStore | None = None
+    tids: list[int] = field(default_factory=list)  # the held window, in order
+    columns: dict[Any, Any] = field(default_factory=dict)
+    specs: dict[Any, Any] = field(default_factory=dict)
 
 
 def stage(
@@ -51,21 +52,24 @@ def stage(
     recorded_cache: dict[str, Signature],
     extra_fields: bool,
 ) -> Staged | None:
-    """The window of the checkpoint directory `path` (one rank's block: `rank` = (world
-    size, rank)) held as a load with auto_save off would hold it, or None where it cannot
-    be (then the load runs as before)."""
+    """The window of the checkpoint directory `path` held as a load with auto_save off would
+    hold it; without a held window (`store` None) where it cannot be, and None where the
+    load must run as before (a rank's block, `rank` = (world size, rank), or a rank tree)."""
     if rank is not None or not budget:
         return None
     view = open_view(path, check_files=False)
-    if view.is_tree or view.index.trajectory_format != "pt":
+    if view.is_tree:
         return None
     index = view.index
+    unheld = Staged(view)  # the view read here, checked by the caller
+    if index.trajectory_format != "pt":
+        return unheld
     files = window_of(index.id_list, capacity)  # what the load keeps (SPEC §3, auto_save off)
     n = len(index.id_list)
     want = n - window_start(n, effective_window(sample_window_size))
     tids = files[len(files) - min(want, len(files)) :]
     if not tids or len(tids) != n:  # the check covers every listed file: all must be read
-        return None
+        return unheld
     view.names = [dict(zip(files, view.index.file_names(files), strict=True))]
     store = new_store()
     store.set_files(FileMap(files, view.place_of, view.places_of), pin=True, follow=False)
@@ -82,7 +86,7 @@ def stage(
     held = hold_window(store, tids, shapes, total, budget, record)
     if held is None:
         store.clear()  # its pinned files are let go
-        return None
+        return unheld
     return Staged(view, store, tids, *held)
 
 

@@ -50,7 +50,7 @@ from rbtool.errors import (
     UsageError,
 )
 from rbtool.files import trajfile
-from rbtool.files.dirs import CheckpointView, open_view, warn_layout
+from rbtool.files.dirs import CheckpointView, check_files, open_view, warn_layout
 from rbtool.files.index import DEFAULT_SEED, Index, init_buffer_dir, read_index, window_of, window_start
 from rbtool.files.writer import (
     AutoSaveWriter,
@@ -696,7 +696,9 @@ class TrajectoryReplayBuffer:
             rank = (world_size, local_rank) if is_distributed else None
             staged = stage(load_path, rank, self._capacity, self.sample_window_size, self.hold_rows_budget,
                            self._new_store, self._recorded, self.extra_fields)  # fmt: skip
-        if staged is not None:
+        if staged is not None and staged.store is None:  # not held: the index read, checked as before
+            view, staged = check_files(staged.view, strict), None
+        elif staged is not None:
             view = staged.view
         else:
             view = load_path if isinstance(load_path, CheckpointView) else open_view(load_path, strict=strict)
@@ -717,7 +719,7 @@ class TrajectoryReplayBuffer:
                 old = self._store.files.values()
                 files = adopt_files(self._writer, self.auto_save_path, new, sources, old)  # type: ignore[arg-type]
                 self._store.set_files(FileMap.of(files), pin=False)
-            elif staged is not None:
+            elif staged is not None and staged.store is not None:
                 self._store.clear()
                 self._store = staged.store
             else:

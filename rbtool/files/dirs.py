@@ -156,9 +156,12 @@ def _open_checkpoint(directory: Path, strict: bool) -> tuple[Path, Index, list[i
     return directory, index, missing
 
 
-def _open_named(directory: Path, strict: bool) -> tuple[Path, Index, list[int], dict[int, str]]:
-    """_open_checkpoint, also returning each kept id's file name."""
-    index = read_index(directory)
+def _open_named(
+    directory: Path, strict: bool, index: Index | None = None
+) -> tuple[Path, Index, list[int], dict[int, str]]:
+    """_open_checkpoint, also returning each kept id's file name (`index`: the directory's,
+    read already)."""
+    index = read_index(directory) if index is None else index
     missing, names = _missing(directory, index)
     named = dict(zip(index.id_list, names, strict=True))
     if missing:
@@ -340,6 +343,16 @@ def open_view(
     view.dropped = dropped
     view.names = names
     return view
+
+
+def check_files(view: CheckpointView, strict: bool) -> CheckpointView:
+    """A one-directory view opened with `check_files=False`, as open_view opens it with the
+    check (the same refusal, or the same ids dropped), its index not read again."""
+    assert not view.is_tree and view.origin is None
+    directory, index, missing, named = _open_named(view.dirs[0], strict, view.index)
+    checked = CheckpointView(view.path, index, [directory], [index])
+    checked.dropped, checked.names = [(directory, i) for i in missing], [named]
+    return checked
 
 
 def warn_layout(view: CheckpointView, world_size: int | None, rank: int | None = None) -> None:
