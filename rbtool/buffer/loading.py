@@ -26,6 +26,7 @@ from rbtool.buffer.sampling import effective_window
 from rbtool.buffer.storage import FileMap, Signature, TrajectoryStore, hold_window, recorded_signature
 from rbtool.files.dirs import CheckpointView, open_view
 from rbtool.files.index import Index, window_of, window_start
+from rbtool.format.bounded import gc_paused
 
 _SHAPE, _TB = itemgetter("shape"), itemgetter(0, 1)
 
@@ -70,7 +71,8 @@ def stage(
     tids = files[len(files) - min(want, len(files)) :]
     if not tids or len(tids) != n:  # the check covers every listed file: all must be read
         return unheld
-    view.names = [dict(zip(files, view.index.file_names(files), strict=True))]
+    with gc_paused():  # a million names, and no cycle
+        view.names = [dict(zip(files, view.index.file_names(files), strict=True))]
     store = new_store()
     store.set_files(FileMap(files, view.place_of, view.places_of), pin=True, follow=False)
     entries = index.entries

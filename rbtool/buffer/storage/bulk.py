@@ -36,6 +36,7 @@ from rbtool.buffer.storage.view import FieldPath, FlatView, flat_rows
 from rbtool.buffer.storage.window import Signature, signature_of
 from rbtool.errors import RbtoolError
 from rbtool.files import ptbulk
+from rbtool.format.bounded import gc_paused
 from rbtool.progress import Progress
 
 if TYPE_CHECKING:
@@ -152,17 +153,19 @@ def hold_window(
     columns = Columns(total_rows, budget)
     plans: dict[tuple[int, int, int], tuple[dict[str, Any], _Plan]] = {}
     templates: dict[int, ptbulk.Template | None] = {}  # by file size, for every chunk
-    reader = _open_reader(store, tids)
+    with gc_paused():  # a million files make millions of objects, and no cycle
+        reader = _open_reader(store, tids)
     try:
-        for item in reader:
-            if isinstance(item, tuple):  # a trajectory held in memory
-                tid, traj = item
-                _hold_memory(tid, traj, shapes_of([tid])[0], columns, store, record)
-            else:
-                try:
-                    _flush(item, columns, plans, templates, store, shapes_of, record, progress)
-                finally:
-                    reader.done_with(item)
+        with gc_paused():
+            for item in reader:
+                if isinstance(item, tuple):  # a trajectory held in memory
+                    tid, traj = item
+                    _hold_memory(tid, traj, shapes_of([tid])[0], columns, store, record)
+                else:
+                    try:
+                        _flush(item, columns, plans, templates, store, shapes_of, record, progress)
+                    finally:
+                        reader.done_with(item)
     except (_Giveup, RbtoolError, OSError, struct.error, helpread.HelperFailed):
         return None
     finally:
