@@ -16,9 +16,8 @@ keeps fewer, or one rank's block, must still check the files it does not read).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +26,6 @@ from rbtool.buffer.storage import FileMap, Signature, TrajectoryStore, hold_wind
 from rbtool.files.dirs import CheckpointView, open_view
 from rbtool.files.index import Index, window_of, window_start
 from rbtool.format.bounded import gc_paused
-
-_SHAPE, _TB = itemgetter("shape"), itemgetter(0, 1)
 
 
 @dataclass
@@ -77,15 +74,14 @@ def stage(
     store.set_files(FileMap(files, view.place_of, view.places_of), pin=True, follow=False)
     entries = index.entries
     total = sum(entries[i]["num_samples"] for i in tids)
-    recorded = _recorded(index, recorded_cache, extra_fields)
 
-    def shapes(ids: Sequence[int]) -> list[tuple[int, int]]:
-        return list(map(_TB, map(_SHAPE, map(entries.__getitem__, ids))))
+    def recorded(tid: int) -> Signature | None:
+        return recorded_signature_of(index, tid, recorded_cache, extra_fields)
 
     def record(ids: list[int], signature: Signature, where: Callable[[int], Path | None]) -> None:
-        store.note_signatures(ids, signature, recorded, where)
+        store.note_signatures(ids, signature, recorded if index.schemas else None, where)
 
-    held = hold_window(store, tids, shapes, total, budget, record)
+    held = hold_window(store, tids, index.shapes, total, budget, record)
     if held is None:
         store.clear()  # its pinned files are let go
         return unheld
@@ -106,21 +102,15 @@ def buffer_index(index: Index, seed: int | None, copy_entries: bool) -> Index:
     )
 
 
-def _recorded(
-    index: Index, cache: dict[str, Signature], extra_fields: bool
-) -> Callable[[int], Signature | None] | None:
-    """The signature each id's index entry records (None for one that records none), or None
-    when the index records no schema."""
-    if not index.schemas:
+def recorded_signature_of(
+    index: Index, tid: int, cache: dict[str, Signature], extra_fields: bool
+) -> Signature | None:
+    """The signature the index entry of `tid` records (its schema's, made once per digest
+    into `cache`), or None where it records none."""
+    digest = index.entries[tid].get("schema")
+    if digest is None:
         return None
-
-    def recorded(tid: int) -> Signature | None:
-        digest = index.entries[tid].get("schema")
-        if digest is None or digest not in index.schemas:
-            return None
-        found = cache.get(digest)
-        if found is None:
-            found = cache[digest] = recorded_signature(index.schemas[digest], extra_fields)
-        return found
-
-    return recorded
+    found = cache.get(digest)
+    if found is None and digest in index.schemas:
+        found = cache[digest] = recorded_signature(index.schemas[digest], extra_fields)
+    return found

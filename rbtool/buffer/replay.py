@@ -13,13 +13,12 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Sequence
-from operator import itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rbtool.buffer.batchmem import BatchMemory
 from rbtool.buffer.cache import CachedIds
-from rbtool.buffer.loading import buffer_index, stage
+from rbtool.buffer.loading import buffer_index, recorded_signature_of, stage
 from rbtool.buffer.sampling import (
     Draw,
     SampleCounts,
@@ -41,7 +40,6 @@ from rbtool.buffer.storage import (
     default_hold_budget,
     gather,
     hold_window,
-    recorded_signature,
 )
 from rbtool.errors import (
     BufferClosedError,
@@ -72,9 +70,6 @@ PUBLISH_SHARE = 0.2
 # Trajectories kept open for sampling (small fields in memory, large rows left in their
 # files), least recently used dropped first; file descriptors are bounded separately.
 DEFAULT_MAX_OPEN_FILES = 1024
-
-
-_SHAPE, _TB = itemgetter("shape"), itemgetter(0, 1)  # an index entry's shape, its [T, B]
 
 
 class TrajectoryReplayBuffer:
@@ -423,8 +418,7 @@ class TrajectoryReplayBuffer:
         return shape[0], shape[1]
 
     def _shapes(self, tids: Sequence[int]) -> list[tuple[int, int]]:
-        """_shape of each id, looked up at once."""
-        return list(map(_TB, map(_SHAPE, map(self._index.entries.__getitem__, tids))))
+        return self._index.shapes(tids)
 
     def _raws(self, tids: list[int]) -> list[RawTrajectory | None]:
         return self._store.raw_many(tids, self._shape)
@@ -434,14 +428,9 @@ class TrajectoryReplayBuffer:
 
     def _recorded_signature(self, tid: int) -> Signature | None:
         """The signature the index entry of a trajectory on disk records, if it records one."""
-        digest = self._index.entries[tid].get("schema")
-        if digest is None or tid in self._store.memory:
+        if tid in self._store.memory:
             return None
-        recorded = self._recorded.get(digest)
-        if recorded is None and digest in self._index.schemas:
-            fields = self._index.schemas[digest]
-            recorded = self._recorded[digest] = recorded_signature(fields, self.extra_fields)
-        return recorded
+        return recorded_signature_of(self._index, tid, self._recorded, self.extra_fields)
 
     def _signature_at(self, position: int) -> Signature:
         tid = self._index.id_list[position]

@@ -96,7 +96,7 @@ def window_of(id_list: Sequence[int], window_size: int) -> list[int]:
     return list(id_list[window_start(len(id_list), window_size) :])
 
 
-_WEIGHTS_ID = itemgetter("model_weights_id")
+_WEIGHTS_ID, _SHAPE, _TB = itemgetter("model_weights_id"), itemgetter("shape"), itemgetter(0, 1)
 DEFAULT_SEED = 1234  # RLinf's buffer's default seed: recorded when a checkpoint is made without one
 
 
@@ -134,6 +134,10 @@ class Index:
         """file_name of each id, at once."""
         weights = map(_WEIGHTS_ID, map(self.entries.__getitem__, ids))
         return trajectory_file_names(ids, weights, self.trajectory_format)
+
+    def shapes(self, ids: Sequence[int]) -> list[tuple[int, int]]:
+        """[T, B] of each id, as its entry records it, at once."""
+        return list(map(_TB, map(_SHAPE, map(self.entries.__getitem__, ids))))
 
     def next_counter(self) -> int:
         """The smallest counter that keeps ids unique: above every listed id."""

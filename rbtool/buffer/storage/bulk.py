@@ -48,7 +48,7 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 # Files are read and cut into columns this many bytes (or files) at a time.
 CHUNK_BYTES = 16 << 20
 CHUNK_FILES = 4096
-# The ids are read in segments of this many, the reading threads taking them in turn.
+# The helper processes take the ids in segments of this many, in turn.
 SEGMENT_FILES = 4096
 # A file larger than this is read on its own, not stacked with others of its size.
 STACK_FILE_BYTES = ptbulk.BULK_FILE_BYTES
@@ -165,7 +165,8 @@ def hold_window(
                     try:
                         _flush(item, columns, plans, templates, store, shapes_of, record, progress)
                     finally:
-                        reader.done_with(item)
+                        if item.release is not None:  # its buffer is read into again
+                            item.release()
     except (_Giveup, RbtoolError, OSError, struct.error, helpread.HelperFailed):
         return None
     finally:
@@ -207,64 +208,46 @@ class _Reader:
     _Chunks, and (tid, dict) for a trajectory held in memory; raises _Giveup at a
     trajectory that is not a `.pt` file, and what a read raised.
 
-    The ids are cut into segments of SEGMENT_FILES, which THREADS threads read in turn.
-    One: its system calls wait in the kernel without the GIL, but each return waits for
-    the GIL, so two threads read small files no faster than one (helper processes do:
+    One thread: its system calls wait in the kernel without the GIL, but each return waits
+    for the GIL, so two threads read small files no faster than one (helper processes do:
     rbtool.buffer.storage.helpread). Small files are read straight into a few reused
     buffers (fresh memory would cost a page fault every 4 KiB); a larger file makes a
     chunk of its own."""
 
-    THREADS = 1
-    BUFFERS = 2  # per thread
+    BUFFERS = 2
 
     def __init__(self, store: TrajectoryStore, tids: Sequence[int]) -> None:
         import numpy as np
 
         self.store, self.tids = store, tids
-        self.small = min(CHUNK_BYTES, max(STACK_FILE_BYTES + 8, _chunk_guess(store, tids)))
         self.stopped = threading.Event()
-        self.lanes = []
-        segments = range(0, len(tids), SEGMENT_FILES)
-        for n in range(min(self.THREADS, max(1, len(segments)))):
-            lane = _Lane(queue.Queue(maxsize=self.BUFFERS), queue.Queue(), list(segments[n :: self.THREADS]))
-            for _ in range(self.BUFFERS):
-                lane.free.put(np.empty(self.small, dtype=np.uint8))
-            lane.thread = threading.Thread(
-                target=self._run, args=(lane,), name="rbtool-hold-reader", daemon=True
-            )
-            self.lanes.append(lane)
-        for lane in self.lanes:
-            lane.thread.start()
+        self.lane = _Lane(queue.Queue(maxsize=self.BUFFERS), queue.Queue())
+        for _ in range(self.BUFFERS):
+            self.lane.free.put(np.empty(_buffer_bytes(len(tids)), dtype=np.uint8))
+        self.thread = threading.Thread(target=self._run, name="rbtool-hold-reader", daemon=True)
+        self.thread.start()
 
-    def done_with(self, chunk: _Chunk) -> None:
-        """The consumer is done with a chunk: its buffer is read into again."""
-        if chunk.release is not None:
-            chunk.release()
-
-    def _run(self, lane: _Lane) -> None:
+    def _run(self) -> None:
         dir_fds: dict[Path, int] = {}
         try:
-            for first in lane.segments:
-                if not self._segment(lane, self.tids[first : first + SEGMENT_FILES], dir_fds):
-                    return
-                if not lane.put(_END, self.stopped):
-                    return
+            if self._read(self.lane, self.tids, dir_fds):
+                self.lane.put(_END, self.stopped)
         except BaseException as exc:  # handed to the consumer
-            lane.put(exc, self.stopped)
+            self.lane.put(exc, self.stopped)
         finally:
             for fd in dir_fds.values():
                 os.close(fd)
 
-    def _segment(self, lane: _Lane, tids: Sequence[int], dir_fds: dict[Path, int]) -> bool:
-        """Read one segment's files into chunks (False: stopped). The loop is what a small
-        file costs besides its three system calls: kept to a few list operations."""
+    def _read(self, lane: _Lane, tids: Sequence[int], dir_fds: dict[Path, int]) -> bool:
+        """Read the files into chunks (False: stopped). The loop is what a small file costs
+        besides its three system calls: kept to a few list operations."""
         import numpy as np
 
         store, stopped = self.store, self.stopped
         memory, pins = store.memory, store.pins
-        places = _places(store, tids)
+        places = store.files.places(tids, memory)
         open_, preadv, close = os.open, os.preadv, os.close
-        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (0 if store.follow_links else _NOFOLLOW)
+        flags = _read_flags(store.follow_links)
         room = STACK_FILE_BYTES + 1  # a read of more than this finds a file too large to stack
         chunk: _Chunk | None = None
         view: memoryview | None = None
@@ -327,30 +310,24 @@ class _Reader:
         return chunk is None or lane.put(chunk, stopped)
 
     def __iter__(self) -> Iterator[Any]:
-        segment = 0
-        while segment * SEGMENT_FILES < len(self.tids):
-            lane = self.lanes[segment % len(self.lanes)]
-            while (item := lane.queue.get()) is not _END:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-            segment += 1
+        while (item := self.lane.queue.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
 
     def stop(self) -> None:
         self.stopped.set()
-        for lane in self.lanes:
-            lane.thread.join()
+        self.thread.join()
 
 
-_END = object()  # a segment's last item
+_END = object()  # the reader's last item
 
 
 class _Lane:
-    """One reading thread's queue of chunks, its free buffers and its segments (first ids)."""
+    """The reading thread's queue of chunks, and its free buffers."""
 
-    def __init__(self, chunks: queue.Queue[Any], free: queue.Queue[Any], segments: list[int]) -> None:
-        self.queue, self.free, self.segments = chunks, free, segments
-        self.thread: threading.Thread
+    def __init__(self, chunks: queue.Queue[Any], free: queue.Queue[Any]) -> None:
+        self.queue, self.free = chunks, free
 
     def put(self, item: Any, stopped: threading.Event) -> bool:
         while not stopped.is_set():
@@ -386,8 +363,7 @@ def _open_reader(store: TrajectoryStore, tids: Sequence[int]) -> Any:
     names = [name for _, name in places]
     if not all(name.endswith(".pt") for name in names):
         return _Reader(store, tids)
-    room = STACK_FILE_BYTES + 1
-    size = min(CHUNK_BYTES, max(room + 8, _chunk_guess(store, rest)))
+    room, size = STACK_FILE_BYTES + 1, _buffer_bytes(len(rest))
     try:
         read_large = functools.partial(_read_named, directory, names, store.follow_links)
         helpers = helpread.HelperReader(
@@ -409,10 +385,6 @@ class _Joined:
             yield from self.first
         yield from self.helpers
 
-    def done_with(self, chunk: _Chunk) -> None:
-        if chunk.release is not None:
-            chunk.release()
-
     def stop(self) -> None:
         if self.first is not None:
             self.first.stop()
@@ -421,23 +393,23 @@ class _Joined:
 
 def _read_named(directory: Path, names: Sequence[str], follow: bool, k: int) -> bytes:
     """All of file `names[k]`, too large to be read side by side (by name: _read_large's rules)."""
-    fd = os.open(
-        directory / names[k], os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (0 if follow else _NOFOLLOW)
-    )
+    fd = os.open(directory / names[k], _read_flags(follow))
     try:
         return _read_large(fd)
     finally:
         os.close(fd)
 
 
-def _places(store: TrajectoryStore, tids: Sequence[int]) -> list[tuple[Path, str]]:
-    """(directory, file name) of each trajectory's file ((None, "") for one in memory)."""
-    return store.files.places(tids, store.memory)
+def _read_flags(follow: bool) -> int:
+    """How a window's files are opened: without blocking (a FIFO never hangs the reader), and
+    without following a symbolic link unless `follow`."""
+    return os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (0 if follow else _NOFOLLOW)
 
 
-def _chunk_guess(store: TrajectoryStore, tids: Sequence[int]) -> int:
-    """A buffer size for the reads: CHUNK_BYTES, less for a window of few files."""
-    return min(CHUNK_BYTES, len(tids) * (STACK_FILE_BYTES + 8))
+def _buffer_bytes(files: int) -> int:
+    """The size of a reading buffer: CHUNK_BYTES, less for a window of few files, and room
+    for one file too large to stack (its read finds it so)."""
+    return min(CHUNK_BYTES, max(STACK_FILE_BYTES + 9, files * (STACK_FILE_BYTES + 8)))
 
 
 _HUGE_PAGE = 2 << 20

@@ -218,10 +218,6 @@ class HelperReader:
         chunk.places = [(self.directory, self.names[position])]
         return chunk
 
-    def done_with(self, chunk: Any) -> None:
-        if chunk.release is not None:
-            chunk.release()
-
     def stop(self) -> None:
         for helper in self.helpers:
             helper.stop()
