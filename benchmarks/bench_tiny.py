@@ -74,6 +74,8 @@ class Config:
     cli: bool | None  # None: at sizes >= CLI_SIZE
     jobs: int
     build_only: bool
+    commands: list[str] | None  # CLI figures taken (None: all of CLI_COMMANDS)
+    cli_only: bool  # only the CLI figures, at every size
     workdir: Path
     quick: bool
     json: bool
@@ -112,7 +114,22 @@ def parse_args(argv: list[str]) -> Config:
         "--jobs", type=int, default=usable_cores(), help="Processes that build the data (default: cores)."
     )
     parser.add_argument("--build-only", action="store_true", help="Build the data sets and exit.")
+    parser.add_argument(
+        "--commands",
+        help=f"Comma-separated CLI figures to take (default all: {', '.join(c[0] for c in CLI_COMMANDS)}).",
+    )
+    parser.add_argument(
+        "--cli-only",
+        action="store_true",
+        help="Only the CLI figures, at every size (no sampling, no TorchRL).",
+    )
     args = parser.parse_args(argv)
+    commands = None
+    if args.commands:
+        commands = [c.strip() for c in args.commands.split(",") if c.strip()]
+        unknown = sorted(set(commands) - {c[0] for c in CLI_COMMANDS})
+        if unknown:
+            parser.error(f"--commands: unknown {', '.join(unknown)}")
     quick = bool(args.quick)
     if args.sizes:
         try:
@@ -133,6 +150,8 @@ def parse_args(argv: list[str]) -> Config:
         cli=False if quick and args.cli is None else args.cli,
         jobs=args.jobs,
         build_only=bool(args.build_only),
+        commands=commands,
+        cli_only=bool(args.cli_only),
         workdir=args.workdir.resolve(),
         quick=quick,
         json=bool(args.json),
@@ -486,6 +505,8 @@ def measure_cli(ckpt: Path, n: int, cfg: Config) -> dict[str, Any]:
     timeout = shutil.which("timeout")
     result: dict[str, Any] = {}
     for name, path, extra, writes in CLI_COMMANDS:
+        if cfg.commands is not None and name not in cfg.commands:
+            continue
         options = bench.cli_options(*path)
         needed = {a for a in extra if a.startswith("--")}
         if options is None or not needed <= options:
@@ -526,6 +547,8 @@ def goals(doc: dict[str, Any]) -> list[bench.Goal]:
     found: list[bench.Goal] = []
     for key, s in doc["sizes"].items():
         n = s["trajectories"]
+        if s.get("cli_only"):
+            continue
 
         def goal(name: str, target: str, value: float | None, ok: bool, key: str = key) -> None:
             found.append(bench.Goal(f"{name}_{key}", target, value, None if value is None else ok))
@@ -590,10 +613,13 @@ def render(doc: dict[str, Any]) -> None:
 
     for key, s in doc["sizes"].items():
         n = f"{s['trajectories']:,}"
-        rb, trl = s["rbtool"], s["torchrl"] or {}
         build = doc["data"][key]
         made = "reused" if build["reused"] else f"built in {build['build_s']:.1f} s"
         table.add_row(f"[bold]{n} trajectories[/bold] ({s['page_cache']}; data {made})", "", "", "", "", "")
+        if s.get("cli_only"):
+            cli_rows(table, s)
+            continue
+        rb, trl = s["rbtool"], s["torchrl"] or {}
         if s["torchrl_error"]:
             table.add_row("  TorchRL side FAILED", "", s["torchrl_error"][:100], "", "", "")
         table.add_row(
@@ -655,25 +681,31 @@ def render(doc: dict[str, Any]) -> None:
             "",
             "",
         )
-        for name, c in (s["cli"] or {}).items():
-            if c["status"] == "missing":
-                cell = f"n/a ({c['reason']})"
-            else:
-                cell = f"{fmt_s(c['wall_s'])}, peak {fmt_b(c['peak_rss_bytes'])}, exit {c['exit_code']}"
-                if c["files_per_s"] is not None:
-                    cell += f", {c['files_per_s']:,.0f} files/s"
-                if c["status"] != "ok":
-                    cell += f" {c['status'].upper()}"
-            shown = [
-                {s["checkpoint"]: "DIR"}.get(a, "OUT" if ".tiny-cli-out-" in a else a)
-                for a in c["argv"] or [name]
-            ]
-            table.add_row(f"  rbtool {' '.join(shown)}", cell, "", "", "", "")
-            if c.get("stderr_tail"):
-                table.add_row("    last stderr line", str(c["stderr_tail"])[:100], "", "", "", "")
+        cli_rows(table, s)
     console.print(table)
     if cfg["quick"]:
         console.print("quick mode: the goals are set for 20,000 / 1,000,000 trajectories", highlight=False)
+
+
+def cli_rows(table: Any, s: dict[str, Any]) -> None:
+    """One row per CLI figure of a size (and its last stderr line)."""
+    fmt_b, fmt_s = bench.fmt_bytes, bench.fmt_s
+    for name, c in (s["cli"] or {}).items():
+        if c["status"] == "missing":
+            cell = f"n/a ({c['reason']})"
+        else:
+            cell = f"{fmt_s(c['wall_s'])}, peak {fmt_b(c['peak_rss_bytes'])}, exit {c['exit_code']}"
+            if c["files_per_s"] is not None:
+                cell += f", {c['files_per_s']:,.0f} files/s"
+            if c["status"] != "ok":
+                cell += f" {c['status'].upper()}"
+        shown = [
+            {s["checkpoint"]: "DIR"}.get(a, "OUT" if ".tiny-cli-out-" in a else a)
+            for a in c["argv"] or [name]
+        ]
+        table.add_row(f"  rbtool {' '.join(shown)}", cell, "", "", "", "")
+        if c.get("stderr_tail"):
+            table.add_row("    last stderr line", str(c["stderr_tail"])[:100], "", "", "", "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -709,6 +741,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     sizes: dict[str, Any] = {}
     for n in cfg.sizes:
+        if cfg.cli_only:
+            sizes[str(n)] = {"trajectories": n, "checkpoint": str(ckpts[n]), "cli_only": True}
+            sizes[str(n)]["page_cache"] = warm(ckpts[n], n)
+            sizes[str(n)]["cli"] = measure_cli(ckpts[n], n, cfg)
+            continue
         page_cache = warm(ckpts[n], n)
         sizes[str(n)] = measure_sampling(ckpts[n], n, cfg, skipped is None, memcpy)
         sizes[str(n)]["page_cache"] = page_cache

@@ -367,3 +367,15 @@ def test_an_interrupt_leaves_the_files_the_index_lists_and_no_other(
     assert index.id_list == list(range(8))  # two batches of 3 published after ids 0, 1
     listed = {index.file_name(i) for i in index.id_list}
     assert {p.name for p in buffer.glob("trajectory_*_*")} == listed
+
+
+def test_a_batch_holds_at_least_a_fraction_of_the_buffer(tmp_path: Path) -> None:
+    """Publishing writes the whole index: into a large buffer, batches grow with it."""
+    buffer = tmp_path / "buf"
+    ingest(loose_files(tmp_path / "first", 16), buffer, batch_size=64)
+    seen: list[list[int]] = []
+    more = loose_files(tmp_path / "more", 9, start=16)
+    ingest(more, buffer, batch_size=1, batch_seconds=3600, on_published=seen.append)
+    # a batch is published once it is an eighth of the list it joins: 3 of 19, 3 of 22; the rest at the end
+    assert seen == [[16, 17, 18], [19, 20, 21], [22, 23, 24]]
+    assert assert_valid(buffer).id_list == list(range(25))

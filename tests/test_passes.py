@@ -74,6 +74,16 @@ def test_results_come_in_task_order_with_one_progress_call_each(jobs: int) -> No
     assert run_pass(square, [], jobs=jobs) == []
 
 
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_progress_counts_the_units_of_the_tasks_done(jobs: int) -> None:
+    tasks = list(range(200))  # chunks of several tasks on workers
+    seen: list[int] = []
+    assert run_pass(square, tasks, jobs=jobs, progress=seen.append, units=lambda n: n % 5) == [
+        n * n for n in tasks
+    ]
+    assert sum(seen) == sum(n % 5 for n in tasks) and len(seen) < len(tasks) + 1
+
+
 def test_one_job_or_one_task_runs_in_this_process_and_more_on_workers() -> None:
     me = os.getpid()
     assert set(run_pass(pid_of, [0, 1, 2], jobs=1)) == {me}

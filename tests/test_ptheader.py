@@ -184,3 +184,75 @@ def test_what_the_header_accepts_torch_loads_with_the_same_checks(tmp_path: Path
     header = read_header(path)
     loaded = trajfile.load(path)
     assert [p for p, _ in iter_specs(header)] == [p for p, _ in iter_tensors(loaded)]
+
+
+def same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride())
+            and torch.equal(a, b)
+        )
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(same_value(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(map(same_value, a, b))
+    return type(a) is type(b) and a == b
+
+
+def quick_and_full(path: Path) -> tuple[Any, Any]:
+    """load_bytes_quick's and load_bytes' outcome on a file: the trajectory, or the error's text."""
+    data = path.read_bytes()
+    out = []
+    for load in (trajfile.load_bytes_quick, trajfile.load_bytes):
+        try:
+            out.append(load(data, path))
+        except Exception as exc:
+            out.append(f"{type(exc).__name__}: {exc}")
+    return out[0], out[1]
+
+
+def test_a_quick_load_is_the_full_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    paths = FIXTURE_FILES[:20]
+    for seed in range(6):
+        traj = make_traj(t=2 + seed % 3, b=1 + seed % 2, seed=seed, image=4 * (seed % 2), extra_rows=seed % 2)
+        t, b = traj["rewards"].shape[:2]
+        wide = torch.arange(t * b * 10.0).reshape(t, b, 10)
+        traj["views"] = {"a": wide[:, :, ::2], "e": torch.zeros(t, b, 0)}
+        traj["half"] = torch.ones(t, b, 3, dtype=torch.bfloat16)
+        traj["tags"] = [1, "x", 2.5, None, True, torch.ones(2)]
+        paths.append(tmp_path / f"trajectory_{seed}_x.pt")
+        torch.save(traj, paths[-1])
+    for path in paths:
+        quick, full = quick_and_full(path)
+        assert isinstance(full, dict) and same_value(quick, full), path
+    with monkeypatch.context() as patch:  # and no file went to torch's loader
+        patch.setattr(trajfile, "load_bytes", lambda data, path: pytest.fail(f"{path}: loaded by torch"))
+        for path in paths:
+            trajfile.load_bytes_quick(path.read_bytes(), path)
+
+
+def test_a_quick_load_refuses_what_the_full_load_refuses(tmp_path: Path) -> None:
+    data = pt_bytes(BASE)
+    at = data.rfind(b"PK\x05\x06")
+    pkl = zipfile.ZipFile(io.BytesIO(data)).read("archive/data.pkl")
+    damaged = [
+        rewrite(data, lambda name, body: body[:8] if name.endswith("/data/0") else body),
+        pt_bytes({"rewards": torch.zeros(4, 2)}).replace(b"K\x04K\x02\x86", b"K\x40K\x02\x86", 1),
+        pt_bytes({"rewards": torch.zeros(4, 1).expand(4, 2)}),
+        pt_bytes({"rewards": torch.zeros(2, 1), "n": 1 << 70}),
+        pt_bytes({"rewards": torch.zeros(2, 1, dtype=torch.uint16)}),
+        with_pickle(data, pkl.replace(b"Q", b"Q}q\x63X\x05\x00\x00\x00numelM\xe8\x03sb", 1)),
+        data[:at] + b"PK\x05\x06" + struct.pack("<4xHHII", 9, 9, 1 << 30, 0) + data[at + 20 :],
+        data[: len(data) // 3],
+        data[:-30],
+        pickle.dumps({"rewards": 1}),
+    ]
+    for k, body in enumerate(damaged):
+        path = tmp_path / f"trajectory_{k}_x.pt"
+        path.write_bytes(body)
+        quick, full = quick_and_full(path)
+        if isinstance(full, str):
+            assert quick == full, k
+        else:
+            assert same_value(quick, full), k

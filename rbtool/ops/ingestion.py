@@ -3,7 +3,9 @@
 Every source is opened and checked before anything is written. Files already in the
 buffer's format are then placed: a checkpoint's files reflinked or hard-linked, loose files
 copied (a reflink is a copy too) unless linking is asked for. The index is published after
-every batch, so an interruption leaves a valid directory holding every batch reported as added.
+every batch (of `batch_size` files or `batch_seconds`, and at least an eighth of the
+trajectories listed), so an interruption leaves a valid directory holding every batch
+reported as added.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ from rbtool.format import (
 )
 
 _TEMP_RE = re.compile(r"^\.trajectory_.*\.tmp$")
+# Publishing writes the whole index, which grows with the buffer: a batch is published only
+# once it holds at least this fraction of the trajectories listed, so that all the index
+# writes of an ingest add up to a few times the last one whatever the buffer's size (a
+# million-entry index takes seconds to write; one every 64 files made ingest quadratic).
+PUBLISH_FRACTION = 1 / 8
 
 
 @dataclass
@@ -324,7 +331,8 @@ def ingest(
                     entry["source_sha256"] = digest  # rewritten: remember what it came from
                 index.id_list.append(tid)
                 index.trajectory_counter = tid + 1
-                if len(batch) >= batch_size or time.monotonic() - last_publish >= batch_seconds:
+                due = len(batch) >= batch_size or time.monotonic() - last_publish >= batch_seconds
+                if due and len(batch) >= PUBLISH_FRACTION * len(index.id_list):
                     published, batch = _publish(writer, index, batch, result), []
                     if on_published is not None:
                         on_published(published)

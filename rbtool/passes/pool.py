@@ -17,7 +17,8 @@ threads do not make it faster: worker processes do.
   a heavier task alone), one round trip to a worker per chunk instead of per task, which is most
   of the cost of a small file; at most two chunks per worker are handed out at a time, and a
   worker holds one task's file at a time, so memory stays bounded whatever the number of tasks;
-- `progress(1)` is called in the calling process as each task completes;
+- `progress(1)` is called in the calling process as each task completes (`progress(units(task))`
+  with `units`, for tasks of several files each);
 - Ctrl-C (or any error) stops the workers at once; a worker that dies (killed, out of
   memory) is a one-line RbtoolError, never a hang;
 - `jobs=1`, or a single task, runs in the calling process: no worker is started;
@@ -315,6 +316,7 @@ def run_pass(
     preload: Sequence[str] = (),
     describe: Callable[[T], str] = str,
     files: Callable[[T], Sequence[Path]] | None = None,
+    units: Callable[[T], int] | None = None,
 ) -> list[R]:
     """`[func(t) for t in tasks]` on `jobs` worker processes (see the module docstring).
 
@@ -326,6 +328,8 @@ def run_pass(
     jobs = check_jobs(jobs)
     if weights is not None and len(weights) != len(tasks):
         raise UsageError(f"{len(weights)} weights for {len(tasks)} tasks")
+    if progress is not None and units is not None:
+        progress = _Units(progress, [units(task) for task in tasks])
     workers = min(jobs, len(tasks))
     feed = _feed if files is not None else None
     if feed is not None and tasks:
@@ -341,6 +345,24 @@ def run_pass(
         finally:
             window.close()
     return _run(func, tasks, workers, weights, progress, preload, describe, None)
+
+
+class _Units:
+    """A progress callback and the units (files) each task holds."""
+
+    def __init__(self, progress: Progress, units: list[int]) -> None:
+        self.progress, self.units = progress, units
+
+    def __call__(self, n: int) -> None:
+        self.progress(n)
+
+
+def _tick(progress: Progress, positions: list[int]) -> None:
+    """Tell `progress` the tasks at `positions` are done: one each, or their units."""
+    if isinstance(progress, _Units):
+        progress(sum(progress.units[p] for p in positions))
+    else:
+        progress(len(positions))
 
 
 def _run(
@@ -365,14 +387,14 @@ def _run(
             by_position[position] = func(tasks[position])
             window.done(position)
             if progress is not None:
-                progress(1)
+                _tick(progress, [position])
         return [by_position[i] for i in range(len(tasks))]
     if workers <= 1:
         results = []
-        for task in tasks:
+        for position, task in enumerate(tasks):
             results.append(func(task))
             if progress is not None:
-                progress(1)
+                _tick(progress, [position])
         return results
     order = list(range(len(tasks)))
     if weights is not None:
@@ -442,7 +464,7 @@ def _run(
                     if window is not None:
                         window.done(position)
                 if progress is not None:
-                    progress(len(chunk))
+                    _tick(progress, chunk)
                 submit_next()
             if window is not None:
                 window.fill()  # the next batch, while the workers read the tasks in flight

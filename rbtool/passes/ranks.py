@@ -278,6 +278,7 @@ def ranked_pass(
     files: Callable[[T], Sequence[Path]] | None = None,
     types: Sequence[type] = (),
     hashes: Callable[[T], Sequence[str | None]] | None = None,
+    units: Callable[[T], int] | None = None,
 ) -> list[R]:
     """`[func(t) for t in tasks]` over the torchrun ranks (or this process), resuming from `journal`.
 
@@ -286,8 +287,9 @@ def ranked_pass(
     taken); `hashes(task)` the sha256 the input records for each of them (None where it
     records none): such a file is hashed when its result is journaled, and the result is
     taken only while that hash is the recorded one. `types` are the dataclasses a result may
-    hold (to journal it). Returns every result, in task order, on every rank; `journal.files`
-    and `journal.reused` then count the tasks and those taken from the journal.
+    hold (to journal it). `units(task)`: what a task counts for in `progress` (default 1).
+    Returns every result, in task order, on every rank; `journal.files` and `journal.reused`
+    then count the tasks and those taken from the journal.
     """
     world = current()
     if world.size == 1 and journal is None:
@@ -300,6 +302,7 @@ def ranked_pass(
             preload=preload,
             describe=describe,
             files=files,
+            units=units,
         )
     if weights is not None and len(weights) != len(tasks):
         raise UsageError(f"{len(weights)} weights for {len(tasks)} tasks")
@@ -338,7 +341,7 @@ def ranked_pass(
     if world.size > 1 and workers == 1:
         keep_freed_memory()  # this rank reads its files itself, as a worker would
     if progress is not None and world.leader and recorded:
-        progress(len(recorded))
+        progress(len(recorded) if units is None else sum(units(tasks[i]) for i in recorded))
     writer = journal.writer(world.rank, by_name) if journal is not None else None
     outcome: tuple[list[int], list[Any] | None, tuple[int, BaseException] | None]
     try:
@@ -351,6 +354,7 @@ def ranked_pass(
             preload=preload,
             describe=lambda job: describe(job.task),
             files=None if files is None else lambda job: job.files,
+            units=None if units is None else lambda job: units(job.task),
         )
         outcome = (mine, results, None)
     except _TaskFailed as failed:  # the first failing task of this rank's share, in list order

@@ -394,7 +394,7 @@ def check_file(task: Task) -> Result:
     try:
         data = trajfile.read_file_bytes(task.path)
         result.size = len(data)
-        traj = trajfile.load_bytes(data, task.path)
+        traj = trajfile.load_bytes_quick(data, task.path)
     except RbtoolError as exc:
         result.findings.append(_unchecked(task, one_line(str(exc))))
         return result

@@ -1,8 +1,10 @@
 """The data part of the statistics: rewards, episodes and versions read from the trajectory files.
 
-Each trajectory file is opened memory-mapped and only the fields the statistics need are
-touched (rewards, done-like fields, versions), never the observations; the bytes touched are
-counted. The files are read on worker processes, over torchrun ranks, resumable from a journal.
+A trajectory file on its own is opened memory-mapped and only the fields the statistics need
+are touched (rewards, done-like fields, versions), never the observations; the bytes touched
+are counted. Small `.pt` files of one structure are read and reduced together instead
+(rbtool.ops.stats.segments), to the same numbers. The files are read on worker processes, over
+torchrun ranks, resumable from a journal.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from rbtool.files.index import Index
 from rbtool.ops.stats.episodes import EpisodeTally, episodes_report, find_episodes
 from rbtool.ops.stats.index import IndexTable
 from rbtool.ops.stats.schema import FieldRow, schema_report
+from rbtool.ops.stats.segments import Segment, SegmentData, cut_segments, read_segment
 from rbtool.ops.stats.summary import summarize, value_counts
 from rbtool.passes.journal import Journal
-from rbtool.passes.pool import Throughput, Timer
+from rbtool.passes.pool import CHUNKS_PER_WORKER, Throughput, Timer
 from rbtool.passes.ranks import ranked_pass, total_jobs
 from rbtool.progress import Progress
 
@@ -115,11 +118,6 @@ def read_trajectory(path: Path, t: int, b: int) -> TrajectoryData:
     return TrajectoryData(fields, rewards, episodes, versions, touched)
 
 
-def _read_task(task: tuple[Path, int, int]) -> TrajectoryData:
-    """read_trajectory on a worker process."""
-    return read_trajectory(*task)
-
-
 def data_report(
     file_of: Callable[[int], Path],
     index: Index,
@@ -134,82 +132,96 @@ def data_report(
 ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[int, np.ndarray]]:
     """Schema and data statistics over every trajectory whose file exists.
 
-    Files are read on `jobs` worker processes (rbtool.passes.pool), the largest first when
-    `sizes` (from `file_sizes`) are given, shared among the ranks under torchrun and recorded
-    in `journal` if given (rbtool.passes.ranks); the numbers are those of a single process.
-    Returns (schema rows, data section, per-sample reward scores by id for the draw spread).
+    Files are read in segments of consecutive files (rbtool.ops.stats.segments: small `.pt`
+    files of one structure reduced together) on `jobs` worker processes (rbtool.passes.pool),
+    shared among the ranks under torchrun and, one file a task, recorded in `journal` if
+    given (rbtool.passes.ranks); the numbers are those of a single process reading file by
+    file. Returns (schema rows, data section, per-sample reward scores by id for the draw
+    spread: the window's trajectories).
     """
-    per_fields: list[tuple[int, list[FieldRow]]] = []
-    rewards: list[np.ndarray] = []
-    scores: dict[int, np.ndarray] = {}
-    tallies: list[EpisodeTally] = []
-    versions: list[np.ndarray] = []
-    bytes_read = 0
-    pkl_bytes = 0
-    positions = np.flatnonzero(exists).tolist()
-    ids = [int(table.ids[pos]) for pos in positions]
-    tasks = [
-        (file_of(tid), int(table.t[pos]), int(table.b[pos])) for tid, pos in zip(ids, positions, strict=True)
-    ]
+    positions = np.flatnonzero(exists)
+    ids = table.ids[positions].tolist()
+    paths = [file_of(tid) for tid in ids]
+    shapes = list(zip(table.t[positions].tolist(), table.b[positions].tolist(), strict=True))
+    weights = None if sizes is None else sizes[positions].tolist()
+    segments = cut_segments(paths, shapes, weights, total_jobs(jobs) * CHUNKS_PER_WORKER, journal is not None)
     recorded_hashes: dict[Path, str] = {}  # what a journaled result is bound to, besides the identity
     if journal is not None:
-        for tid, (path, _, _) in zip(ids, tasks, strict=True):
+        for tid, path in zip(ids, paths, strict=True):
             digest = index.entries[tid].get("sha256")
             if isinstance(digest, str):
                 recorded_hashes[path] = digest
     timer = Timer()
     results = ranked_pass(
-        _read_task,
-        tasks,
+        read_segment,
+        segments,
         jobs=jobs,
-        weights=None if sizes is None else [int(sizes[pos]) for pos in positions],
+        weights=None if weights is None else _segment_weights(segments, weights),
         progress=progress,
-        preload=("torch", "rbtool.ops.stats.data"),
-        describe=lambda task: str(task[0]),
+        preload=("torch", "rbtool.ops.stats.data", "rbtool.ops.stats.segments"),
+        describe=lambda segment: str(segment.paths[0]),
         journal=journal,
-        files=lambda task: (task[0],),
-        types=(TrajectoryData, FieldRow, EpisodeTally),
-        hashes=lambda task: (recorded_hashes.get(task[0]),),
+        files=lambda segment: tuple(segment.paths),
+        types=(SegmentData, FieldRow, EpisodeTally),
+        hashes=lambda segment: tuple(recorded_hashes.get(p) for p in segment.paths),
+        units=lambda segment: len(segment.paths),
     )
     seconds = timer.elapsed()
-    for tid, (path, _, _), got in zip(ids, tasks, results, strict=True):
-        per_fields.append((tid, got.fields))
-        bytes_read += got.bytes_read
-        if path.suffix == ".pkl":
-            pkl_bytes += got.bytes_read
-        if got.rewards is not None:
-            rewards.append(got.rewards.reshape(-1))
-            scores[tid] = got.rewards.reshape(-1)
-        if got.episodes is not None:
-            tallies.append(got.episodes)
-        if got.versions is not None:
-            versions.append(got.versions)
-    all_rewards = np.concatenate(rewards) if rewards else np.empty(0)
+    window = in_window[positions]
+    schema_runs: list[tuple[list[FieldRow], int, int]] = []
+    at = 0
+    for got in results:
+        for rows, files in got.fields:
+            schema_runs.append((rows, files, int(np.count_nonzero(window[at : at + files]))))
+            at += files
+    counts = np.array([c for got in results for c in got.reward_counts], dtype=np.int64)
+    all_rewards = np.concatenate([got.rewards for got in results]) if results else np.empty(0)
+    scores: dict[int, np.ndarray] = {}
+    ends = np.cumsum(np.maximum(counts, 0))
+    for k in np.flatnonzero(window & (counts >= 0)).tolist():
+        scores[ids[k]] = all_rewards[ends[k] - counts[k] : ends[k]]
+    tallies = [got.episodes for got in results if got.episodes is not None]
+    episode_files = sum(got.episode_files for got in results)
+    version_files = sum(got.version_files for got in results)
+    bytes_read = sum(got.bytes_read for got in results)
     version_doc: dict[str, Any] | None = None
-    if versions:
-        v = np.concatenate(versions)
+    nonfinite_versions = 0
+    if version_files:
+        v = np.concatenate([got.versions for got in results])
         finite = v[np.isfinite(v)]
+        nonfinite_versions = int(v.size - finite.size)
         newest = float(finite.max()) if finite.size else math.nan
         staleness = newest - finite
         version_doc = {
-            "trajectories": len(versions),
+            "trajectories": version_files,
             "samples": int(v.size),
             "newest": newest if finite.size else None,
             "values": value_counts(finite, "version"),
             "staleness": value_counts(staleness, "staleness"),
             "staleness_summary": summarize(staleness, bins),
         }
+    reward_files = int(np.count_nonzero(counts >= 0))
     data = {
-        "trajectories_read": len(per_fields),
+        "trajectories_read": len(paths),
         **Throughput(total_jobs(jobs), bytes_read, seconds).as_json(),
-        "pkl_bytes_read": pkl_bytes,
-        "rewards": {"trajectories": len(rewards), **summarize(all_rewards, bins)} if rewards else None,
-        "episodes": episodes_report(EpisodeTally.combine(tallies), len(tallies), bins) if tallies else None,
+        "pkl_bytes_read": sum(got.pkl_bytes for got in results),
+        "rewards": {"trajectories": reward_files, **summarize(all_rewards, bins)} if reward_files else None,
+        "episodes": (
+            episodes_report(EpisodeTally.combine(tallies), episode_files, bins) if episode_files else None
+        ),
         "versions": version_doc,
     }
-    data["doctor_hints"] = doctor_hints(data, int(v.size - finite.size) if versions else 0)
-    window_ids = set(table.ids[in_window].tolist())
-    return schema_report(per_fields, window_ids), data, scores
+    data["doctor_hints"] = doctor_hints(data, nonfinite_versions)
+    return schema_report(schema_runs), data, scores
+
+
+def _segment_weights(segments: list[Segment], sizes: list[int]) -> list[int]:
+    """Each segment's bytes (the pass starts the heaviest first)."""
+    out, at = [], 0
+    for segment in segments:
+        out.append(sum(sizes[at : at + len(segment.paths)]))
+        at += len(segment.paths)
+    return out
 
 
 def doctor_hints(data: dict[str, Any], nonfinite_versions: int) -> list[str]:

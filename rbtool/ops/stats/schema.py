@@ -17,18 +17,16 @@ class FieldRow:
     nbytes: int
 
 
-def schema_report(
-    per_trajectory: list[tuple[int, list[FieldRow]]], window_ids: set[int]
-) -> list[dict[str, Any]]:
-    """One row per (field, dtype, per-sample shape), in order of first appearance.
+def schema_report(runs: list[tuple[list[FieldRow], int, int]]) -> list[dict[str, Any]]:
+    """One row per (field, dtype, per-sample shape), in order of first appearance, from runs of
+    consecutive trajectories with the same fields: (fields, trajectories, of which in the window).
 
     `sampled` says whether the field reaches a batch: every window trajectory carries it
     with this dtype and per-sample shape, and it has at least 2 dims.
     """
     rows: dict[tuple[str, str, tuple[int, ...] | None], dict[str, Any]] = {}
     window_count = 0
-    for tid, fields in per_trajectory:
-        in_window = tid in window_ids
+    for fields, trajectories, in_window in runs:
         window_count += in_window
         for f in fields:
             key = (f.path, f.dtype, f.per_sample_shape)
@@ -45,9 +43,9 @@ def schema_report(
                 },
             )
             row["extra_rows"].add(f.extra_rows)
-            row["trajectories"] += 1
+            row["trajectories"] += trajectories
             row["window_trajectories"] += in_window
-            row["bytes"] += f.nbytes
+            row["bytes"] += f.nbytes * trajectories
     out = []
     for row in rows.values():
         row["extra_rows"] = sorted(row["extra_rows"])
