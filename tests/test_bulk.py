@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import FIXTURES, RLINF_DIRS, assert_batches_equal, make_traj
@@ -290,18 +291,38 @@ def test_files_with_holes_and_range_read_buffers_hold_nothing(tmp_path: Path) ->
     whole.sample(8)
 
 
-def test_headers_of_many_pickles_in_one_group_are_read_headers_verdicts(tmp_path: Path) -> None:
-    """More distinct pickles (model_weights_ids of one length) than are found by comparison:
-    the rest are looked up one by one, with the same verdicts."""
+def many_pickles(tmp_path: Path) -> tuple[list[Path], list[bytes]]:
+    """19 files of one size, 12 distinct pickles (model_weights_ids of one length)."""
     paths = []
-    for i in range(2 * ptbulk._PICKLE_GROUPS + 3):
+    for i in range(19):
         path = tmp_path / f"trajectory_{i:02d}_w.pt"
-        torch.save(
-            make_traj(t=1, b=1, seed=i, model_weights_id=f"w{i % (ptbulk._PICKLE_GROUPS + 4):02d}"), path
-        )
+        torch.save(make_traj(t=1, b=1, seed=i, model_weights_id=f"w{i % 12:02d}"), path)
         paths.append(path)
     datas = [p.read_bytes() for p in paths]
     assert len({len(d) for d in datas}) == 1
+    return paths, datas
+
+
+def test_headers_of_many_pickles_in_one_group_are_read_headers_verdicts(tmp_path: Path) -> None:
+    """Files grouped by their pickles: one header read a pickle, the same verdicts."""
+    paths, datas = many_pickles(tmp_path)
+    got = ptbulk.read_headers(paths, datas, {})
+    assert [outcome(h) for h in got] == [reference(p, d) for p, d in zip(paths, datas, strict=True)]
+    assert len({id(h) for h in got}) == 12
+
+
+def test_pickles_of_one_hash_are_told_apart_by_their_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every pickle hashing alike (a collision): files are still compared byte for byte."""
+    paths, datas = many_pickles(tmp_path)
+    monkeypatch.setattr(ptbulk, "_multipliers", lambda words: np.zeros(words, dtype=np.uint64))
+    rows = np.frombuffer(b"".join(datas), dtype=np.uint8).reshape(len(datas), -1)
+    template = ptbulk._template(paths[0], datas[0])
+    assert template is not None
+    start, stop = template.pickle
+    groups, first = ptbulk._same_pickles(rows[:, start:stop])
+    assert first.tolist() == [0] and groups.tolist() == [0 if i % 12 == 0 else -1 for i in range(19)]
     got = ptbulk.read_headers(paths, datas, {})
     assert [outcome(h) for h in got] == [reference(p, d) for p, d in zip(paths, datas, strict=True)]
 
@@ -517,3 +538,25 @@ def test_a_held_load_does_not_list_the_directory_and_a_failed_hold_does(
     (ckpt / read_index(ckpt).file_name(5)).write_bytes(b"not a zip")
     buffer.load_checkpoint(ckpt)
     assert not is_held(buffer) and listed == [ckpt] and len(reads) == 2  # the index read once
+
+
+def test_bytes_read_header_never_reads_may_differ_and_the_rest_may_not(tmp_path: Path) -> None:
+    """A file differing from the template only where read_header reads nothing (a local
+    header's time, a record's padding) has its layout; one differing in a byte read_header
+    reads (a local header's extra length, the directory) is parsed whole, with its verdict."""
+    paths, datas = many_pickles(tmp_path)
+    template = ptbulk._template(paths[0], datas[0])
+    assert template is not None
+    first_local = 0  # torch.save's first record's local header opens the file
+    padding = first_local + 30 + int.from_bytes(datas[0][26:28], "little") + 4  # inside its extra field
+    central = template.central[0]
+    group = [datas[0]]
+    for at in (first_local + 10, padding, first_local + 28, central + 20, len(datas[0]) - 5):
+        changed = bytearray(datas[1])
+        changed[at] ^= 0x40
+        group.append(bytes(changed))
+    rows = np.frombuffer(b"".join(group), dtype=np.uint8).reshape(len(group), -1)
+    assert template.matches(rows).tolist() == [True, True, True, False, False, False]
+    names = [paths[0]] + [paths[1]] * (len(group) - 1)
+    got = ptbulk.read_headers(names, group, {})
+    assert [outcome(h) for h in got] == [reference(p, d) for p, d in zip(names, group, strict=True)]

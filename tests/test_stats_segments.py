@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import make_traj
 
-import rbtool.ops.stats.data as stats_data
+import rbtool.ops.stats.segments as stats_data
 from rbtool.errors import RbtoolError
 from rbtool.files import trajfile
 from rbtool.ops.stats.segments import Segment, SegmentData, _Parts, cut_segments, read_segment

@@ -18,6 +18,7 @@ the buffer the files were read into), and so does the pickle's: a file costs its
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,7 +30,7 @@ from rbtool.files.ptheader import SMALL_FILE_BYTES
 
 _LOCAL = struct.Struct("<4s10xI8xHH")  # signature, crc32, name length, extra length
 _CENTRAL = struct.Struct("<4s12xI8xHHH12x")  # signature, crc32, name, extra, comment lengths
-_LOCAL_CRC, _LOCAL_NAME = 14, 30
+_LOCAL_CRC, _LOCAL_LENGTHS, _LOCAL_NAME = 14, 26, 30
 _FLAGS, _DESCRIPTOR = 6, 0x08  # a local header's flags; bit 3: a data descriptor follows the data
 _CENTRAL_CRC, _CENTRAL_NAME = 16, 46
 
@@ -40,7 +41,10 @@ BULK_FILE_BYTES = SMALL_FILE_BYTES
 class Template:
     """What a file must match to have the layout of the file `data` (parsed whole).
 
-    `same`: the byte ranges that must equal the template's; `names`: where each record's
+    `same`: the byte ranges that must equal the template's: every byte read_header reads
+    (the central directory and all after it, each local header's signature and name and
+    extra lengths, the byteorder and version records) but those that vary from file to
+    file (CRC-32s, the directory part of names, the pickle); `names`: where each record's
     name starts in the central directory (`central`), and `dir_len` the length of its
     directory part (which must be one name in a file; read_header reads names only there,
     so the local headers' copies of the names vary freely);
@@ -65,6 +69,7 @@ class Template:
             raise ptheader.UnusualLayout("records under more than one directory")
         dir_len = len(prefix.encode()) - 1  # the name's directory part, without its "/"
         varies: list[tuple[int, int]] = []
+        read: list[tuple[int, int]] = []  # what read_header reads, besides the directory
         self.names: list[int] = []
         storages = f"{prefix}data/"
         places = []
@@ -72,6 +77,9 @@ class Template:
         for record in records:
             start = ptheader.record_data_start(path, record, lambda o, n: data[o : o + n])
             at = record.header_offset
+            read += [(at, at + 4), (at + _LOCAL_LENGTHS, at + _LOCAL_NAME)]  # signature, lengths
+            if record.name in (f"{prefix}byteorder", f"{prefix}version"):
+                read.append((start, start + record.size))
             varies.append((at + _LOCAL_CRC, at + _LOCAL_CRC + 4))
             if data[at + _FLAGS] & _DESCRIPTOR:  # the CRC-32 follows the data, maybe signed
                 end = start + record.size
@@ -96,10 +104,11 @@ class Template:
             at += _CENTRAL.size + name_len + extra_len + comment_len
         self.dir_len = dir_len
         self.central = (central, at)
-        self.same = _complement(varies, self.size)
+        # the directory, the end records and all after them are read whole (the end record
+        # is found searching back from the end); of the rest, only what `read` holds
+        self.same = _subtract([*read, (central, self.size)], varies)
         self._mask: Any = None
-        self._words: tuple[Any, Any] = (None, None)
-        self._runs: list[tuple[int, int]] = []
+        self._words: tuple[Any, Any, Any] = (None, None, None)
         self.header = header
 
     @staticmethod
@@ -122,20 +131,18 @@ class Template:
                 mask[start:stop] = 0xFF
             whole = self.size // 8 * 8
             self._mask = mask
-            self._words = (self.bytes[:whole].view(np.uint64), mask[:whole].view(np.uint64))
-            self._runs = _word_runs(self._words[1])
-        words, word_mask = self._words
-        whole = words.size * 8
+            words, word_mask = self.bytes[:whole].view(np.uint64), mask[:whole].view(np.uint64)
+            at = np.flatnonzero(word_mask)
+            self._words = (at, words[at], word_mask[at])
+        at, expected, bits = self._words
+        whole = self.size // 8 * 8
         ok = np.ones(rows.shape[0], dtype=bool)
-        width = max((stop - start for start, stop in self._runs), default=0)
-        scratch = np.empty((min(_CHUNK_ROWS, rows.shape[0]), width), dtype=np.uint64)
-        for lo in range(0, rows.shape[0], _CHUNK_ROWS):  # a chunk's bytes stay in the cache
+        for lo in range(0, rows.shape[0], _CHUNK_ROWS):  # a chunk's words stay in the cache
             part = rows[lo : lo + _CHUNK_ROWS, :whole].view(np.uint64)
-            for start, stop in self._runs:
-                differ = scratch[: part.shape[0], : stop - start]
-                np.bitwise_xor(part[:, start:stop], words[start:stop], out=differ)
-                differ &= word_mask[start:stop]
-                ok[lo : lo + part.shape[0]] &= ~differ.any(axis=1)
+            differ = part.take(at, axis=1)  # the words holding bytes to compare, side by side
+            np.bitwise_xor(differ, expected, out=differ)
+            differ &= bits
+            ok[lo : lo + part.shape[0]] &= ~differ.any(axis=1)
         if whole < self.size:
             tail = np.bitwise_xor(rows[:, whole:], self.bytes[whole:]) & self._mask[whole:]
             ok &= ~tail.any(axis=1)
@@ -166,35 +173,28 @@ class Template:
 
 
 _CHUNK_ROWS = 256
-_RUN_GAP = 16  # words of nothing to compare that end a run of words to compare
 
 
-def _word_runs(mask: Any) -> list[tuple[int, int]]:
-    """[start, stop) of the runs of `mask`'s nonzero words, runs less than _RUN_GAP apart joined."""
-    import numpy as np
-
-    nonzero = np.flatnonzero(mask).tolist()
-    runs: list[tuple[int, int]] = []
-    for k in nonzero:
-        if runs and k - runs[-1][1] < _RUN_GAP:
-            runs[-1] = (runs[-1][0], k + 1)
-        else:
-            runs.append((k, k + 1))
-    return runs
-
-
-_PICKLE_GROUPS = 8  # distinct pickles found by comparison in one call, at most
-
-
-def _complement(ranges: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
-    """The parts of `[0, size)` outside `ranges`."""
-    out, at = [], 0
-    for start, stop in sorted(ranges):
-        if start > at:
-            out.append((at, start))
-        at = max(at, stop)
-    if at < size:
-        out.append((at, size))
+def _subtract(ranges: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The bytes of `ranges` outside `holes`, as sorted disjoint [start, stop) ranges."""
+    edges: dict[int, int] = {}
+    for start, stop in ranges:
+        edges[start] = edges.get(start, 0) + 1
+        edges[stop] = edges.get(stop, 0) - 1
+    for start, stop in holes:
+        edges[start] = edges.get(start, 0) - (1 << 20)
+        edges[stop] = edges.get(stop, 0) + (1 << 20)
+    out: list[tuple[int, int]] = []
+    depth = 0
+    opened: int | None = None
+    for at in sorted(edges):
+        depth += edges[at]
+        if depth > 0 and opened is None:
+            opened = at
+        elif depth <= 0 and opened is not None:
+            if at > opened:
+                out.append((opened, at))
+            opened = None
     return out
 
 
@@ -250,36 +250,54 @@ def headers_of(
     start, stop = template.pickle
     pickles = rows[:, start:stop]
     out: list[dict[str, Any] | RbtoolError] = [template.header] * count
-    # the files of one pickle (as a writer's run of one model_weights_id) are found at once,
-    # the template's first; past a few distinct pickles, one a file
     pending = np.flatnonzero(matched)
-    reference = template.bytes[start:stop]
-    header: dict[str, Any] | None = template.header
-    for _ in range(_PICKLE_GROUPS):
-        if not pending.size:
-            break
-        candidates = pickles if pending.size == count else pickles[pending]
-        same = (candidates == reference).all(axis=1)
-        if header is template.header:  # `out` holds it already
-            pass
-        elif header is not None:
-            for k in pending[same].tolist():
-                out[k] = header
-        else:  # a pickle read_header refuses: each file's own verdict
-            for k in pending[same].tolist():
-                out[k] = _parse(where(k), rows[k].tobytes())
-        pending = pending[~same]
-        if pending.size:
-            first = int(pending[0])
-            reference = pickles[first]
-            parsed = _parse(where(first), rows[first].tobytes())
-            header = None if isinstance(parsed, RbtoolError) else parsed
-    for k in pending.tolist():
-        known = ptheader.known_header(pickles[k].tobytes(), template.places)
-        out[k] = known if known is not None else _parse(where(k), rows[k].tobytes())
+    if pending.size:
+        ours = template.bytes[start:stop]
+        groups, first = _same_pickles(pickles if pending.size == count else pickles[pending])
+        by_group: list[dict[str, Any] | None] = []
+        for k in pending[first].tolist():  # one file of each pickle: its header, once
+            pickled = pickles[k]
+            if np.array_equal(pickled, ours):
+                by_group.append(template.header)
+                continue
+            known = ptheader.known_header(pickled.tobytes(), template.places)
+            parsed = known if known is not None else _parse(where(k), rows[k].tobytes())
+            by_group.append(None if isinstance(parsed, RbtoolError) else parsed)
+        for k, group in zip(pending.tolist(), groups.tolist(), strict=True):
+            header = by_group[group] if group >= 0 else None
+            # a file of a pickle read_header refuses, or of no group: its own verdict
+            out[k] = header if header is not None else _parse(where(k), rows[k].tobytes())
     for k in np.flatnonzero(~matched).tolist():
         out[k] = _parse(where(k), rows[k].tobytes())
     return out
+
+
+def _same_pickles(pickles: Any) -> tuple[Any, Any]:
+    """The rows of `pickles` (a uint8 array, one file's data.pkl a row) grouped by their
+    bytes: (each row's group, or -1 for a row grouped with none; the first row of each
+    group). Rows are grouped by a hash of their words, then each is compared in full with
+    its group's first row: a row that differs (a collision) is in no group."""
+    import numpy as np
+
+    count, length = pickles.shape
+    padded = np.zeros((count, -(-length // 8) * 8), dtype=np.uint8)
+    padded[:, :length] = pickles
+    words = padded.view(np.uint64)
+    with np.errstate(over="ignore"):
+        hashes = (words * _multipliers(words.shape[1])).sum(axis=1, dtype=np.uint64)
+    _, first, groups = np.unique(hashes, return_index=True, return_inverse=True)
+    groups = groups.reshape(-1).astype(np.int64)
+    same = (words == words[first[groups]]).all(axis=1)
+    groups[~same] = -1
+    return groups, first
+
+
+@functools.lru_cache(maxsize=64)
+def _multipliers(words: int) -> Any:
+    """The pickles' hash: a sum of their words times these odd numbers (modulo 2**64)."""
+    import numpy as np
+
+    return np.random.default_rng(0x5EED).integers(1, 1 << 63, words, dtype=np.uint64) | np.uint64(1)
 
 
 def _template(path: Path, data: bytes) -> Template | None:

@@ -9,7 +9,7 @@ samplers' own code. `collect_stats` (`collect`) returns everything as one JSON-r
 """
 
 from rbtool.ops.stats.collect import DEFAULT_SEED, collect_stats
-from rbtool.ops.stats.data import TrajectoryData, data_report, read_trajectory
+from rbtool.ops.stats.data import data_report
 from rbtool.ops.stats.draws import (
     CONCENTRATION_DRAW_SHARE,
     CONCENTRATION_SAMPLE_SHARE,
@@ -39,6 +39,7 @@ from rbtool.ops.stats.index import (
     window_mask,
 )
 from rbtool.ops.stats.schema import FieldRow, schema_report
+from rbtool.ops.stats.segments import TrajectoryData, read_trajectory
 from rbtool.ops.stats.summary import DEFAULT_BINS, summarize, value_counts
 
 __all__ = [

@@ -1,9 +1,8 @@
 """The data part of the statistics: rewards, episodes and versions read from the trajectory files.
 
-A trajectory file on its own is opened memory-mapped and only the fields the statistics need
-are touched (rewards, done-like fields, versions), never the observations; the bytes touched
-are counted. Small `.pt` files of one structure are read and reduced together instead
-(rbtool.ops.stats.segments), to the same numbers. The files are read on worker processes, over
+The files are read in segments of consecutive files (rbtool.ops.stats.segments: a file alone
+memory-mapped, touching only the fields the statistics need, never the observations; small
+`.pt` files of one structure reduced together, to the same numbers) on worker processes, over
 torchrun ranks, resumable from a journal.
 """
 
@@ -11,15 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from rbtool.errors import TrajectoryFileError
 from rbtool.files.index import Index
-from rbtool.ops.stats.episodes import EpisodeTally, episodes_report, find_episodes
+from rbtool.ops.stats.episodes import EpisodeTally, episodes_report
 from rbtool.ops.stats.index import IndexTable
 from rbtool.ops.stats.schema import FieldRow, schema_report
 from rbtool.ops.stats.segments import Segment, SegmentData, cut_segments, read_segment
@@ -28,94 +25,6 @@ from rbtool.passes.journal import Journal
 from rbtool.passes.pool import CHUNKS_PER_WORKER, Throughput, Timer
 from rbtool.passes.ranks import ranked_pass, total_jobs
 from rbtool.progress import Progress
-
-if TYPE_CHECKING:
-    import torch
-
-
-@dataclass
-class TrajectoryData:
-    """What the statistics need from one trajectory file."""
-
-    fields: list[FieldRow]
-    rewards: np.ndarray | None  # [T, B] per-sample reward, summed over trailing dims
-    episodes: EpisodeTally | None  # None without any done-like field
-    versions: np.ndarray | None  # [T * B] per-sample version (max over trailing dims)
-    bytes_read: int
-
-
-def _dtype_name(tensor: torch.Tensor) -> str:
-    return str(tensor.dtype).removeprefix("torch.")
-
-
-def _leading(tensor: torch.Tensor, *lead: int) -> torch.Tensor:
-    """`tensor` reshaped to `[*lead, rest]`, the trailing dims flattened into one."""
-    return tensor.reshape(*lead, math.prod(int(d) for d in tensor.shape) // max(1, math.prod(lead)))
-
-
-def read_trajectory(path: Path, t: int, b: int) -> TrajectoryData:
-    """Read one trajectory's rewards, done-like fields and versions; the rest stays unread.
-
-    `.pt` files are memory-mapped, so only the touched tensors are paged in and counted;
-    a `.pkl` file has to be unpickled whole and counts as its file size.
-    """
-    import torch
-
-    from rbtool.files import trajfile
-    from rbtool.format import layout
-
-    traj = trajfile.load(path, mmap=True)
-    info = layout.describe(traj, str(path))
-    if info.shape[:2] != (t, b):
-        raise TrajectoryFileError(
-            f"{path}: tensors are [T, B] = {list(info.shape[:2])} but the index says {[t, b]}"
-        )
-    fields = [
-        FieldRow(
-            ".".join(p),
-            _dtype_name(v),
-            tuple(int(d) for d in v.shape[2:]) if v.dim() >= 2 else None,
-            int(v.shape[0]) - t if (layout.is_done_like(p) and v.dim() >= 2) else 0,
-            v.numel() * v.element_size(),
-        )
-        for p, v in layout.iter_tensors(traj)
-    ]
-    touched = 0
-
-    def take(name: str) -> torch.Tensor | None:
-        nonlocal touched
-        value = traj.get(name)
-        if not isinstance(value, torch.Tensor) or value.dim() < 2:
-            return None
-        touched += value.numel() * value.element_size()
-        return value
-
-    def per_step(name: str) -> np.ndarray | None:
-        """A done-like field as a [T, B] bool mask: bootstrap rows dropped, any over trailing dims."""
-        value = take(name)
-        if value is None:
-            return None
-        try:
-            layout.done_extra_rows(int(value.shape[0]), t, int(value.shape[1]), b)
-        except ValueError as exc:
-            raise TrajectoryFileError(f"{path}: field {name!r}: {exc}") from None
-        mask = _leading(value != 0, int(value.shape[0]), b).any(dim=2).numpy()
-        return layout.drop_bootstrap_rows(mask, t)
-
-    raw_rewards = take("rewards")
-    rewards = None
-    if raw_rewards is not None:
-        rewards = _leading(raw_rewards, t, b).to(torch.float64).sum(dim=2).numpy()
-    dones, terms, truncs = per_step("dones"), per_step("terminations"), per_step("truncations")
-    dones = layout.episode_ends(dones, terms, truncs)
-    episodes = None if dones is None else find_episodes(dones, rewards, terms, truncs)
-    raw_versions = take("versions")
-    versions = None
-    if raw_versions is not None:
-        versions = _leading(raw_versions, t * b).to(torch.float64).amax(dim=1).numpy()
-    if path.suffix == ".pkl":
-        touched = path.stat().st_size
-    return TrajectoryData(fields, rewards, episodes, versions, touched)
 
 
 def data_report(
@@ -158,7 +67,7 @@ def data_report(
         jobs=jobs,
         weights=None if weights is None else _segment_weights(segments, weights),
         progress=progress,
-        preload=("torch", "rbtool.ops.stats.data", "rbtool.ops.stats.segments"),
+        preload=("torch", "rbtool.ops.stats.segments"),
         describe=lambda segment: str(segment.paths[0]),
         journal=journal,
         files=lambda segment: tuple(segment.paths),

@@ -1,5 +1,6 @@
-"""The data statistics of many trajectory files at once: consecutive files in segments, a
-worker each, the small `.pt` files of one structure read and reduced together.
+"""What the data statistics read from trajectory files: one file alone (read_trajectory), or
+consecutive files in segments, a worker each, the small `.pt` files of one structure read and
+reduced together.
 
 A buffer of a million one-transition files made `stats` pay a torch.load per file (1.5 ms:
 26 minutes). Here a segment's small `.pt` files are read whole, one read each; their headers
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from rbtool.errors import RbtoolError
+from rbtool.errors import RbtoolError, TrajectoryFileError
 from rbtool.files import ptbulk
 from rbtool.ops.stats.episodes import EpisodeTally, find_episodes
 from rbtool.ops.stats.schema import FieldRow
@@ -63,6 +64,91 @@ class SegmentData:
     @property
     def files(self) -> int:
         return len(self.reward_counts)
+
+
+@dataclass
+class TrajectoryData:
+    """What the statistics need from one trajectory file."""
+
+    fields: list[FieldRow]
+    rewards: np.ndarray | None  # [T, B] per-sample reward, summed over trailing dims
+    episodes: EpisodeTally | None  # None without any done-like field
+    versions: np.ndarray | None  # [T * B] per-sample version (max over trailing dims)
+    bytes_read: int
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _leading(tensor: torch.Tensor, *lead: int) -> torch.Tensor:
+    """`tensor` reshaped to `[*lead, rest]`, the trailing dims flattened into one."""
+    return tensor.reshape(*lead, math.prod(int(d) for d in tensor.shape) // max(1, math.prod(lead)))
+
+
+def read_trajectory(path: Path, t: int, b: int) -> TrajectoryData:
+    """Read one trajectory's rewards, done-like fields and versions; the rest stays unread.
+
+    `.pt` files are memory-mapped, so only the touched tensors are paged in and counted;
+    a `.pkl` file has to be unpickled whole and counts as its file size.
+    """
+    import torch
+
+    from rbtool.files import trajfile
+    from rbtool.format import layout
+
+    traj = trajfile.load(path, mmap=True)
+    info = layout.describe(traj, str(path))
+    if info.shape[:2] != (t, b):
+        raise TrajectoryFileError(
+            f"{path}: tensors are [T, B] = {list(info.shape[:2])} but the index says {[t, b]}"
+        )
+    fields = [
+        FieldRow(
+            ".".join(p),
+            _dtype_name(v),
+            tuple(int(d) for d in v.shape[2:]) if v.dim() >= 2 else None,
+            int(v.shape[0]) - t if (layout.is_done_like(p) and v.dim() >= 2) else 0,
+            v.numel() * v.element_size(),
+        )
+        for p, v in layout.iter_tensors(traj)
+    ]
+    touched = 0
+
+    def take(name: str) -> torch.Tensor | None:
+        nonlocal touched
+        value = traj.get(name)
+        if not isinstance(value, torch.Tensor) or value.dim() < 2:
+            return None
+        touched += value.numel() * value.element_size()
+        return value
+
+    def per_step(name: str) -> np.ndarray | None:
+        """A done-like field as a [T, B] bool mask: bootstrap rows dropped, any over trailing dims."""
+        value = take(name)
+        if value is None:
+            return None
+        try:
+            layout.done_extra_rows(int(value.shape[0]), t, int(value.shape[1]), b)
+        except ValueError as exc:
+            raise TrajectoryFileError(f"{path}: field {name!r}: {exc}") from None
+        mask = _leading(value != 0, int(value.shape[0]), b).any(dim=2).numpy()
+        return layout.drop_bootstrap_rows(mask, t)
+
+    raw_rewards = take("rewards")
+    rewards = None
+    if raw_rewards is not None:
+        rewards = _leading(raw_rewards, t, b).to(torch.float64).sum(dim=2).numpy()
+    dones, terms, truncs = per_step("dones"), per_step("terminations"), per_step("truncations")
+    dones = layout.episode_ends(dones, terms, truncs)
+    episodes = None if dones is None else find_episodes(dones, rewards, terms, truncs)
+    raw_versions = take("versions")
+    versions = None
+    if raw_versions is not None:
+        versions = _leading(raw_versions, t * b).to(torch.float64).amax(dim=1).numpy()
+    if path.suffix == ".pkl":
+        touched = path.stat().st_size
+    return TrajectoryData(fields, rewards, episodes, versions, touched)
 
 
 def cut_segments(
@@ -131,8 +217,6 @@ class _Parts:
 
 def read_segment(segment: Segment) -> SegmentData:
     """The statistics' data of a segment's files (on a worker process)."""
-    from rbtool.ops.stats.data import read_trajectory
-
     parts = _Parts()
     paths, shapes = segment.paths, segment.shapes
     datas = [_read_small(path) for path in paths]
@@ -162,8 +246,6 @@ def _of_one_size(
     templates: dict[int, ptbulk.Template | None],
 ) -> None:
     """Files of one size (`rows`), a run of one header and [T, B] at a time."""
-    from rbtool.ops.stats.data import read_trajectory
-
     headers = ptbulk.headers_of(rows, paths.__getitem__, templates)
     j = 0
     while j < len(headers):
