@@ -379,3 +379,30 @@ def test_a_batch_holds_at_least_a_fraction_of_the_buffer(tmp_path: Path) -> None
     # a batch is published once it is an eighth of the list it joins: 3 of 19, 3 of 22; the rest at the end
     assert seen == [[16, 17, 18], [19, 20, 21], [22, 23, 24]]
     assert assert_valid(buffer).id_list == list(range(25))
+
+
+def test_sources_are_checked_a_batch_at_a_time_and_fail_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small `.pt` sources get their headers together (none parsed alone), and the first
+    source that fails is the one named, whatever is read after it."""
+    import rbtool.files.sources as sources_module
+    import rbtool.ops.ingestion as ingestion
+
+    monkeypatch.setattr(ingestion, "CHECK_BATCH", 4)
+    alone: list[Path] = []
+    real = sources_module.read_header
+    monkeypatch.setattr(
+        sources_module, "read_header", lambda path, data=None: alone.append(path) or real(path, data)
+    )
+    files = [p for i in range(10) for p in loose_files(tmp_path / "loose", 1, start=2 * i)]  # one size
+    ingest(files, tmp_path / "buf")
+    assert alone == [] and assert_valid(tmp_path / "buf").id_list == list(range(10))
+    broken = [p for i in range(10) for p in loose_files(tmp_path / "again", 1, start=2 * i + 40)]
+    broken[5].write_bytes(broken[5].read_bytes()[:300])
+    broken[7].write_bytes(b"PK" * 100)
+    with pytest.raises(TrajectoryFileError) as caught:
+        ingest(broken, tmp_path / "other")
+    with pytest.raises(TrajectoryFileError) as one:
+        sources_module.check_item(sources_module.Item(broken[5]))
+    assert str(caught.value) == str(one.value)

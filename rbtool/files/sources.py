@@ -153,18 +153,21 @@ class Checked:
     schema: list[list[Any]] | None = None  # layout.field_schema of its contents
 
 
-def check_item(item: Item, data: bytes | None = None) -> Checked:
+def check_item(item: Item, data: bytes | None = None, header: Any = None) -> Checked:
     """Open a trajectory file safely and check its tensors.
 
     A `.pt` file is checked from its header (rbtool.files.ptheader: structure and every tensor's
     declared place, no tensor data loaded), unless its layout is one only torch's loader
-    reads; `.pkl` files are loaded. `data`: the file's bytes, when read already.
+    reads; `.pkl` files are loaded. `data`: the file's bytes, when read already; `header`:
+    read_header's verdict on them (the header, or the error it raises), when known already.
     """
     traj: dict[str, Any] | None = None
     kind: type | None = None
     if item.path.suffix == ".pt":
         try:
-            traj, kind = read_header(item.path, data), TensorSpec
+            if isinstance(header, Exception):
+                raise header
+            traj, kind = header if header is not None else read_header(item.path, data), TensorSpec
         except UnusualLayout:
             traj = None
     if traj is None:

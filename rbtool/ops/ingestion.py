@@ -18,9 +18,10 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 from rbtool.errors import CheckpointError, RbtoolError, UsageError
-from rbtool.files import trajfile
+from rbtool.files import ptbulk, trajfile
 from rbtool.files.dirs import open_checkpoint
 from rbtool.files.fsutil import LOCK_FILE, make_parents, refuse_file_parent
 from rbtool.files.index import Index, init_buffer_dir, read_index
@@ -111,16 +112,55 @@ def _is_empty(directory: Path) -> bool:
         return False
 
 
-def _check_and_hash(item: Item) -> tuple[Checked, str]:
-    """A source file checked, and its sha256: its recorded one when the size still matches.
+CHECK_BATCH = 1024  # sources read and checked together (their headers compared at once)
 
-    The file is read once: its bytes are hashed and its header read from them.
-    """
+
+def _checked(items: Sequence[Item]) -> Iterator[tuple[Item, Checked, str]]:
+    """Each source checked, with its sha256 (its recorded one when the size still matches), in
+    order; the first source that fails raises its error, as checking them one by one does.
+
+    A file is read once: its bytes are hashed and its header read from them. Small `.pt` files
+    are read a batch at a time and their headers read together (rbtool.files.ptbulk: files of
+    one layout compared with a template, not parsed one by one), read_header's verdicts."""
+    templates: dict[int, ptbulk.Template | None] = {}
+    for lo in range(0, len(items), CHECK_BATCH):
+        part = items[lo : lo + CHECK_BATCH]
+        read = [_read_for_check(item) for item in part]
+        small = [k for k, (data, _, _) in enumerate(read) if _bulk_header(part[k], data)]
+        headers: dict[int, Any] = {}
+        if small:
+            found = ptbulk.read_headers(
+                [part[k].path for k in small], [cast(bytes, read[k][0]) for k in small], templates
+            )
+            headers = dict(zip(small, found, strict=True))
+        for k, item in enumerate(part):
+            data, digest, failed = read[k]
+            if failed is not None:
+                raise failed
+            ready = check_item(item, data, header=headers.get(k))
+            if digest is None:
+                digest = trajfile.sha256_bytes(data) if data is not None else trajfile.sha256_file(item.path)
+            yield item, ready, digest
+
+
+def _read_for_check(item: Item) -> tuple[bytes | None, str | None, RbtoolError | None]:
+    """(the file's bytes when they are read, its recorded sha256 when it is taken, the read's
+    error): a file whose recorded hash still holds is read only when it is a small `.pt`."""
     entry = item.entry
-    if entry is not None and entry.get("sha256") and entry.get("file_bytes") == item.path.stat().st_size:
-        return check_item(item), str(entry["sha256"])
-    data = trajfile.read_file_bytes(item.path)
-    return check_item(item, data), trajfile.sha256_bytes(data)
+    try:
+        size = item.path.stat().st_size
+        if entry is not None and entry.get("sha256") and entry.get("file_bytes") == size:
+            small = item.path.suffix == ".pt" and size <= ptbulk.BULK_FILE_BYTES
+            return (trajfile.read_file_bytes(item.path) if small else None), str(entry["sha256"]), None
+        return trajfile.read_file_bytes(item.path), None, None
+    except OSError:
+        return None, None, None  # check_item names the problem, as it did alone
+    except RbtoolError as exc:
+        return None, None, exc
+
+
+def _bulk_header(item: Item, data: bytes | None) -> bool:
+    return data is not None and item.path.suffix == ".pt" and 0 < len(data) <= ptbulk.BULK_FILE_BYTES
 
 
 def _identities(index: Index) -> tuple[dict[str, int], dict[str, int]]:
@@ -203,8 +243,7 @@ def _plan(
     collected = collect_sources(sources, recursive=recursive, exclude=[Path(os.path.realpath(directory))])
     result.skipped.extend(collected.skipped)
     known = _identities(index)
-    for item in collected.items:
-        ready, digest = _check_and_hash(item)
+    for item, ready, digest in _checked(collected.items):
         if on_checked is not None:
             on_checked(1)
         tid = _admit(item, ready, digest, index, known, allow_duplicates, result)
@@ -308,8 +347,8 @@ def ingest(
         collected = collect_sources(sources, recursive=recursive, exclude=[buffer_real])
         result.skipped.extend(collected.skipped)
         checked = []
-        for item in collected.items:
-            checked.append((item, *_check_and_hash(item)))
+        for one in _checked(collected.items):
+            checked.append(one)
             if on_checked is not None:
                 on_checked(1)
         known = _identities(index)
