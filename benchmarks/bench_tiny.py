@@ -75,6 +75,7 @@ class Config:
     jobs: int
     build_only: bool
     commands: list[str] | None  # CLI figures taken (None: all of CLI_COMMANDS)
+    no_torchrl: bool  # rbtool's side only
     cli_only: bool  # only the CLI figures, at every size
     workdir: Path
     quick: bool
@@ -119,6 +120,9 @@ def parse_args(argv: list[str]) -> Config:
         help=f"Comma-separated CLI figures to take (default all: {', '.join(c[0] for c in CLI_COMMANDS)}).",
     )
     parser.add_argument(
+        "--no-torchrl", action="store_true", help="rbtool's side only (no TorchRL process, no ratios)."
+    )
+    parser.add_argument(
         "--cli-only",
         action="store_true",
         help="Only the CLI figures, at every size (no sampling, no TorchRL).",
@@ -152,6 +156,7 @@ def parse_args(argv: list[str]) -> Config:
         build_only=bool(args.build_only),
         commands=commands,
         cli_only=bool(args.cli_only),
+        no_torchrl=bool(args.no_torchrl),
         workdir=args.workdir.resolve(),
         quick=quick,
         json=bool(args.json),
@@ -264,12 +269,24 @@ def ensure_tiny(cfg: Config, n: int) -> tuple[Path, dict[str, Any]]:
     return final, {"reused": False, "build_s": build_s, "files_written": len(todo)}
 
 
+def available_memory() -> int:
+    """Memory the system can give without swapping: MemAvailable (free memory and the page
+    cache it may drop), or the free pages where /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def warm(path: Path, n: int) -> str:
     """Read every file once when the data fits easily in memory, so the page cache is warm."""
     size = n * FILE_DISK_BYTES
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if size > available // 2:
-        return "not warmed (larger than half the free memory)"
+    if size > available_memory() // 2:
+        return "not warmed (larger than half the available memory)"
     log(f"warming the page cache: reading {n:,} files of {path.name}")
     for name in os.listdir(path):
         with open(path / name, "rb") as handle:
@@ -731,6 +748,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     versions = bench_torchrl.torchrl_versions()
     skipped = None if isinstance(versions, dict) else versions
+    if cfg.no_torchrl:
+        skipped = "--no-torchrl"
     if skipped:
         log(f"TorchRL comparison skipped: {skipped}")
     memcpy = bench.memcpy_speed(5)
