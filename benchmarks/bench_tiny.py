@@ -24,6 +24,8 @@ processes, each capped at --budget seconds. Prints one table, or one JSON docume
     .venv/bin/python benchmarks/bench_tiny.py               # 20,000 and 1,000,000 (builds ~8 GB once)
     .venv/bin/python benchmarks/bench_tiny.py --quick       # 2,000, no CLI figures
     .venv/bin/python benchmarks/bench_tiny.py --sizes 1000000 --build-only   # only build the data
+    .venv/bin/python benchmarks/bench_tiny.py --sizes 1000000 --no-cli --no-torchrl   # rbtool's side
+    .venv/bin/python benchmarks/bench_tiny.py --sizes 1000000 --cli-only --commands stats,ingest
 """
 
 from __future__ import annotations
