@@ -247,6 +247,12 @@ class Feed(Protocol):
 _feed: Feed | None = None
 
 
+def streaming() -> bool:
+    """Whether a pass started now fetches its tasks' files through a feed (inside `feeding`):
+    then a task's files must fit the feed's budget with the others in flight."""
+    return _feed is not None
+
+
 @contextmanager
 def feeding(feed: Feed) -> Iterator[Feed]:
     """Passes run inside the block fetch their files from `feed` ahead of their tasks."""

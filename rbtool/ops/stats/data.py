@@ -22,7 +22,7 @@ from rbtool.ops.stats.schema import FieldRow, schema_report
 from rbtool.ops.stats.segments import Segment, SegmentData, cut_segments, read_segment
 from rbtool.ops.stats.summary import summarize, value_counts
 from rbtool.passes.journal import Journal
-from rbtool.passes.pool import CHUNKS_PER_WORKER, Throughput, Timer
+from rbtool.passes.pool import CHUNKS_PER_WORKER, Throughput, Timer, streaming
 from rbtool.passes.ranks import ranked_pass, total_jobs
 from rbtool.progress import Progress
 
@@ -43,17 +43,19 @@ def data_report(
 
     Files are read in segments of consecutive files (rbtool.ops.stats.segments: small `.pt`
     files of one structure reduced together) on `jobs` worker processes (rbtool.passes.pool),
-    shared among the ranks under torchrun and, one file a task, recorded in `journal` if
-    given (rbtool.passes.ranks); the numbers are those of a single process reading file by
-    file. Returns (schema rows, data section, per-sample reward scores by id for the draw
-    spread: the window's trajectories).
+    shared among the ranks under torchrun; one file a task when recorded in `journal`
+    (rbtool.passes.ranks) or fetched through a remote checkpoint's feed. The numbers are those
+    of a single process reading file by file. Returns (schema rows, data section, per-sample
+    reward scores by id for the draw spread: the window's trajectories).
     """
     positions = np.flatnonzero(exists)
     ids = table.ids[positions].tolist()
     paths = [file_of(tid) for tid in ids]
     shapes = list(zip(table.t[positions].tolist(), table.b[positions].tolist(), strict=True))
     weights = None if sizes is None else sizes[positions].tolist()
-    segments = cut_segments(paths, shapes, weights, total_jobs(jobs) * CHUNKS_PER_WORKER, journal is not None)
+    # a journal records files one by one, and a streamed checkpoint's cache holds a few at a time
+    single = journal is not None or streaming()
+    segments = cut_segments(paths, shapes, weights, total_jobs(jobs) * CHUNKS_PER_WORKER, single)
     recorded_hashes: dict[Path, str] = {}  # what a journaled result is bound to, besides the identity
     if journal is not None:
         for tid, path in zip(ids, paths, strict=True):
