@@ -28,10 +28,8 @@ from rbtool.errors import RbtoolError
 from rbtool.files import ptheader
 from rbtool.files.ptheader import SMALL_FILE_BYTES
 
-_LOCAL = struct.Struct("<4s10xI8xHH")  # signature, crc32, name length, extra length
 _CENTRAL = struct.Struct("<4s12xI8xHHH12x")  # signature, crc32, name, extra, comment lengths
-_LOCAL_CRC, _LOCAL_LENGTHS, _LOCAL_NAME = 14, 26, 30
-_FLAGS, _DESCRIPTOR = 6, 0x08  # a local header's flags; bit 3: a data descriptor follows the data
+_LOCAL_LENGTHS, _LOCAL_NAME = 26, 30  # where a local header's name and extra lengths are, and its name
 _CENTRAL_CRC, _CENTRAL_NAME = 16, 46
 
 # Files of these many bytes at most are read whole and compared with a template.
@@ -43,8 +41,9 @@ class Template:
 
     `same`: the byte ranges that must equal the template's: every byte read_header reads
     (the central directory and all after it, each local header's signature and name and
-    extra lengths, the byteorder and version records) but those that vary from file to
-    file (CRC-32s, the directory part of names, the pickle); `names`: where each record's
+    extra lengths, the byteorder and version records) but those of the directory that vary
+    from file to file (CRC-32s, the directory part of names; the pickle is compared apart);
+    `names`: where each record's
     name starts in the central directory (`central`), and `dir_len` the length of its
     directory part (which must be one name in a file; read_header reads names only there,
     so the local headers' copies of the names vary freely);
@@ -68,7 +67,7 @@ class Template:
         if not prefix or any(not r.name.startswith(prefix) for r in records):
             raise ptheader.UnusualLayout("records under more than one directory")
         dir_len = len(prefix.encode()) - 1  # the name's directory part, without its "/"
-        varies: list[tuple[int, int]] = []
+        varies: list[tuple[int, int]] = []  # in the directory: what differs from file to file
         read: list[tuple[int, int]] = []  # what read_header reads, besides the directory
         self.names: list[int] = []
         storages = f"{prefix}data/"
@@ -80,19 +79,10 @@ class Template:
             read += [(at, at + 4), (at + _LOCAL_LENGTHS, at + _LOCAL_NAME)]  # signature, lengths
             if record.name in (f"{prefix}byteorder", f"{prefix}version"):
                 read.append((start, start + record.size))
-            varies.append((at + _LOCAL_CRC, at + _LOCAL_CRC + 4))
-            if data[at + _FLAGS] & _DESCRIPTOR:  # the CRC-32 follows the data, maybe signed
-                end = start + record.size
-                crc = end + 4 if data[end : end + 4] == b"PK\x07\x08" else end
-                varies.append((crc, crc + 4))
-            varies.append((at + _LOCAL_NAME, at + _LOCAL_NAME + dir_len))
             if record is pickles[0]:
-                self.pickle = (start, start + record.size)
-                varies.append(self.pickle)
-            elif record.name.startswith(storages) or record.name == f"{prefix}.data/serialization_id":
-                varies.append((start, start + record.size))
-                if record.name.startswith(storages):
-                    places.append((record.name[len(storages) :], start, record.size))
+                self.pickle = (start, start + record.size)  # compared apart (headers_of)
+            elif record.name.startswith(storages):
+                places.append((record.name[len(storages) :], start, record.size))
         self.places = tuple(places)
         # the central directory's entries: their CRC-32s and names vary too
         at = central = self._central_start(data, len(records))

@@ -408,6 +408,35 @@ def read_header(path: Path, data: bytes | None = None) -> dict[str, Any]:
         os.close(fd)
 
 
+def read_small(path: Path, limit: int = SMALL_FILE_BYTES) -> bytes | None:
+    """A regular file's bytes when it holds at most `limit` of them (read whole, in one read);
+    None otherwise. Errors as read_header names them."""
+    fd, size = open_regular(path)
+    try:
+        if size > limit:
+            return None
+        data = os.pread(fd, size, 0)
+        if len(data) != size:
+            raise TrajectoryFileError(f"{path}: truncated while it was read")
+        return data
+    except OSError as exc:
+        raise TrajectoryFileError(f"{path}: cannot read ({exc.strerror})") from None
+    finally:
+        os.close(fd)
+
+
+def map_specs(value: Any, fn: Any) -> Any:
+    """A header's structure with `fn(spec)` in place of each TensorSpec (dicts and lists
+    rebuilt, every other value as it is): how a header becomes a trajectory of tensors."""
+    if isinstance(value, TensorSpec):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: map_specs(v, fn) for k, v in value.items()}
+    if isinstance(value, list):
+        return [map_specs(v, fn) for v in value]
+    return value
+
+
 LOCAL_HEADER_BYTES = _LOCAL_HEADER.size  # the fixed part of a record's local header
 
 

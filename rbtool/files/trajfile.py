@@ -431,7 +431,7 @@ def load_bytes_quick(data: bytes, path: Path) -> dict[str, Any]:
     """load_bytes' trajectory, built from the file's header where rbtool.files.ptheader reads it
     (a small `.pt` file: its checks are load()'s, and no torch.load, a tenth of the cost of a
     tiny file); any other file, or any problem, is load_bytes' to load or name."""
-    from rbtool.files.ptheader import SMALL_FILE_BYTES, TensorSpec, read_header
+    from rbtool.files.ptheader import SMALL_FILE_BYTES, TensorSpec, map_specs, read_header
 
     if path.suffix != ".pt" or len(data) > SMALL_FILE_BYTES:
         return load_bytes(data, path)
@@ -442,21 +442,15 @@ def load_bytes_quick(data: bytes, path: Path) -> dict[str, Any]:
     torch = require_torch()
     whole = bytearray(data)  # one writable copy the tensors share
 
-    def build(value: Any) -> Any:
-        if isinstance(value, TensorSpec):
-            dtype = getattr(torch, value.dtype)
-            if not value.nbytes:
-                return torch.empty(0, dtype=dtype).as_strided(value.shape, value.stride, value.offset)
-            raw = torch.frombuffer(whole, dtype=torch.uint8, count=value.nbytes, offset=value.start)
-            return raw.view(dtype).as_strided(value.shape, value.stride, value.offset)
-        if isinstance(value, dict):
-            return {k: build(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [build(v) for v in value]
-        return value
+    def tensor(spec: TensorSpec) -> Any:
+        dtype = getattr(torch, spec.dtype)
+        if not spec.nbytes:
+            return torch.empty(0, dtype=dtype).as_strided(spec.shape, spec.stride, spec.offset)
+        raw = torch.frombuffer(whole, dtype=torch.uint8, count=spec.nbytes, offset=spec.start)
+        return raw.view(dtype).as_strided(spec.shape, spec.stride, spec.offset)
 
     try:
-        return build(header)  # type: ignore[no-any-return]
+        return map_specs(header, tensor)  # type: ignore[no-any-return]
     except RuntimeError:  # a record torch cannot view as its dtype (say, misaligned)
         return load_bytes(data, path)
 

@@ -468,13 +468,12 @@ class _Populator:
             return
         page = 4096
         rows = self.columns[0].shape[0]
-        widest = max(c.numel() * c.element_size() // max(1, rows) for c in self.columns)
-        step = max(1, _POPULATE_BYTES // max(1, widest))
+        spans = [(c.data_ptr(), c.numel() * c.element_size() // max(1, rows)) for c in self.columns]
+        step = max(1, _POPULATE_BYTES // max(1, max(row_bytes for _, row_bytes in spans)))
         for first in range(0, rows, step):
-            for column in self.columns:
-                row_bytes = column.numel() * column.element_size() // max(1, rows)
-                start = (column.data_ptr() + first * row_bytes) // page * page
-                stop = column.data_ptr() + min(rows, first + step) * row_bytes
+            for base, row_bytes in spans:
+                start = (base + first * row_bytes) // page * page
+                stop = base + min(rows, first + step) * row_bytes
                 if self.stopped.is_set():
                     return
                 if stop > start and madvise(start, stop - start, _MADV_POPULATE_WRITE) != 0:

@@ -21,7 +21,14 @@ from typing import Any
 
 from rbtool.errors import TrajectoryFileError
 from rbtool.files import trajfile
-from rbtool.files.ptheader import SMALL_FILE_BYTES, TensorSpec, UnusualLayout, open_regular, read_header
+from rbtool.files.ptheader import (
+    SMALL_FILE_BYTES,
+    TensorSpec,
+    UnusualLayout,
+    map_specs,
+    read_header,
+)
+from rbtool.files.ptheader import read_small as read_whole
 from rbtool.format.layout import TrajectoryInfo, describe
 
 # Rows at least this large are read from the file on demand; smaller fields are read whole.
@@ -190,7 +197,7 @@ class FileTrajectory(FileHandle):
         self.header = header
         self.info = describe(header, str(path), TensorSpec)
         self._whole = memoryview(whole) if whole is not None else None
-        self.data = _map_specs(header, self._place)
+        self.data = map_specs(header, self._place)
         self._whole = None
         self.close()
 
@@ -221,28 +228,7 @@ def _file_size(path: Path) -> int:
 
 def read_small(path: Path) -> bytes | None:
     """A regular file's bytes when it is small enough to read whole; None otherwise."""
-    fd, size = open_regular(path)
-    try:
-        if size > SMALL_FILE_BYTES:
-            return None
-        data = os.pread(fd, size, 0)
-        if len(data) != size:
-            raise TrajectoryFileError(f"{path}: truncated while it was read")
-        return data
-    except OSError as exc:
-        raise TrajectoryFileError(f"{path}: cannot read ({exc.strerror})") from None
-    finally:
-        os.close(fd)
-
-
-def _map_specs(value: Any, fn: Any) -> Any:
-    if isinstance(value, TensorSpec):
-        return fn(value)
-    if isinstance(value, dict):
-        return {k: _map_specs(v, fn) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_map_specs(v, fn) for v in value]
-    return value
+    return read_whole(path, SMALL_FILE_BYTES)
 
 
 # Files pinned open so that a loaded checkpoint can be deleted or replaced (rotation)

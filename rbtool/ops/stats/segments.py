@@ -17,8 +17,6 @@ those read_trajectory gives file by file.
 from __future__ import annotations
 
 import math
-import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -26,7 +24,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from rbtool.errors import RbtoolError, TrajectoryFileError
-from rbtool.files import ptbulk
+from rbtool.files import ptbulk, ptheader
 from rbtool.ops.stats.episodes import EpisodeTally, find_episodes
 from rbtool.ops.stats.schema import FieldRow
 
@@ -268,19 +266,9 @@ def _read_small(path: Path) -> bytes | None:
     if path.suffix != ".pt":
         return None
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except OSError:
+        return ptheader.read_small(path) or None
+    except RbtoolError:  # named by read_trajectory, as it names it alone
         return None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > ptbulk.BULK_FILE_BYTES:
-            return None
-        data = os.pread(fd, info.st_size, 0)
-        return data if len(data) == info.st_size and data else None
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
 
 
 def _reduce(parts: _Parts, rows: Any, header: dict[str, Any], t: int, b: int, where: str) -> None:
