@@ -19,6 +19,7 @@ from conftest import flat_batch, make_traj
 from rbtool import TrajectoryReplayBuffer
 from rbtool.buffer import batchmem, rowmap
 from rbtool.buffer.batchmem import BatchMemory
+from rbtool.buffer.storage import gathering
 
 IMAGE = 48  # 6,912-byte rows: 256 of them are 1.7 MiB, past batchmem.MIN_BYTES
 DRAWS = 256
@@ -111,8 +112,14 @@ def test_same_batches_as_without_reuse(
 
 def test_fields_do_not_share_memory(buffer: TrajectoryReplayBuffer) -> None:
     batch = flat_batch(buffer.sample(DRAWS))
-    for value in batch.values():
+    for value in large(batch).values():
         assert value.untyped_storage().nbytes() == value.numel() * value.element_size()
+    # small fields held side by side may come out of one array, of at most STACK_BATCH_BYTES
+    for value in batch.values():
+        assert value.is_contiguous()
+        assert value.untyped_storage().nbytes() <= max(
+            gathering.STACK_BATCH_BYTES, value.numel() * value.element_size()
+        )
     field = next(iter(large(buffer.sample(DRAWS)).values()))
     saved = io.BytesIO()
     torch.save(field[:1], saved)

@@ -560,3 +560,24 @@ def test_bytes_read_header_never_reads_may_differ_and_the_rest_may_not(tmp_path:
     names = [paths[0]] + [paths[1]] * (len(group) - 1)
     got = ptbulk.read_headers(names, group, {})
     assert [outcome(h) for h in got] == [reference(p, d) for p, d in zip(names, group, strict=True)]
+
+
+def test_a_held_window_keeps_small_fields_side_by_side_and_lets_a_dropped_one_go(tmp_path: Path) -> None:
+    """Fields of one small row size are one array (a batch takes them with one copy); a field
+    one trajectory lacks is dropped from the window and its rows let go."""
+    from rbtool.buffer.storage.window import stacks_of
+
+    trajs = [make_traj(t=3, b=2, seed=i, extra_rows=3) for i in range(30)]
+    del trajs[17]["prev_values"]
+    held, drawn = twins(write(tmp_path, trajs))
+    assert is_held(held)
+    columns = held._rows.columns
+    assert ("prev_values",) not in columns
+    stacked = {stack.paths for stack in stacks_of(columns)}
+    assert (("rewards",), ("versions",)) in stacked
+    assert columns[("rewards",)].untyped_storage().nbytes() == 2 * 4 * 30 * 6  # two fields, 180 rows
+    for num_chunks in (1, 9, 256):
+        batch, expected = held.sample(num_chunks), drawn.sample(num_chunks)
+        assert_batches_equal(batch, expected)
+        # the small fields of one row size came out of one copy, side by side
+        assert batch["versions"].data_ptr() - batch["rewards"].data_ptr() == 4 * batch["rewards"].shape[0]

@@ -400,3 +400,72 @@ def test_a_batch_drawing_from_more_files_than_the_descriptor_cache_keeps_open(
         for path in expected:
             assert torch.equal(got[path], expected[path]), path
     buffer.close()
+
+
+def test_small_fields_are_held_side_by_side_and_a_stack_is_exactly_their_bytes() -> None:
+    from rbtool.buffer.storage.window import STACK_ROW_BYTES, new_columns, stacks_of
+
+    specs = {
+        ("a",): (torch.float32, (7,)),
+        ("b",): (torch.int32, (7,)),  # 28 bytes a row, like "a"
+        ("c",): (torch.bool, (1,)),
+        ("d",): (torch.float32, (1,)),
+        ("e",): (torch.uint8, (4,)),  # 4 bytes a row, like "d"
+        ("f",): (torch.int64, (3,)),  # alone in its row size
+        ("g",): (torch.uint8, (STACK_ROW_BYTES + 1,)),  # too wide to stack
+        ("h",): (torch.uint8, (STACK_ROW_BYTES + 1,)),
+    }
+    columns = new_columns(specs, 10)
+    for path, column in columns.items():
+        assert column.is_contiguous() and column.shape == (10, *specs[path][1])
+        column.copy_(
+            torch.randint(0, 2 if column.dtype == torch.bool else 100, column.shape).to(column.dtype)
+        )
+    stacks = {stack.paths: stack for stack in stacks_of(columns)}
+    assert set(stacks) == {(("a",), ("b",)), (("d",), ("e",))}
+    for paths, stack in stacks.items():
+        for k, path in enumerate(paths):
+            expected = columns[path].reshape(10, -1).view(torch.uint8)
+            assert torch.equal(stack.rows[k], expected)
+            assert (stack.array[k] == expected.numpy()).all()
+            assert stack.specs[k] == specs[path]
+    # columns that are not evenly spaced in one array, that overlap, or that are separate
+    # allocations are never read as one
+    whole = torch.zeros(4, 10, 4, dtype=torch.uint8)
+    uneven = {("x",): whole[0], ("y",): whole[1], ("z",): whole[3]}
+    overlapping = {("x",): whole.view(-1)[:40].view(10, 4), ("y",): whole.view(-1)[4:44].view(10, 4)}
+    apart = {("x",): torch.zeros(10, 4, dtype=torch.uint8), ("y",): torch.zeros(10, 4, dtype=torch.uint8)}
+    assert stacks_of(uneven) == stacks_of(overlapping) == stacks_of(apart) == []
+    evenly = {("x",): whole[0, :6], ("y",): whole[2, :6]}  # two of four, a part of each
+    (stack,) = stacks_of(evenly)
+    whole[2, :6] = 7
+    assert stack.rows.shape == (2, 6, 4) and torch.equal(stack.rows[1], whole[2, :6])
+
+
+def test_the_row_cache_keeps_small_fields_side_by_side_through_drops_growth_and_trims() -> None:
+    from rbtool.buffer.storage import FlatView
+    from rbtool.buffer.storage.window import stacks_of
+
+    cache = RowCache()
+    trajs = [make_traj(t=2, b=1, seed=i) for i in range(40)]
+    del trajs[3]["prev_values"]  # stacked with rewards and versions: let go, the rest kept together
+    base = 0
+    for position, traj in enumerate(trajs):
+        cache.append(position, base, FlatView(traj, 2, 1))
+        base += 2
+        if position in (2, 3, 39):
+            stacked = {p for stack in stacks_of(cache.columns) for p in stack.paths}
+            small = {p for p, c in cache.columns.items() if c[0].numel() * c.element_size() <= 64}
+            assert stacked == small - {("forward_inputs", "action_tokens")}  # alone in its row size
+    rewards = cache.columns[("rewards",)]
+    assert ("prev_values",) not in cache.columns
+    assert rewards.untyped_storage().nbytes() == 2 * rewards.numel() * 4  # rewards and versions only
+    cache.trim(30, 60)
+    assert {p for stack in stacks_of(cache.columns) for p in stack.paths} >= {("rewards",), ("versions",)}
+    covered = cache.covering(30, 40, 60)
+    assert covered is not None and covered.stacks
+    for position in range(30, 40):
+        row = 2 * (position - 30)
+        assert torch.equal(
+            covered.columns[("rewards",)][row : row + 2], trajs[position]["rewards"].reshape(2, 1)
+        )

@@ -19,6 +19,7 @@ resizable (`resize_` raises), like any tensor made from a numpy array.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 from collections import deque
@@ -47,6 +48,19 @@ def _only_the_ring() -> int:
     return _refs(deque([np.empty(1, dtype=np.uint8)]), 0)
 
 
+@functools.lru_cache(maxsize=64)
+def numpy_dtype(dtype: torch.dtype) -> Any:
+    """The numpy dtype of a torch dtype, or None when numpy has none (bfloat16, float8...).
+    A tensor made by viewing a numpy array costs one torch call where torch's own
+    view and reshape cost two more (each several microseconds when the caches are cold)."""
+    import torch
+
+    try:
+        return torch.empty(0, dtype=dtype).numpy().dtype
+    except TypeError:
+        return None
+
+
 class BatchMemory:
     """Tensors for batch fields, each field's memory reused once no tensor refers to it."""
 
@@ -67,6 +81,8 @@ class BatchMemory:
             return torch.empty(shape, dtype=dtype)
         with self._lock:
             array = self._take(key, nbytes)
+        # the tensor must hold `array` itself (its reference count is the test of use):
+        # a numpy view of it would hold the array it was cut from instead
         return torch.from_numpy(array).view(dtype).reshape(shape)
 
     def _take(self, key: Any, nbytes: int) -> Any:

@@ -9,8 +9,7 @@ A sampler only computes draws; reading the drawn rows is the storage's job
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, overload
 
 from rbtool.errors import EmptyBufferError, UsageError
@@ -20,14 +19,47 @@ if TYPE_CHECKING:
     import torch
 
 
-@dataclass
 class Draw:
-    """The result of drawing sample positions in a window."""
+    """The result of drawing sample positions in a window: the window-relative sample ids
+    drawn (`global_indices`), and for each its window position and row in its trajectory.
 
-    window_ids: Sequence[int]
-    global_indices: torch.Tensor
-    positions: torch.Tensor  # index into window_ids, per draw
-    local_indices: torch.Tensor
+    The positions and rows may be worked out on first use (`locate`): a batch taken from
+    rows held in memory needs only the sample ids.
+    """
+
+    def __init__(
+        self,
+        window_ids: Sequence[int],
+        global_indices: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        local_indices: torch.Tensor | None = None,
+        locate: Callable[[], tuple[np.ndarray, np.ndarray]] | None = None,
+    ) -> None:
+        if (positions is None or local_indices is None) and locate is None:
+            raise ValueError("a Draw needs its positions and rows, or how to work them out")
+        self.window_ids = window_ids
+        self.global_indices = global_indices
+        self._located = None if positions is None or local_indices is None else (positions, local_indices)
+        self._locate = locate
+
+    def _found(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._located is None:
+            import torch
+
+            assert self._locate is not None
+            positions, local = self._locate()
+            self._located = (torch.from_numpy(positions), torch.from_numpy(local))
+        return self._located
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Each draw's index into window_ids."""
+        return self._found()[0]
+
+    @property
+    def local_indices(self) -> torch.Tensor:
+        """Each draw's row in its trajectory's sampled rows."""
+        return self._found()[1]
 
     @property
     def trajectory_ids(self) -> list[int]:
@@ -179,8 +211,8 @@ def draw_range(
     check_num_chunks(num_chunks)
     total = check_total(counts.total(lo, hi))
     drawn = torch.randint(0, total, (min(num_chunks, total),), generator=generator)
-    positions, local = counts.locate(lo, hi, drawn.numpy())
-    return Draw(IdRange(ids, lo, hi), drawn, torch.from_numpy(positions), torch.from_numpy(local))
+    # the counts of positions up to hi never change once added: worked out when first asked
+    return Draw(IdRange(ids, lo, hi), drawn, locate=lambda: counts.locate(lo, hi, drawn.numpy()))
 
 
 def draw_uniform(

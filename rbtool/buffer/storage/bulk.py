@@ -33,7 +33,7 @@ import rbtool.buffer.storage.helpread as helpread
 from rbtool.buffer.rowmap import load_libc
 from rbtool.buffer.storage.held import raw_layout
 from rbtool.buffer.storage.view import FieldPath, FlatView, flat_rows
-from rbtool.buffer.storage.window import Signature, signature_of
+from rbtool.buffer.storage.window import Signature, new_columns, restacked, signature_of
 from rbtool.errors import RbtoolError
 from rbtool.files import ptbulk
 from rbtool.format.bounded import gc_paused
@@ -104,6 +104,7 @@ class Columns:
         self.started = False
         self._arrays: dict[FieldPath, Any] = {}
         self.populating: _Populator | None = None
+        self.dropped = False  # a field was dropped after the columns were made
 
     def stop(self) -> None:
         if self.populating is not None:
@@ -119,14 +120,22 @@ class Columns:
             if row_bytes * self.total_rows > self.budget:
                 raise _Giveup
             self.specs = dict(specs)
-            self.columns = {
-                p: _huge(torch.empty((self.total_rows, *shape), dtype=dtype))
-                for p, (dtype, shape) in specs.items()
-            }
+            self.columns = new_columns(
+                specs, self.total_rows, lambda shape, dtype: _huge(torch.empty(shape, dtype=dtype))
+            )
             self.populating = _Populator(list(self.columns.values()))
             return
         for path in [p for p, spec in self.specs.items() if specs.get(p) != spec]:
             del self.specs[path], self.columns[path]
+            self._arrays.pop(path, None)
+            self.dropped = True
+
+    def finish(self) -> None:
+        """The columns are filled: the rows of fields dropped along the way are let go."""
+        if self.dropped:
+            self.stop()
+            self.columns = restacked(self.columns, self.specs, self.at)
+            self._arrays.clear()
 
     def numpy(self, path: FieldPath, rows: int) -> Any:
         """Rows `[at, at + rows)` of a column as a uint8 array of `[rows, row bytes]` (each
@@ -180,6 +189,7 @@ def hold_window(
         columns.stop()
     if columns.at != total_rows:
         return None
+    columns.finish()
     return columns.columns, columns.specs
 
 

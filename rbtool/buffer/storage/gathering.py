@@ -15,12 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rbtool.buffer.batchmem import numpy_dtype
 from rbtool.buffer.rowmap import RowMap
 from rbtool.buffer.sampling import ids_at
 from rbtool.buffer.storage.held import HeldBlock, RawTrajectory, overlapping_rows
 from rbtool.buffer.storage.ptfile import files_read_together, read_rows
 from rbtool.buffer.storage.view import FieldPath, FlatField, FlatView, Schema, nest
-from rbtool.buffer.storage.window import CachedRows
+from rbtool.buffer.storage.window import CachedRows, Stack
 from rbtool.format.layout import done_rows
 
 if TYPE_CHECKING:
@@ -78,6 +79,13 @@ def _gather(
 
     if isinstance(cached, dict):
         cached = CachedRows(cached, 0, len(draw.window_ids), 0) if cached else None
+    if (
+        cached is not None
+        and cached.first == 0
+        and cached.stop == len(draw.window_ids)
+        and all(path in cached.columns for path in schema)
+    ):
+        return _gather_held(draw, schema, cached, empty)
     positions = draw.positions.numpy()
     local = draw.local_indices.numpy()
     count = positions.size
@@ -99,7 +107,12 @@ def _gather(
         return groups[key]
 
     out: dict[FieldPath, torch.Tensor] = {}
+    if cached is not None and cached.stacks and covered is not None and covered.size == count:
+        assert cache_rows is not None
+        _take_stacks(cached.stacks, schema, cache_rows, out)
     for path, (dtype, shape) in schema.items():
+        if path in out:
+            continue
         in_cache = cached is not None and covered is not None and path in cached.columns
         if in_cache and covered is not None and covered.size == count:
             assert cached is not None and cache_rows is not None
@@ -117,6 +130,42 @@ def _gather(
     return nest({path: out[path] for path in schema})
 
 
+def _gather_held(
+    draw: Draw,
+    schema: Schema,
+    cached: CachedRows,
+    empty: Callable[[FieldPath, tuple[int, ...], Any], torch.Tensor],
+) -> dict[str, Any]:
+    """The batch when `cached` holds every field of the whole window: one copy a stack of
+    fields held side by side, one a field for the others (a small one into a numpy array of
+    its own, a large one into `empty`'s memory)."""
+    import numpy as np
+    import torch
+
+    rows = draw.global_indices if not cached.shift else draw.global_indices + cached.shift
+    count = rows.shape[0]
+    out: dict[FieldPath, torch.Tensor] = {}
+    if cached.stacks:
+        _take_stacks(cached.stacks, schema, rows, out)
+    byte_rows = cached.byte_rows or {}
+    index = None
+    for path, (dtype, shape) in schema.items():
+        if path in out:
+            continue
+        source = byte_rows.get(path)
+        row_bytes = math.prod(shape) * dtype.itemsize
+        kind = numpy_dtype(dtype)
+        if source is not None and kind is not None and 0 < count * row_bytes <= SERIAL_GATHER_BYTES:
+            if index is None:
+                index = rows.numpy()
+            taken = np.empty((count, row_bytes), dtype=np.uint8)
+            source.take(index, axis=0, out=taken)
+            out[path] = torch.from_numpy(taken.view(kind).reshape(count, *shape))
+        else:
+            out[path] = _take(cached.columns[path], rows, empty(path, (count, *shape), dtype), source)
+    return nest({path: out[path] for path in schema})
+
+
 # A field's gather of at most this many bytes is a copy on this thread (numpy's take): an
 # index_select that large would run as a parallel region, whose threads (OpenMP, spinning
 # at its barrier) cost more than the copy when other processes share the cores.
@@ -126,17 +175,60 @@ SERIAL_GATHER_BYTES = 1 << 20
 def _take(column: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, source: Any = None) -> torch.Tensor:
     """Rows `rows` of a contiguous `column` into `out` (`[len(rows), ...]`, contiguous);
     `source`: the column's rows as bytes, when known already."""
-    import numpy as np
     import torch
 
-    row_bytes = out[0].numel() * out.element_size() if out.shape[0] else 0
-    if not row_bytes or out.shape[0] * row_bytes > SERIAL_GATHER_BYTES:
+    row_bytes = math.prod(out.shape[1:]) * out.element_size()
+    if not row_bytes or not out.shape[0] or out.shape[0] * row_bytes > SERIAL_GATHER_BYTES:
         return torch.index_select(column, 0, rows, out=out)
     if source is None:
         source = column.reshape(-1).view(torch.uint8).reshape(column.shape[0], row_bytes).numpy()
     target = out.reshape(-1).view(torch.uint8).reshape(out.shape[0], row_bytes).numpy()
-    np.take(source, rows.numpy(), axis=0, out=target)
+    source.take(rows.numpy(), axis=0, out=target)
     return out
+
+
+# A stack's fields come out of one gather as views of one array when the batch's rows of
+# them take at most this many bytes in all: `torch.save` or a pickle of one such field
+# carries the array, so it stays small. Larger ones are gathered field by field, each into
+# memory of its own.
+STACK_BATCH_BYTES = 64 << 10
+
+
+def _take_stacks(
+    stacks: Sequence[Stack],
+    schema: Schema,
+    rows: torch.Tensor,
+    out: dict[FieldPath, torch.Tensor],
+) -> None:
+    """Rows `rows` of the fields held side by side (`stacks`) into `out`, one copy a stack
+    (of the stacks whose fields the batch takes as the stack holds them, and whose rows
+    take at most STACK_BATCH_BYTES): the batch's tensors of a stack are contiguous views of
+    one `[fields, rows, row bytes]` array."""
+    import numpy as np
+    import torch
+
+    count = rows.shape[0]
+    index = None
+    for stack in stacks:
+        fields, _, row_bytes = stack.rows.shape
+        if fields * count * row_bytes > STACK_BATCH_BYTES or not _takes_all(schema, stack):
+            continue
+        if index is None:
+            index = rows.numpy()
+        taken = np.empty((fields, count, row_bytes), dtype=np.uint8)
+        stack.array.take(index, axis=1, out=taken)
+        for k, path in enumerate(stack.paths):
+            dtype, shape = stack.specs[k]
+            kind = stack.kinds[k]
+            if kind is None:  # a dtype numpy lacks (bfloat16, ...): viewed by torch
+                out[path] = torch.from_numpy(taken[k]).view(dtype).reshape(count, *shape)
+            else:
+                out[path] = torch.from_numpy(taken[k].view(kind).reshape(count, *shape))
+
+
+def _takes_all(schema: Schema, stack: Stack) -> bool:
+    """Whether the batch takes every field of `stack`, as the stack holds it."""
+    return all(schema.get(path) == spec for path, spec in zip(stack.paths, stack.specs, strict=True))
 
 
 @dataclass

@@ -3,7 +3,9 @@
 Each trajectory's Signature (the fields a batch takes from it, from memory, the index's
 recorded schema or the file's header); WindowSchema, the fields the window's trajectories
 share, kept as the window moves; RowCache (and window_cache), the rows of fields held in
-memory concatenated over the window, so that a batch costs one index_select per field.
+memory concatenated over the window, so that a batch costs one index_select per field;
+new_columns and stacks_of, the columns of small rows side by side, so that a batch takes
+the fields of one row size with one call.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import math
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
+from rbtool.buffer.batchmem import numpy_dtype
 from rbtool.buffer.storage.view import FieldPath, FlatView, Schema, flat_rows, nest, sampled_items
 from rbtool.files.ptheader import TensorSpec
 
@@ -166,6 +170,96 @@ def window_cache(
     return {p: torch.cat([flat_rows(v, p) for v in views]) for p in held}
 
 
+# Fields of at most this many bytes a row are held side by side, those of one row size in
+# one `[fields, rows, row bytes]` array: a batch takes them with one call where it took one
+# a field (bench.py's eleven small fields: five calls). Larger rows keep columns of their own.
+STACK_ROW_BYTES = 4096
+
+
+def new_columns(
+    specs: dict[FieldPath, tuple[Any, tuple[int, ...]]],
+    rows: int,
+    make: Callable[[tuple[int, ...], Any], torch.Tensor] | None = None,
+) -> dict[FieldPath, torch.Tensor]:
+    """Uninitialised `[rows, ...]` columns for fields `specs` (path -> (dtype, row shape)),
+    fields of one row size of at most STACK_ROW_BYTES made as views of one array (each view
+    contiguous). `make(shape, dtype)` allocates (torch.empty by default)."""
+    import torch
+
+    if make is None:
+        make = lambda shape, dtype: torch.empty(shape, dtype=dtype)  # noqa: E731
+    by_size: dict[int, list[FieldPath]] = {}
+    for path, spec in specs.items():
+        row_bytes = _row_bytes([spec])
+        if rows and 0 < row_bytes <= STACK_ROW_BYTES:
+            by_size.setdefault(row_bytes, []).append(path)
+    stacked: dict[FieldPath, torch.Tensor] = {}
+    for row_bytes, paths in by_size.items():
+        if len(paths) > 1:
+            array = make((len(paths), rows, row_bytes), torch.uint8)
+            for k, path in enumerate(paths):
+                dtype, shape = specs[path]
+                stacked[path] = array[k].view(dtype).reshape(rows, *shape)
+    return {
+        path: stacked[path] if path in stacked else make((rows, *shape), dtype)
+        for path, (dtype, shape) in specs.items()
+    }
+
+
+def restacked(
+    columns: dict[FieldPath, torch.Tensor], specs: dict[FieldPath, tuple[Any, tuple[int, ...]]], used: int
+) -> dict[FieldPath, torch.Tensor]:
+    """`columns` with their small-row fields made side by side again (their first `used` rows
+    copied), once some fields were dropped: the dropped fields' rows are let go."""
+    small = {p: specs[p] for p in columns if _row_bytes([specs[p]]) <= STACK_ROW_BYTES}
+    rows = next(iter(columns.values())).shape[0] if columns else 0
+    fresh = new_columns(small, rows)
+    for path, column in fresh.items():
+        column[:used] = columns[path][:used]
+    return {p: fresh.get(p, c) for p, c in columns.items()}
+
+
+@dataclass(frozen=True)
+class Stack:
+    """Columns held side by side: `rows` is a `[fields, rows, row bytes]` uint8 view of them
+    (`array`, the same as numpy), `paths` and `specs` the fields in that order."""
+
+    rows: torch.Tensor
+    array: Any
+    paths: tuple[FieldPath, ...]
+    specs: tuple[tuple[Any, tuple[int, ...]], ...]
+    kinds: tuple[Any, ...]  # each field's numpy dtype (None: one numpy lacks)
+
+
+def stacks_of(columns: dict[FieldPath, torch.Tensor]) -> list[Stack]:
+    """The columns that lie side by side in memory (as new_columns makes them): columns of
+    one storage, row size and length, at a constant distance from each other, each run as one
+    view. Found from where the tensors are, so a view is only ever of the columns' own bytes."""
+    import torch
+
+    groups: dict[tuple[int, int, int], list[tuple[int, FieldPath, torch.Tensor]]] = {}
+    for path, column in columns.items():
+        if not column.numel() or not column.is_contiguous():
+            continue
+        row_bytes = column.numel() // column.shape[0] * column.element_size()
+        if row_bytes <= STACK_ROW_BYTES:
+            key = (column.untyped_storage().data_ptr(), row_bytes, column.shape[0])
+            groups.setdefault(key, []).append((column.data_ptr(), path, column))
+    stacks = []
+    for (_, row_bytes, rows), members in groups.items():
+        members.sort(key=lambda m: m[0])
+        gaps = {b[0] - a[0] for a, b in pairwise(members)}
+        step = min(gaps, default=0)
+        if len(gaps) != 1 or step < rows * row_bytes:
+            continue
+        first = members[0][2].reshape(-1).view(torch.uint8)
+        view = torch.as_strided(first, (len(members), rows, row_bytes), (step, row_bytes, 1))
+        specs = tuple((c.dtype, tuple(c.shape[1:])) for _, _, c in members)
+        kinds = tuple(numpy_dtype(c.dtype) for _, _, c in members)
+        stacks.append(Stack(view, view.numpy(), tuple(p for _, p, _ in members), specs, kinds))
+    return stacks
+
+
 @dataclass
 class CachedRows:
     """Rows of a run of the window's trajectories, already concatenated in memory.
@@ -179,6 +273,8 @@ class CachedRows:
     shift: int
     # each column's rows as bytes (`[rows, row bytes]` uint8 numpy views), where known
     byte_rows: dict[FieldPath, Any] | None = None
+    # the columns held side by side (stacks_of)
+    stacks: Sequence[Stack] = ()
 
 
 class RowCache:
@@ -219,22 +315,23 @@ class RowCache:
             self.specs = specs
             self.columns = {}
         else:
-            for path in [p for p, spec in self.specs.items() if specs.get(p) != spec]:
+            dropped = [p for p, spec in self.specs.items() if specs.get(p) != spec]
+            for path in dropped:
                 del self.specs[path]
                 self.columns.pop(path, None)
+            if dropped and self.columns:
+                self.columns = restacked(self.columns, self.specs, self.rows)
         n = view.t * view.b
         if (self.rows + n) * _row_bytes(self.specs.values()) > self.max_bytes:
             self.full = True
             return
+        if any(p not in self.columns or self.columns[p].shape[0] < self.rows + n for p in self.specs):
+            grown = new_columns(self.specs, max(2 * (self.rows + n), 64))
+            for path, column in self.columns.items():
+                grown[path][: self.rows] = column[: self.rows]
+            self.columns = grown
         for path in self.specs:
-            rows = flat_rows(view, path)
-            column = self.columns.get(path)
-            if column is None or column.shape[0] < self.rows + n:
-                grown = torch.empty((max(2 * (self.rows + n), 64), *rows.shape[1:]), dtype=rows.dtype)
-                if column is not None:
-                    grown[: self.rows] = column[: self.rows]
-                column = self.columns[path] = grown
-            column[self.rows : self.rows + n] = rows
+            self.columns[path][self.rows : self.rows + n] = flat_rows(view, path)
         self.rows += n
         self.hi += 1
 
@@ -267,7 +364,10 @@ class RowCache:
         dead = base - self.base
         if lo > self.lo and dead > self.rows - dead:
             self._covered = None
-            self.columns = {p: c[dead : self.rows].clone() for p, c in self.columns.items()}
+            kept = new_columns({p: self.specs[p] for p in self.columns}, self.rows - dead)
+            for path, column in kept.items():
+                column.copy_(self.columns[path][dead : self.rows])
+            self.columns = kept
             self.rows -= dead
             self.lo, self.base = lo, base
 
@@ -285,6 +385,6 @@ class RowCache:
                 for p, c in columns.items()
                 if c.numel()
             }
-            self._covered = (self.rows, columns, byte_rows)
-        _, columns, byte_rows = self._covered
-        return CachedRows(columns, first - lo, stop - lo, window_base - self.base, byte_rows)
+            self._covered = (self.rows, columns, byte_rows, stacks_of(columns))
+        _, columns, byte_rows, stacks = self._covered
+        return CachedRows(columns, first - lo, stop - lo, window_base - self.base, byte_rows, stacks)
