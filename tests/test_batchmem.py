@@ -172,3 +172,38 @@ def test_room_is_made_from_free_arrays_of_other_fields(monkeypatch: pytest.Monke
     assert [len(memory._rings[k]) for k in "abc"] == [1, 0, 1]
     assert memory._rings["c"][0].ctypes.data == new.data_ptr()
     assert memory._rings["a"][0].ctypes.data == held.data_ptr()
+
+
+KEEPERS = {
+    "a view": lambda t: t[3:],
+    "a byte view": lambda t: t.view(torch.uint8),
+    "its storage": lambda t: t.untyped_storage(),
+    "numpy": lambda t: t.numpy(),
+}
+
+
+@pytest.mark.parametrize("keeper", list(KEEPERS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool, torch.bfloat16])
+def test_memory_of_any_dtype_is_reused_only_once_nothing_refers_to_it(
+    dtype: torch.dtype, keeper: str
+) -> None:
+    """The ring holds the array a tensor is made from, typed where numpy has the dtype:
+    whatever refers to the tensor's memory keeps the array from being handed out again."""
+    if keeper == "numpy" and dtype == torch.bfloat16:
+        pytest.skip("numpy has no bfloat16")
+    memory = BatchMemory()
+    shape = (256, batchmem.MIN_BYTES // 256 + 8)
+    first = memory.empty("f", shape, dtype)
+    assert first.dtype == dtype and first.shape == shape and first.is_contiguous()
+    address = first.data_ptr()
+    del first
+    again = memory.empty("f", shape, dtype)
+    assert again.data_ptr() == address  # free: reused
+    held = KEEPERS[keeper](again)
+    del again
+    other = memory.empty("f", shape, dtype)
+    assert other.data_ptr() != address  # still referred to: not handed out
+    del other, held
+    assert memory.empty("f", shape, dtype).data_ptr() == address  # nothing refers to it any more
+    reshaped = memory.empty("f", (shape[0] * 2, shape[1] // 2), dtype)
+    assert reshaped.shape == (shape[0] * 2, shape[1] // 2) and reshaped.dtype == dtype

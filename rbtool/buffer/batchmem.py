@@ -79,22 +79,35 @@ class BatchMemory:
         nbytes = math.prod(shape) * dtype.itemsize
         if not MIN_BYTES < nbytes <= MAX_BYTES:
             return torch.empty(shape, dtype=dtype)
+        kind = numpy_dtype(dtype)
+        shape = tuple(shape)
         with self._lock:
-            array = self._take(key, nbytes)
-        # the tensor must hold `array` itself (its reference count is the test of use):
-        # a numpy view of it would hold the array it was cut from instead
-        return torch.from_numpy(array).view(dtype).reshape(shape)
+            array = self._take(key, nbytes, shape, kind)
+        if kind is None:  # a dtype numpy lacks: the ring holds bytes, viewed by torch
+            return torch.from_numpy(array).view(dtype).reshape(shape)
+        return torch.from_numpy(array)
 
-    def _take(self, key: Any, nbytes: int) -> Any:
+    def _take(self, key: Any, nbytes: int, shape: tuple[int, ...], kind: Any) -> Any:
+        """A free array of the ring of `key` shaped `shape` of numpy dtype `kind` (bytes when
+        None), or a new one. The ring holds the very array the tensor is made from: a numpy
+        view of it would refer to the array it was cut from, not to it, and its reference
+        count would not tell a batch still held."""
         import numpy as np
 
+        want = (nbytes,) if kind is None else shape
         ring = self._rings.setdefault(key, deque())
         for i in range(len(ring)):
-            if ring[i].nbytes == nbytes and _refs(ring, i) == self._free_refs:
+            if (
+                ring[i].shape == want
+                and ring[i].dtype == (kind or np.uint8)
+                and _refs(ring, i) == self._free_refs
+            ):
                 return ring[i]
         whole = np.empty(nbytes + ALIGN - 1, dtype=np.uint8)
         skip = -whole.ctypes.data % ALIGN
         array = whole[skip : skip + nbytes]
+        if kind is not None:
+            array = array.view(kind).reshape(shape)
         if len(ring) == KEEP:
             self._kept -= ring.popleft().nbytes  # the oldest: its batch is someone's to keep
         if self._kept + nbytes > KEEP_BYTES:

@@ -85,6 +85,8 @@ def _is_bool(value: object) -> bool:
 def as_num_chunks(value: object) -> int:
     """A number of chunks as an int: any integer RLinf's sampler takes (int, numpy integers,
     a 0-d integer tensor), >= 0. Booleans, floats and tensors of other shapes are refused."""
+    if type(value) is int and value >= 0:
+        return value
     shape = getattr(value, "shape", ())
     try:
         if _is_bool(value) or tuple(shape) != ():

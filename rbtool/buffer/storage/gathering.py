@@ -83,7 +83,7 @@ def _gather(
         cached is not None
         and cached.first == 0
         and cached.stop == len(draw.window_ids)
-        and all(path in cached.columns for path in schema)
+        and schema.keys() <= cached.columns.keys()
     ):
         return _gather_held(draw, schema, cached, empty)
     positions = draw.positions.numpy()
@@ -188,9 +188,8 @@ def _take(column: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, source: A
 
 
 # A stack's fields come out of one gather as views of one array when the batch's rows of
-# them take at most this many bytes in all: `torch.save` or a pickle of one such field
-# carries the array, so it stays small. Larger ones are gathered field by field, each into
-# memory of its own.
+# them take at most this many bytes: a field a caller keeps keeps that array, so it stays
+# small. Larger ones are gathered field by field, each into memory of its own.
 STACK_BATCH_BYTES = 64 << 10
 
 
@@ -202,15 +201,14 @@ def _take_stacks(
 ) -> None:
     """Rows `rows` of the fields held side by side (`stacks`) into `out`, one copy a stack
     (of the stacks whose fields the batch takes as the stack holds them, and whose rows
-    take at most STACK_BATCH_BYTES): the batch's tensors of a stack are contiguous views of
-    one `[fields, rows, row bytes]` array."""
+    take at most STACK_BATCH_BYTES): each field's tensor a contiguous part of one array."""
     import numpy as np
     import torch
 
     count = rows.shape[0]
     index = None
     for stack in stacks:
-        fields, _, row_bytes = stack.rows.shape
+        fields, _, row_bytes = stack.array.shape
         if fields * count * row_bytes > STACK_BATCH_BYTES or not _takes_all(schema, stack):
             continue
         if index is None:
