@@ -311,18 +311,31 @@ def test_headers_of_many_pickles_in_one_group_are_read_headers_verdicts(tmp_path
     assert len({id(h) for h in got}) == 12
 
 
-def test_pickles_of_one_hash_are_told_apart_by_their_bytes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Every pickle hashing alike (a collision): files are still compared byte for byte."""
+def test_pickles_are_grouped_by_every_byte_that_differs(tmp_path: Path) -> None:
+    """Rows are grouped by the bytes where any row differs from the first: equal rows, and
+    only equal rows, share a group, whatever the differences (one byte, many, at the ends)."""
+    rng = np.random.default_rng(7)
+    base = rng.integers(0, 256, 97, dtype=np.uint8)
+    rows = np.tile(base, (600, 1))
+    kinds = rng.integers(0, 6, 600)
+    rows[kinds == 1, 0] ^= 1  # the first byte
+    rows[kinds == 2, 96] ^= 0x80  # the last byte
+    rows[kinds == 3, 40:60] = 7  # a run
+    rows[kinds == 4, 0] ^= 1  # two places at once: not kind 1's row
+    rows[kinds == 4, 96] ^= 0x80
+    rows[kinds == 5] = rng.integers(0, 256, (int((kinds == 5).sum()), 97), dtype=np.uint8)  # all differ
+    strided = np.zeros((600, 104), dtype=np.uint8)
+    strided[:, :97] = rows
+    for pickles in (rows, strided[:, :97]):  # rows side by side in one buffer, as loads read them
+        groups, first = ptbulk._same_pickles(pickles)
+        assert groups.min() >= 0 and sorted(set(groups.tolist())) == list(range(len(first)))
+        for i in range(0, 600, 7):
+            for j in range(0, 600, 11):
+                assert (groups[i] == groups[j]) == bool((rows[i] == rows[j]).all())
+        assert all(groups[f] == g for g, f in enumerate(first.tolist()))
+    groups, first = ptbulk._same_pickles(np.tile(base, (5, 1)))
+    assert groups.tolist() == [0] * 5 and first.tolist() == [0]
     paths, datas = many_pickles(tmp_path)
-    monkeypatch.setattr(ptbulk, "_multipliers", lambda words: np.zeros(words, dtype=np.uint64))
-    rows = np.frombuffer(b"".join(datas), dtype=np.uint8).reshape(len(datas), -1)
-    template = ptbulk._template(paths[0], datas[0])
-    assert template is not None
-    start, stop = template.pickle
-    groups, first = ptbulk._same_pickles(rows[:, start:stop])
-    assert first.tolist() == [0] and groups.tolist() == [0 if i % 12 == 0 else -1 for i in range(19)]
     got = ptbulk.read_headers(paths, datas, {})
     assert [outcome(h) for h in got] == [reference(p, d) for p, d in zip(paths, datas, strict=True)]
 

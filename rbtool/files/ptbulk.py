@@ -18,7 +18,6 @@ the buffer the files were read into), and so does the pickle's: a file costs its
 
 from __future__ import annotations
 
-import functools
 import struct
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -254,8 +253,8 @@ def headers_of(
             parsed = known if known is not None else _parse(where(k), rows[k].tobytes())
             by_group.append(None if isinstance(parsed, RbtoolError) else parsed)
         for k, group in zip(pending.tolist(), groups.tolist(), strict=True):
-            header = by_group[group] if group >= 0 else None
-            # a file of a pickle read_header refuses, or of no group: its own verdict
+            header = by_group[group]
+            # a file of a pickle read_header refuses: its own verdict
             out[k] = header if header is not None else _parse(where(k), rows[k].tobytes())
     for k in np.flatnonzero(~matched).tolist():
         out[k] = _parse(where(k), rows[k].tobytes())
@@ -264,30 +263,24 @@ def headers_of(
 
 def _same_pickles(pickles: Any) -> tuple[Any, Any]:
     """The rows of `pickles` (a uint8 array, one file's data.pkl a row) grouped by their
-    bytes: (each row's group, or -1 for a row grouped with none; the first row of each
-    group). Rows are grouped by a hash of their words, then each is compared in full with
-    its group's first row: a row that differs (a collision) is in no group."""
+    bytes: (each row's group, the first row of each group). Rows that are equal where any
+    two differ are equal: the bytes where some row differs from the first are found (a few
+    rows at a time, in the cache), and the rows grouped by those bytes alone (a file's
+    pickles differ in a few names and numbers, not in their structure)."""
     import numpy as np
 
     count, length = pickles.shape
-    padded = np.zeros((count, -(-length // 8) * 8), dtype=np.uint8)
-    padded[:, :length] = pickles
-    words = padded.view(np.uint64)
-    with np.errstate(over="ignore"):
-        hashes = (words * _multipliers(words.shape[1])).sum(axis=1, dtype=np.uint64)
-    _, first, groups = np.unique(hashes, return_index=True, return_inverse=True)
-    groups = groups.reshape(-1).astype(np.int64)
-    same = (words == words[first[groups]]).all(axis=1)
-    groups[~same] = -1
-    return groups, first
-
-
-@functools.lru_cache(maxsize=64)
-def _multipliers(words: int) -> Any:
-    """The pickles' hash: a sum of their words times these odd numbers (modulo 2**64)."""
-    import numpy as np
-
-    return np.random.default_rng(0x5EED).integers(1, 1 << 63, words, dtype=np.uint64) | np.uint64(1)
+    if not count:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    varies = np.zeros(length, dtype=bool)
+    for lo in range(0, count, _CHUNK_ROWS):
+        varies |= (pickles[lo : lo + _CHUNK_ROWS] != pickles[0]).any(axis=0)
+    columns = np.flatnonzero(varies)
+    if not columns.size:
+        return np.zeros(count, dtype=np.int64), np.zeros(1, dtype=np.int64)
+    keys = np.ascontiguousarray(pickles[:, columns]).view(np.dtype((np.void, columns.size)))
+    _, first, groups = np.unique(keys.reshape(count), return_index=True, return_inverse=True)
+    return groups.reshape(-1).astype(np.int64), first
 
 
 def _template(path: Path, data: bytes) -> Template | None:
