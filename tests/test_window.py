@@ -424,6 +424,7 @@ def test_small_fields_are_held_side_by_side_and_a_stack_is_exactly_their_bytes()
     stacks = {stack.paths: stack for stack in stacks_of(columns)}
     assert set(stacks) == {(("a",), ("b",)), (("d",), ("e",))}
     for paths, stack in stacks.items():
+        assert stack.array.flags.c_contiguous  # numpy's take would copy it otherwise
         for k, path in enumerate(paths):
             expected = columns[path].reshape(10, -1).view(torch.uint8)
             assert torch.equal(stack.rows[k], expected)
@@ -439,7 +440,10 @@ def test_small_fields_are_held_side_by_side_and_a_stack_is_exactly_their_bytes()
     evenly = {("x",): whole[0, :6], ("y",): whole[2, :6]}  # two of four, a part of each
     (stack,) = stacks_of(evenly)
     whole[2, :6] = 7
-    assert stack.rows.shape == (2, 6, 4) and torch.equal(stack.rows[1], whole[2, :6])
+    # reaching to where the next column starts: twenty rows apart, the first six each's own
+    assert stack.rows.shape == (2, 20, 4) and stack.array.flags.c_contiguous
+    assert torch.equal(stack.rows[1, :6], whole[2, :6]) and torch.equal(stack.rows[0, :6], whole[0, :6])
+    assert stacks_of({("x",): whole[1, :6], ("y",): whole[3, :6]}) == []  # y's twenty would pass the end
 
 
 def test_the_row_cache_keeps_small_fields_side_by_side_through_drops_growth_and_trims() -> None:
@@ -460,6 +464,10 @@ def test_the_row_cache_keeps_small_fields_side_by_side_through_drops_growth_and_
     rewards = cache.columns[("rewards",)]
     assert ("prev_values",) not in cache.columns
     assert rewards.untyped_storage().nbytes() == 2 * rewards.numel() * 4  # rewards and versions only
+    assert rewards.shape[0] > cache.rows  # spare rows: the stacks reach over them, contiguous
+    whole = cache.covering(0, 40, 0)
+    assert whole is not None and whole.stacks
+    assert all(stack.array.flags.c_contiguous for stack in whole.stacks)
     cache.trim(30, 60)
     assert {p for stack in stacks_of(cache.columns) for p in stack.paths} >= {("rewards",), ("versions",)}
     covered = cache.covering(30, 40, 60)

@@ -233,8 +233,12 @@ class Stack:
 
 def stacks_of(columns: dict[FieldPath, torch.Tensor]) -> list[Stack]:
     """The columns that lie side by side in memory (as new_columns makes them): columns of
-    one storage, row size and length, at a constant distance from each other, each run as one
-    view. Found from where the tensors are, so a view is only ever of the columns' own bytes."""
+    one storage, row size and length, a whole number of rows apart from each other, each run
+    as one C-contiguous `[fields, rows apart, row bytes]` view reaching to where the next
+    column starts (a column's spare rows, in a RowCache; numpy's take copies a view that is
+    not contiguous, which would cost the whole column a batch). Found from where the tensors
+    are and bounded by their storage, so a view is only ever of the storage the columns are
+    in, and a batch reads only the columns' own rows from it."""
     import torch
 
     groups: dict[tuple[int, int, int], list[tuple[int, FieldPath, torch.Tensor]]] = {}
@@ -250,10 +254,14 @@ def stacks_of(columns: dict[FieldPath, torch.Tensor]) -> list[Stack]:
         members.sort(key=lambda m: m[0])
         gaps = {b[0] - a[0] for a, b in pairwise(members)}
         step = min(gaps, default=0)
-        if len(gaps) != 1 or step < rows * row_bytes:
+        if len(gaps) != 1 or step < rows * row_bytes or step % row_bytes:
             continue
+        storage = members[0][2].untyped_storage()
+        if members[-1][0] + step > storage.data_ptr() + storage.nbytes():
+            continue  # the last column's rows-apart would reach past its storage
         first = members[0][2].reshape(-1).view(torch.uint8)
-        view = torch.as_strided(first, (len(members), rows, row_bytes), (step, row_bytes, 1))
+        apart = step // row_bytes
+        view = torch.as_strided(first, (len(members), apart, row_bytes), (step, row_bytes, 1))
         specs = tuple((c.dtype, tuple(c.shape[1:])) for _, _, c in members)
         kinds = tuple(numpy_dtype(c.dtype) for _, _, c in members)
         stacks.append(Stack(view, view.numpy(), tuple(p for _, p, _ in members), specs, kinds))
