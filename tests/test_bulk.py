@@ -594,3 +594,22 @@ def test_a_held_window_keeps_small_fields_side_by_side_and_lets_a_dropped_one_go
         assert_batches_equal(batch, expected)
         # the small fields of one row size came out of one copy, side by side
         assert batch["versions"].data_ptr() - batch["rewards"].data_ptr() == 4 * batch["rewards"].shape[0]
+
+
+def test_a_large_batch_takes_big_stacks_field_by_field_and_small_ones_at_once(tmp_path: Path) -> None:
+    """Past STACK_BATCH_BYTES a stack's fields are gathered one by one, each into memory of
+    its own; smaller stacks of the same batch still come out of one copy."""
+    from rbtool.buffer.storage import gathering
+
+    trajs = [make_traj(t=8, b=4, seed=i, image=2) for i in range(100)]
+    held, drawn = twins(write(tmp_path, trajs))
+    assert is_held(held)
+    batch, expected = held.sample(3000), drawn.sample(3000)
+    assert_batches_equal(batch, expected)
+    actions, logprobs = batch["actions"], batch["prev_logprobs"]  # 28-byte rows: 168 KB together
+    assert 2 * actions.numel() * 4 > gathering.STACK_BATCH_BYTES
+    assert actions.untyped_storage().nbytes() == actions.numel() * 4
+    # not side by side in one array (as one copy of their stack would put them)
+    assert logprobs.data_ptr() - actions.data_ptr() != actions.numel() * 4
+    flags = batch["terminations"], batch["truncations"]  # 1-byte rows: 6 KB together
+    assert flags[1].data_ptr() - flags[0].data_ptr() == 3000  # side by side, one copy
