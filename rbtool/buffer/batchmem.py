@@ -94,14 +94,10 @@ class BatchMemory:
         count would not tell a batch still held."""
         import numpy as np
 
-        want = (nbytes,) if kind is None else shape
+        want = ((nbytes,), np.dtype(np.uint8)) if kind is None else (shape, kind)
         ring = self._rings.setdefault(key, deque())
         for i in range(len(ring)):
-            if (
-                ring[i].shape == want
-                and ring[i].dtype == (kind or np.uint8)
-                and _refs(ring, i) == self._free_refs
-            ):
+            if (ring[i].shape, ring[i].dtype) == want and _refs(ring, i) == self._free_refs:
                 return ring[i]
         whole = np.empty(nbytes + ALIGN - 1, dtype=np.uint8)
         skip = -whole.ctypes.data % ALIGN

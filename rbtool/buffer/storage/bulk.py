@@ -131,9 +131,9 @@ class Columns:
             self.dropped = True
 
     def finish(self) -> None:
-        """The columns are filled: the rows of fields dropped along the way are let go."""
+        """The columns are filled (the populating thread stopped): the rows of fields dropped
+        along the way are let go."""
         if self.dropped:
-            self.stop()
             self.columns = restacked(self.columns, self.specs, self.at)
             self._arrays.clear()
 

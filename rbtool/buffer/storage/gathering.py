@@ -140,7 +140,6 @@ def _gather_held(
     fields held side by side, one a field for the others (a small one into a numpy array of
     its own, a large one into `empty`'s memory)."""
     import numpy as np
-    import torch
 
     rows = draw.global_indices if not cached.shift else draw.global_indices + cached.shift
     count = rows.shape[0]
@@ -160,7 +159,7 @@ def _gather_held(
                 index = rows.numpy()
             taken = np.empty((count, row_bytes), dtype=np.uint8)
             source.take(index, axis=0, out=taken)
-            out[path] = torch.from_numpy(taken.view(kind).reshape(count, *shape))
+            out[path] = _tensor_of(taken, dtype, kind, (count, *shape))
         else:
             out[path] = _take(cached.columns[path], rows, empty(path, (count, *shape), dtype), source)
     return nest({path: out[path] for path in schema})
@@ -203,7 +202,6 @@ def _take_stacks(
     (of the stacks whose fields the batch takes as the stack holds them, and whose rows
     take at most STACK_BATCH_BYTES): each field's tensor a contiguous part of one array."""
     import numpy as np
-    import torch
 
     count = rows.shape[0]
     index = None
@@ -217,11 +215,18 @@ def _take_stacks(
         stack.array.take(index, axis=1, out=taken)
         for k, path in enumerate(stack.paths):
             dtype, shape = stack.specs[k]
-            kind = stack.kinds[k]
-            if kind is None:  # a dtype numpy lacks (bfloat16, ...): viewed by torch
-                out[path] = torch.from_numpy(taken[k]).view(dtype).reshape(count, *shape)
-            else:
-                out[path] = torch.from_numpy(taken[k].view(kind).reshape(count, *shape))
+            out[path] = _tensor_of(taken[k], dtype, stack.kinds[k], (count, *shape))
+
+
+def _tensor_of(rows: Any, dtype: Any, kind: Any, shape: tuple[int, ...]) -> torch.Tensor:
+    """The bytes `rows` (a contiguous uint8 numpy array) as a tensor of `dtype` and `shape`:
+    one torch call on a numpy view where numpy has the dtype (`kind`), torch's views where
+    it has none (bfloat16, ...)."""
+    import torch
+
+    if kind is None:
+        return torch.from_numpy(rows).view(dtype).reshape(shape)
+    return torch.from_numpy(rows.view(kind).reshape(shape))
 
 
 def _takes_all(schema: Schema, stack: Stack) -> bool:

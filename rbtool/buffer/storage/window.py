@@ -221,8 +221,8 @@ def restacked(
 
 @dataclass(frozen=True)
 class Stack:
-    """Columns held side by side: `rows` is a `[fields, rows, row bytes]` uint8 view of them
-    (`array`, the same as numpy), `paths` and `specs` the fields in that order."""
+    """Columns held side by side: `rows` is a `[fields, rows apart, row bytes]` uint8 view of
+    them (stacks_of; `array`, the same as numpy), `paths` and `specs` the fields in that order."""
 
     rows: torch.Tensor
     array: Any
