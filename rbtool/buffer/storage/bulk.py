@@ -121,7 +121,9 @@ class Columns:
                 raise _Giveup
             self.specs = dict(specs)
             self.columns = new_columns(
-                specs, self.total_rows, lambda shape, dtype: _huge(torch.empty(shape, dtype=dtype))
+                specs,
+                self.total_rows,
+                lambda shape, dtype, row_bytes: _huge(torch.empty(shape, dtype=dtype), row_bytes),
             )
             self.populating = _Populator(list(self.columns.values()))
             return
@@ -430,16 +432,22 @@ def _buffer_bytes(files: int) -> int:
 
 
 _HUGE_PAGE = 2 << 20
+_PAGE = 4096
 _MADV_HUGEPAGE = 14
 
 
-def _huge(column: torch.Tensor) -> torch.Tensor:
+def _huge(column: torch.Tensor, row_bytes: int) -> torch.Tensor:
     """`column`, its untouched memory advised to be backed by huge pages where it spans them
-    (Linux): a batch's rows are scattered over the column, and with 4 KiB pages each row's
-    pages cost a TLB miss (several memory reads under a hypervisor); measured here, the
-    gather of bench.py's image batches took 20-25% less time."""
+    and its rows are larger than a page (Linux): a batch's rows are scattered over the
+    column, and with 4 KiB pages each of a row's pages costs a TLB miss (several memory
+    reads under a hypervisor); measured here, the gather of bench.py's image batches took
+    20-25% less time. Rows of a page or less are left to 4 KiB pages: a row costs one miss
+    either way (steady sample(256) of a million one-transition trajectories took 0.23-0.24
+    ms with huge pages, 0.25 without), while a fresh huge page costs far more to fault in
+    where free memory goes back to a hypervisor (here 2.2 s a GiB against 0.46 s: the
+    million-file load took 10.8-12.4 s with huge pages, 9.4-9.8 s without)."""
     nbytes = column.numel() * column.element_size()
-    if nbytes < 2 * _HUGE_PAGE or not sys.platform.startswith("linux"):
+    if row_bytes <= _PAGE or nbytes < 2 * _HUGE_PAGE or not sys.platform.startswith("linux"):
         return column
     start = -(-column.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
     stop = (column.data_ptr() + nbytes) // _HUGE_PAGE * _HUGE_PAGE
@@ -476,13 +484,12 @@ class _Populator:
             madvise = load_libc().madvise
         except (OSError, AttributeError):
             return
-        page = 4096
         rows = self.columns[0].shape[0]
         spans = [(c.data_ptr(), c.numel() * c.element_size() // max(1, rows)) for c in self.columns]
         step = max(1, _POPULATE_BYTES // max(1, max(row_bytes for _, row_bytes in spans)))
         for first in range(0, rows, step):
             for base, row_bytes in spans:
-                start = (base + first * row_bytes) // page * page
+                start = (base + first * row_bytes) // _PAGE * _PAGE
                 stop = base + min(rows, first + step) * row_bytes
                 if self.stopped.is_set():
                     return

@@ -179,15 +179,15 @@ STACK_ROW_BYTES = 4096
 def new_columns(
     specs: dict[FieldPath, tuple[Any, tuple[int, ...]]],
     rows: int,
-    make: Callable[[tuple[int, ...], Any], torch.Tensor] | None = None,
+    make: Callable[[tuple[int, ...], Any, int], torch.Tensor] | None = None,
 ) -> dict[FieldPath, torch.Tensor]:
     """Uninitialised `[rows, ...]` columns for fields `specs` (path -> (dtype, row shape)),
     fields of one row size of at most STACK_ROW_BYTES made as views of one array (each view
-    contiguous). `make(shape, dtype)` allocates (torch.empty by default)."""
+    contiguous). `make(shape, dtype, row bytes)` allocates (torch.empty by default)."""
     import torch
 
     if make is None:
-        make = lambda shape, dtype: torch.empty(shape, dtype=dtype)  # noqa: E731
+        make = lambda shape, dtype, row_bytes: torch.empty(shape, dtype=dtype)  # noqa: E731
     by_size: dict[int, list[FieldPath]] = {}
     for path, spec in specs.items():
         row_bytes = _row_bytes([spec])
@@ -196,12 +196,12 @@ def new_columns(
     stacked: dict[FieldPath, torch.Tensor] = {}
     for row_bytes, paths in by_size.items():
         if len(paths) > 1:
-            array = make((len(paths), rows, row_bytes), torch.uint8)
+            array = make((len(paths), rows, row_bytes), torch.uint8, row_bytes)
             for k, path in enumerate(paths):
                 dtype, shape = specs[path]
                 stacked[path] = array[k].view(dtype).reshape(rows, *shape)
     return {
-        path: stacked[path] if path in stacked else make((rows, *shape), dtype)
+        path: stacked[path] if path in stacked else make((rows, *shape), dtype, _row_bytes([specs[path]]))
         for path, (dtype, shape) in specs.items()
     }
 
