@@ -253,6 +253,37 @@ def test_the_depth_scan_counts_what_a_decoder_reaches(tokens: list[bytes], chunk
         bounded._SCAN_CHUNK = old
 
 
+_PLAIN_TOKEN = st.one_of(  # mostly strings without brackets, as documents hold them
+    st.sampled_from([b"[", b"]", b"{", b"}", b"[]", b"{}", b"1", b",", b'""', b'"ab"']),
+    st.lists(st.sampled_from([b"a", b"[", b"}", b"\\\\", b'\\"']), max_size=3).map(
+        lambda parts: b'"' + b"".join(parts) + b'"'
+    ),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(tokens=st.lists(_PLAIN_TOKEN, max_size=60), max_depth=st.integers(0, 9))
+def test_the_depth_scan_agrees_with_a_decoder_at_every_limit(tokens: list[bytes], max_depth: int) -> None:
+    data = b"".join(tokens)
+    assert (fmt.json_depth_problem(data, max_depth) is None) == (_reference_depth(data) <= max_depth)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 4, 5, 63, 64, 65, 200])
+def test_nests_of_either_bracket_at_and_past_the_limit(depth: int) -> None:
+    mixed = b"".join(b"[{"[k % 2 : k % 2 + 1] for k in range(depth))
+    closing = bytes(reversed(mixed.translate(bytes.maketrans(b"[{", b"]}"))))
+    for data in (mixed + closing, b"[" * depth + b"]" * depth, b'{"a": ' * depth + b"1" + b"}" * depth):
+        expected = depth <= bounded.MAX_JSON_DEPTH
+        assert (fmt.json_depth_problem(data) is None) == expected, data[:20]
+
+
+def test_brackets_in_strings_never_close_a_nest() -> None:
+    data = b'[{"}]"' * 3  # six deep: each string's brackets are text
+    assert _reference_depth(data) == 6
+    assert fmt.json_depth_problem(data, 4) is not None
+    assert fmt.json_depth_problem(data, 6) is None
+
+
 # --------------------------------------------------- memory: child processes
 def _limited(limit: int) -> Callable[[], None]:
     def apply() -> None:
