@@ -646,3 +646,16 @@ def test_only_columns_of_rows_larger_than_a_page_are_advised_to_huge_pages() -> 
     assert _advised_huge(middle)
     assert not _advised_huge(state.data_ptr() + state.numel() * 2)
     assert not _advised_huge(columns.columns[("a",)].data_ptr())
+
+
+def test_a_helper_chunk_names_its_own_files_only() -> None:
+    from rbtool.buffer.storage.helpread import _Places
+
+    names = [f"trajectory_{k}_w.pt" for k in range(10)]
+    places = _Places(Path("/ckpt"), names, 4, 3)
+    assert len(places) == 3
+    assert list(places) == [(Path("/ckpt"), names[k]) for k in (4, 5, 6)]
+    assert places[1:] == [(Path("/ckpt"), names[5]), (Path("/ckpt"), names[6])]
+    for outside in (-1, 3, 4):
+        with pytest.raises(IndexError):
+            places[outside]

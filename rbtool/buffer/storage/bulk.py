@@ -26,6 +26,7 @@ import struct
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from operator import itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -205,13 +206,14 @@ class _Chunk:
         self.tids: list[int] = []
         self.offsets: list[int] = []
         self.sizes: list[int] = []
-        self.places: list[tuple[Path, str]] = []
+        self.named: list[tuple[Path, str]] = []  # the places add() was given
+        self.places: Sequence[tuple[Path, str]] = self.named  # (directory, name) of each file
 
     def add(self, tid: int, offset: int, size: int, place: tuple[Path, str]) -> None:
         self.tids.append(tid)
         self.offsets.append(offset)
         self.sizes.append(size)
-        self.places.append(place)
+        self.named.append(place)
 
     def where(self, k: int) -> Path:
         directory, name = self.places[k]
@@ -288,7 +290,7 @@ class _Reader:
                     return False
                 chunk = _Chunk(buf, functools.partial(lane.free.put, buf))
                 view, at, limit = memoryview(buf), 0, buf.size - room - 8
-                ids, offsets, sizes, named = chunk.tids, chunk.offsets, chunk.sizes, chunk.places
+                ids, offsets, sizes, named = chunk.tids, chunk.offsets, chunk.sizes, chunk.named
             assert view is not None
             pin = pins.get(tid) if pins else None
             if pin is not None:
@@ -377,9 +379,10 @@ def _open_reader(store: TrajectoryStore, tids: Sequence[int]) -> Any:
         return _Reader(store, tids)
     places = store.files.places(rest)
     directory = places[0][0]
-    if any(d is not directory and d != directory for d, _ in places):
+    directories = set(map(id, map(itemgetter(0), places)))  # a loaded checkpoint's: one object
+    if len(directories) > 1 and any(d != directory for d, _ in places):
         return _Reader(store, tids)
-    names = [name for _, name in places]
+    names = list(map(itemgetter(1), places))
     if not all(name.endswith(".pt") for name in names):
         return _Reader(store, tids)
     room, size = STACK_FILE_BYTES + 1, _buffer_bytes(len(rest))

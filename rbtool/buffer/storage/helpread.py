@@ -22,7 +22,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from rbtool.files import readmany
 
@@ -134,6 +134,28 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
+class _Places(Sequence[tuple[Path, str]]):
+    """The (directory, file name) of a chunk's `count` files, the window's names from
+    `first`: made when a file is named (in an error), not a tuple a file up front."""
+
+    def __init__(self, directory: Path, names: Sequence[str], first: int, count: int) -> None:
+        self.directory, self.names, self.first, self.length = directory, names, first, count
+
+    def __len__(self) -> int:
+        return self.length
+
+    @overload
+    def __getitem__(self, k: int) -> tuple[Path, str]: ...
+    @overload
+    def __getitem__(self, k: slice) -> Sequence[tuple[Path, str]]: ...
+    def __getitem__(self, k: int | slice) -> Any:
+        if isinstance(k, slice):
+            return [self[j] for j in range(*k.indices(self.length))]
+        if not 0 <= k < self.length:
+            raise IndexError(k)
+        return self.directory, self.names[self.first + k]
+
+
 class HelperReader:
     """The files of `tids` (all in `directory`, named `names`) read by helper processes:
     yields bulk._Chunks in window order (made by `make_chunk(buf, release)`); a file too
@@ -158,7 +180,9 @@ class HelperReader:
         try:
             starts = range(0, len(tids), segment)
             for h in range(HELPERS):
-                mine = [n for first in starts[h::HELPERS] for n in names[first : first + segment]]
+                mine: list[str] = []
+                for first in starts[h::HELPERS]:
+                    mine += names[first : first + segment]
                 self.helpers.append(_Helper(dir_fd, mine, size, room, follow))
         except BaseException:
             self.stop()
@@ -203,7 +227,7 @@ class HelperReader:
                 chunk.tids = list(self.tids[at + start : at + end])
                 chunk.offsets = offsets[start:end].tolist()
                 chunk.sizes = results[start:end].tolist()
-                chunk.places = [(self.directory, n) for n in self.names[at + start : at + end]]
+                chunk.places = _Places(self.directory, self.names, at + start, end - start)
                 yield chunk
             if end < len(offsets):  # a file too large to be read side by side, in its place
                 yield self._large(at + end)
