@@ -478,3 +478,63 @@ def test_no_writer_exits_0_after_writing_what_verify_refuses(
         assert verdict.exit_code == 0, (writer, counter, verdict.stdout, verdict.stderr)
     else:
         assert result.exit_code in (1, 2)
+
+
+# ------------------------------------------------- the index: nesting under the typed decode
+def _index_with(tmp_path: Path, entry_extra: bytes) -> Path:
+    """A one-trajectory index whose entry holds `entry_extra` (raw JSON) as an unknown key."""
+    directory = tmp_path / "ckpt"
+    directory.mkdir(parents=True)
+    (directory / "metadata.json").write_text(
+        json.dumps({"trajectory_format": "pt", "size": 1, "total_samples": 2, "trajectory_counter": 1, "seed": 1})
+    )
+    entry = b'{"num_samples": 2, "trajectory_id": 0, "max_episode_length": 2, "shape": [2, 1], "model_weights_id": "w"'
+    if entry_extra:
+        entry += b', "extra": ' + entry_extra
+    (directory / "trajectory_index.json").write_bytes(
+        b'{"trajectory_index": {"0": ' + entry + b'}}, "trajectory_id_list": [0]}'
+    )
+    return directory
+
+
+@pytest.mark.parametrize(
+    ("extra", "refused"),
+    [
+        (b"", False),
+        (b"[" * 10 + b"]" * 10, False),  # an unknown key is read past
+        (b"[" * 61 + b"]" * 61, False),  # 64 deep with the three around it
+        (b"[" * 62 + b"]" * 62, True),  # 65 deep
+        (b'{"a":' * 5000 + b"1" + b"}" * 5000, True),
+    ],
+)
+def test_an_index_nesting_past_the_limit_under_an_unknown_key_is_refused(
+    tmp_path: Path, extra: bytes, refused: bool
+) -> None:
+    checked = fmt.check_json(_index_with(tmp_path, extra))
+    problems = [p for p in checked.problems if p.code == "index_unreadable"]
+    assert bool(problems) == refused, checked.problems
+    if refused:
+        assert "nests deeper than 64 levels" in problems[0].message
+
+
+def test_a_nest_where_a_number_belongs_is_refused_by_its_nesting(tmp_path: Path) -> None:
+    directory = _index_with(tmp_path, b"")
+    text = (directory / "trajectory_index.json").read_bytes()
+    (directory / "trajectory_index.json").write_bytes(text.replace(b"[2, 1]", b"[" * 3000 + b"]" * 3000))
+    problems = fmt.check_json(directory).problems
+    assert any(p.code == "index_unreadable" and "nests deeper than 64" in p.message for p in problems)
+
+
+def test_an_index_of_known_keys_only_is_not_scanned_for_its_nesting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rbtool.format import check
+
+    def refuse(*args: Any) -> str:
+        raise AssertionError("scanned")
+
+    monkeypatch.setattr(check, "json_depth_problem", refuse)
+    checked = fmt.check_json(_index_with(tmp_path, b""))
+    assert checked.typed and not checked.problems
+    with pytest.raises(AssertionError, match="scanned"):
+        fmt.check_json(_index_with(tmp_path / "b", b"[1]"))

@@ -211,17 +211,21 @@ class _IndexChecker:
         )
 
     def run(self, data: bytes) -> None:
-        why = json_depth_problem(data)
-        if why is not None:
-            self.add("index_unreadable", why)
-            return
         try:
-            self._decode(data)
+            # an index of rbtool's keys only nests four deep (decode_typed): its nesting
+            # needs no scan; any other document is scanned before it is decoded
+            typed = decode_typed(data, strict=True)
+            if typed is None:
+                why = json_depth_problem(data)
+                if why is not None:
+                    self.add("index_unreadable", why)
+                    return
+                typed = decode_typed(data)
+            self._decode(data, typed)
         except MemoryError:
             self.add("index_unreadable", f"{human_bytes(len(data))} of JSON ran out of memory while decoding")
 
-    def _decode(self, data: bytes) -> None:
-        typed = decode_typed(data)
+    def _decode(self, data: bytes, typed: tuple[dict[int, Any], list[int]] | None) -> None:
         if typed is not None:
             table, id_list = typed
             if self._accept_typed(table, id_list):

@@ -11,8 +11,9 @@ from rbtool.format.schema import DIM_LIMIT, ENTRY_KEYS, INT64_LIMIT, OPTIONAL_EN
 
 
 @functools.cache
-def _typed_decoder() -> Any:
-    """A msgspec decoder of trajectory_index.json into slotted Entry structs (built on first use)."""
+def _typed_decoder(strict: bool = False) -> Any:
+    """A msgspec decoder of trajectory_index.json into slotted Entry structs (built on first
+    use); `strict`, one that refuses any key rbtool does not know."""
     import msgspec
 
     def getitem(self: Any, key: str) -> Any:
@@ -46,6 +47,7 @@ def _typed_decoder() -> Any:
         namespace={"__getitem__": getitem, "get": get},
         gc=False,
         omit_defaults=True,
+        forbid_unknown_fields=strict,
     )
     index_file = msgspec.defstruct(
         "IndexFile",
@@ -55,6 +57,7 @@ def _typed_decoder() -> Any:
             ("trajectory_id_list", list[count]),
         ],
         gc=False,
+        forbid_unknown_fields=strict,
     )
     return msgspec.json.Decoder(index_file)
 
@@ -107,13 +110,19 @@ def decode_loose(data: bytes) -> dict[str, Any]:
     return out
 
 
-def decode_typed(data: bytes) -> tuple[dict[int, Any], list[int]] | None:
-    """(trajectory_index, trajectory_id_list) when the index has the expected types, else None."""
+def decode_typed(data: bytes, strict: bool = False) -> tuple[dict[int, Any], list[int]] | None:
+    """(trajectory_index, trajectory_id_list) when the index has the expected types, else None;
+    `strict`: and holds no key rbtool does not know.
+
+    A document the strict decoder takes is described whole by the schema, so it nests four
+    deep at most: its decoding never follows a nest further than that (an unknown key is
+    refused by name, before its value is read; a nest where a number belongs, at its first
+    bracket)."""
     import msgspec
 
     try:
         with gc_paused():
-            raw = _typed_decoder().decode(data)
-    except msgspec.DecodeError:
+            raw = _typed_decoder(strict).decode(data)
+    except (msgspec.DecodeError, RecursionError):
         return None
     return raw.trajectory_index, raw.trajectory_id_list
