@@ -485,10 +485,12 @@ def _index_with(tmp_path: Path, entry_extra: bytes) -> Path:
     """A one-trajectory index whose entry holds `entry_extra` (raw JSON) as an unknown key."""
     directory = tmp_path / "ckpt"
     directory.mkdir(parents=True)
-    (directory / "metadata.json").write_text(
-        json.dumps({"trajectory_format": "pt", "size": 1, "total_samples": 2, "trajectory_counter": 1, "seed": 1})
+    meta = {"trajectory_format": "pt", "size": 1, "total_samples": 2, "trajectory_counter": 1, "seed": 1}
+    (directory / "metadata.json").write_text(json.dumps(meta))
+    entry = (
+        b'{"num_samples": 2, "trajectory_id": 0, "max_episode_length": 2, "shape": [2, 1], '
+        b'"model_weights_id": "w"'
     )
-    entry = b'{"num_samples": 2, "trajectory_id": 0, "max_episode_length": 2, "shape": [2, 1], "model_weights_id": "w"'
     if entry_extra:
         entry += b', "extra": ' + entry_extra
     (directory / "trajectory_index.json").write_bytes(
