@@ -350,9 +350,10 @@ def test_tiny_reports_every_figure(tmp_path: Path) -> None:
     doc = run_script(
         "bench_tiny.py",
         *("--sizes", "300", "--calls", "5", "--first-calls", "10", "--no-cli", "--jobs", "2"),
-        *("--workdir", str(tmp_path)),
+        *("--loads", "2", "--workdir", str(tmp_path)),
     )
     assert doc["config"]["sizes"] == [300] and doc["config"]["cli_sizes"] == []
+    assert doc["config"]["loads"] == 2
     assert positive(doc["memcpy"]["bytes_per_s"])
     # the data: RLinf's layout, built into a hidden .partial directory and renamed
     data = tmp_path / "tiny_300"
@@ -388,6 +389,8 @@ def test_tiny_reports_every_figure(tmp_path: Path) -> None:
     assert s["cli"] is None and s["trajectories"] == 300
     rb = s["rbtool"]
     assert positive(rb["load_s"]) and rb["first_calls"]["count"] == 10
+    assert len(rb["load_runs_s"]) == 2 and all(positive(x) for x in rb["load_runs_s"])
+    assert rb["load_s"] == sum(rb["load_runs_s"]) / 2  # the median of two
     for key in ("first_s", "median_s", "sum_s"):
         assert positive(rb["first_calls"][key]), key
     for key in ("steady_s", "peak_rss_bytes", "rss_anon_bytes", "batch_bytes"):
