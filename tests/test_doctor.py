@@ -318,3 +318,76 @@ def test_unpaired_observations_are_one_info_per_checkpoint() -> None:
         (INFO, [0, 1, 2, 3], "rank_1"),
     ]
     assert unpaired[1].message.startswith("4 trajectories (ids 0-3): next_obs never equals")
+
+
+def _odd_dtypes(t: int, seed: int) -> dict[str, Any]:
+    """A clean trajectory with fields numpy cannot hold (bfloat16) or holds apart (float16,
+    complex), NaN/Inf in some env columns, and a blank camera of each kind."""
+    import torch
+
+    traj = clean_traj(t=t, b=3, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    half = torch.randn(t, 3, 2, generator=g).to(torch.float16)
+    half[0, 1, 0] = float("inf")
+    brain = torch.randn(t, 3, 2, generator=g).to(torch.bfloat16)
+    brain[-1, 2, 1] = float("nan")
+    cplx = torch.randn(t, 3, 2, generator=g, dtype=torch.complex64)
+    cplx[0, 0, 1] = complex(0.0, float("nan"))
+    traj.update(half_field=half, brain_field=brain, complex_field=cplx)
+    traj["clean_bf16"] = torch.randn(t, 3, 2, generator=g).to(torch.bfloat16)
+    traj["curr_obs"]["bf16_image"] = torch.zeros(t, 3, 2, 2, 3, dtype=torch.bfloat16)
+    traj["next_obs"]["bf16_image"] = torch.zeros(t, 3, 2, 2, 3, dtype=torch.bfloat16)
+    traj["curr_obs"]["main_images"][:, 2] = 7  # one value in env column 2
+    traj["next_obs"]["main_images"][:, 2] = 7
+    return traj
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_numpys_first_look_never_changes_a_finding(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, t: int
+) -> None:
+    from rbtool.ops.doctor import trajectory
+
+    trajs = [_odd_dtypes(t, seed) for seed in range(3)]
+    trajs.append(dict(trajs[1]))  # a duplicate: the fingerprints must agree
+    path = write(tmp_path / "ck", trajs)
+    quick = rbtool.doctor(path, jobs=1)
+    monkeypatch.setattr(trajectory, "_numpy", lambda tensor: None)  # torch alone, as before
+    alone = rbtool.doctor(path, jobs=1)
+    assert [f.as_json() for f in quick.findings] == [f.as_json() for f in alone.findings]
+    checks = {f.check for f in quick.findings}
+    assert {"non-finite", "blank-camera", "duplicates"} <= checks
+    fields = {f.field for f in quick.findings if f.check == "non-finite"}
+    assert fields == {"half_field", "brain_field", "complex_field"}
+
+
+def test_the_fingerprint_is_the_bytes_of_every_layout() -> None:
+    import hashlib
+
+    import torch
+
+    from rbtool.ops.doctor.trajectory import fingerprint
+
+    def reference(tensors: list[tuple[str, Any]]) -> str:
+        digest = hashlib.sha256()
+        for path, tensor in sorted(tensors, key=lambda item: item[0]):
+            digest.update(f"{path}|{tensor.dtype}|{list(tensor.shape)}|".encode())
+            digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        return digest.hexdigest()
+
+    base = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
+    layouts = [
+        base,
+        base[:, :, :2],  # not contiguous
+        base.transpose(0, 2),
+        base.to(torch.bfloat16),
+        base > 5,
+        torch.tensor(3.5),
+        torch.zeros(2, 0, 3),
+        torch.ones(1, 3).expand(4, 3),
+        base.to(torch.complex64),
+        torch.tensor([-0.0, float("nan")]),
+    ]
+    for k, tensor in enumerate(layouts):
+        tensors = [(f"f{k}", tensor), ("a", base)]
+        assert fingerprint(tensors) == reference(tensors), tensor.dtype

@@ -69,6 +69,17 @@ def _equal(a: Any, b: Any) -> Any:
     return same.all(-1)
 
 
+def _numpy(tensor: Any) -> Any:
+    """The tensor as a numpy array sharing its memory, or None where numpy cannot hold it
+    (bfloat16, a conjugate or negative bit, a tensor that needs grad). A check asks numpy
+    first whether there is anything to report: one numpy call on a small array costs a
+    microsecond, each torch call several, and a tiny trajectory's checks are many calls."""
+    try:
+        return tensor.numpy()
+    except (TypeError, RuntimeError):
+        return None
+
+
 def _nonzero(mask: Any) -> list[int]:
     return [int(i) for i in mask.nonzero().flatten().tolist()]
 
@@ -99,11 +110,15 @@ class _Checker:
 
     # ------------------------------------------------------------ per field
     def non_finite(self, tensors: list[tuple[str, Any]]) -> None:
+        import numpy as np
         import torch
 
         for path, tensor in tensors:
             if not (tensor.is_floating_point() or tensor.is_complex()):
                 continue
+            array = _numpy(tensor)
+            if array is not None and bool(np.isfinite(array).all()):
+                continue  # nothing to report
             bad = ~torch.isfinite(tensor)
             count = int(bad.sum())
             if not count:
@@ -148,6 +163,8 @@ class _Checker:
             if not self.columned(tensor) or not _is_image(path, tensor):
                 continue
             flat = tensor.reshape(self.t, self.b, -1)
+            if not _maybe_blank(flat, self.t):
+                continue
             if self.t >= 2:
                 # only a column whose second frame is its first can hold the same frame throughout
                 # (a one-value camera does too): the full comparison runs on those columns alone
@@ -362,6 +379,17 @@ class _Checker:
             )
 
 
+def _maybe_blank(flat: Any, t: int) -> bool:
+    """False when no env column of a `[T, B, -1]` camera can be blank or frozen: its second
+    frame is its first in none (T >= 2), or its one frame is not one value in any (T = 1)."""
+    array = _numpy(flat)
+    if array is None:
+        return True
+    if t >= 2:
+        return bool((array[1] == array[0]).all(-1).any())
+    return bool((array[0] == array[0, :, :1]).all(-1).any())
+
+
 def _is_image(path: str, tensor: Any) -> bool:
     """An image field: named like one (`image` in its last name) with H, W after [T, B], or any
     tensor with H, W, C after [T, B]."""
@@ -376,7 +404,11 @@ def fingerprint(tensors: list[tuple[str, Any]]) -> str:
     digest = hashlib.sha256()
     for path, tensor in sorted(tensors, key=lambda item: item[0]):
         digest.update(f"{path}|{tensor.dtype}|{list(tensor.shape)}|".encode())
-        digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        array = _numpy(tensor)
+        if array is not None and array.flags.c_contiguous:
+            digest.update(array)  # its bytes in order, as below
+        else:
+            digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
 
 
