@@ -206,14 +206,7 @@ class _Chunk:
         self.tids: list[int] = []
         self.offsets: list[int] = []
         self.sizes: list[int] = []
-        self.named: list[tuple[Path, str]] = []  # the places add() was given
-        self.places: Sequence[tuple[Path, str]] = self.named  # (directory, name) of each file
-
-    def add(self, tid: int, offset: int, size: int, place: tuple[Path, str]) -> None:
-        self.tids.append(tid)
-        self.offsets.append(offset)
-        self.sizes.append(size)
-        self.named.append(place)
+        self.places: Sequence[tuple[Path, str]] = []  # (directory, name) of each file
 
     def where(self, k: int) -> Path:
         directory, name = self.places[k]
@@ -290,7 +283,8 @@ class _Reader:
                     return False
                 chunk = _Chunk(buf, functools.partial(lane.free.put, buf))
                 view, at, limit = memoryview(buf), 0, buf.size - room - 8
-                ids, offsets, sizes, named = chunk.tids, chunk.offsets, chunk.sizes, chunk.named
+                named: list[tuple[Path, str]] = []
+                ids, offsets, sizes, chunk.places = chunk.tids, chunk.offsets, chunk.sizes, named
             assert view is not None
             pin = pins.get(tid) if pins else None
             if pin is not None:
@@ -315,7 +309,8 @@ class _Reader:
                     lane.free.put(chunk.buf)
                 chunk = None
                 alone = _Chunk(np.frombuffer(large, dtype=np.uint8))
-                alone.add(tid, 0, len(large), (directory, name))
+                alone.tids, alone.offsets, alone.sizes = [tid], [0], [len(large)]
+                alone.places = [(directory, name)]
                 if not lane.put(alone, stopped):
                     return False
                 continue

@@ -188,9 +188,9 @@ def new_columns(
 
     if make is None:
         make = lambda shape, dtype, row_bytes: torch.empty(shape, dtype=dtype)  # noqa: E731
+    sizes = {path: _row_bytes([spec]) for path, spec in specs.items()}
     by_size: dict[int, list[FieldPath]] = {}
-    for path, spec in specs.items():
-        row_bytes = _row_bytes([spec])
+    for path, row_bytes in sizes.items():
         if rows and 0 < row_bytes <= STACK_ROW_BYTES:
             by_size.setdefault(row_bytes, []).append(path)
     stacked: dict[FieldPath, torch.Tensor] = {}
@@ -201,7 +201,7 @@ def new_columns(
                 dtype, shape = specs[path]
                 stacked[path] = array[k].view(dtype).reshape(rows, *shape)
     return {
-        path: stacked[path] if path in stacked else make((rows, *shape), dtype, _row_bytes([specs[path]]))
+        path: stacked[path] if path in stacked else make((rows, *shape), dtype, sizes[path])
         for path, (dtype, shape) in specs.items()
     }
 

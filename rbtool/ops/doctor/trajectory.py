@@ -109,14 +109,15 @@ class _Checker:
         return tensor.dim() >= 2 and tensor.shape[0] == self.t and tensor.shape[1] == self.b
 
     # ------------------------------------------------------------ per field
-    def non_finite(self, tensors: list[tuple[str, Any]]) -> None:
+    def non_finite(self, tensors: list[tuple[str, Any]], arrays: dict[str, Any]) -> None:
+        """`arrays`: each path's _numpy of its tensor."""
         import numpy as np
         import torch
 
         for path, tensor in tensors:
             if not (tensor.is_floating_point() or tensor.is_complex()):
                 continue
-            array = _numpy(tensor)
+            array = arrays[path]
             if array is not None and bool(np.isfinite(array).all()):
                 continue  # nothing to report
             bad = ~torch.isfinite(tensor)
@@ -397,14 +398,15 @@ def _is_image(path: str, tensor: Any) -> bool:
     return tensor.dim() >= 5 or ("image" in name and tensor.dim() >= 4)
 
 
-def fingerprint(tensors: list[tuple[str, Any]]) -> str:
-    """sha256 over every tensor's path, dtype, shape and bytes, in path order."""
+def fingerprint(tensors: list[tuple[str, Any]], arrays: dict[str, Any] | None = None) -> str:
+    """sha256 over every tensor's path, dtype, shape and bytes, in path order (`arrays`: each
+    path's _numpy of its tensor, where the caller has them)."""
     import torch
 
     digest = hashlib.sha256()
     for path, tensor in sorted(tensors, key=lambda item: item[0]):
         digest.update(f"{path}|{tensor.dtype}|{list(tensor.shape)}|".encode())
-        array = _numpy(tensor)
+        array = arrays[path] if arrays is not None else _numpy(tensor)
         if array is not None and array.flags.c_contiguous:
             digest.update(array)  # its bytes in order, as below
         else:
@@ -441,6 +443,11 @@ def check_file(task: Task) -> Result:
     checker = _Checker(task, traj, t, b)
     tensors = [(".".join(p), v) for p, v in layout.iter_tensors(traj)]
     by_path = dict(tensors)
+    arrays = (  # numpy's look at each tensor, made once for the checks that take it
+        {path: _numpy(tensor) for path, tensor in tensors}
+        if checker.on("non-finite") or checker.on("duplicates")
+        else {}
+    )
     if checker.on("index") and task.entry is not None:
         mel = traj.get("max_episode_length")
         for key, message in entry_disagreements(name, info.shape, info.model_weights_id, mel, task.entry):
@@ -455,7 +462,7 @@ def check_file(task: Task) -> Result:
                 )
             )
     if checker.on("non-finite"):
-        checker.non_finite(tensors)
+        checker.non_finite(tensors, arrays)
     if checker.on("frozen"):
         checker.frozen(by_path)
     if checker.on("blank-camera"):
@@ -483,7 +490,7 @@ def check_file(task: Task) -> Result:
                 newest if newest == newest and abs(newest) != float("inf") else None
             )
     if checker.on("duplicates"):
-        result.traits.fingerprint = fingerprint(tensors)
+        result.traits.fingerprint = fingerprint(tensors, arrays)
     result.findings.extend(checker.findings)
     return result
 
