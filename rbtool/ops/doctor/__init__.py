@@ -13,11 +13,13 @@ import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from rbtool.errors import RbtoolError, UsageError
 from rbtool.files.dirs import checkpoint_dirs, missing_files
 from rbtool.files.index import read_index
 from rbtool.format import one_line
+from rbtool.ops.doctor.batch import Segment, SegmentResult, check_segment, cut_segments, segment_files
 from rbtool.ops.doctor.findings import (
     CHECKS,
     ERROR,
@@ -29,16 +31,16 @@ from rbtool.ops.doctor.findings import (
     runs,
     select_checks,
 )
-from rbtool.ops.doctor.trajectory import Options, Result, Task, Traits, check_file, weights_id_of
+from rbtool.ops.doctor.trajectory import Options, Result, Traits, weights_id_of
 from rbtool.passes.journal import open_journal
-from rbtool.passes.pool import Timer, check_jobs
-from rbtool.passes.ranks import file_pass, total_jobs
+from rbtool.passes.pool import CHUNKS_PER_WORKER, Timer, check_jobs, streaming
+from rbtool.passes.ranks import ranked_pass, total_jobs
 from rbtool.progress import Progress, start_phase
 
 
-def _tasks(directory: Path, options: Options, report: Report) -> list[Task]:
-    """One task per listed trajectory whose file exists; an unreadable index or missing files
-    become findings of the index check."""
+def _listed(directory: Path, report: Report) -> list[tuple[str, int, dict[str, Any] | None]]:
+    """(file name, id, entry) of each listed trajectory whose file exists; an unreadable index or
+    missing files become findings of the index check."""
     try:
         index = read_index(directory)
         missing = missing_files(directory, index)
@@ -67,63 +69,62 @@ def _tasks(directory: Path, options: Options, report: Report) -> list[Task]:
             )
         )
     gone = set(missing)
-    tasks = []
-    for tid in dict.fromkeys(i for i in index.id_list if i not in gone):
-        entry = index.entries.get(tid)
-        plain = None if entry is None else {k: entry.get(k) for k in _ENTRY_KEYS}
-        tasks.append(Task(directory / index.file_name(tid), tid, plain, options))
-    return tasks
+    ids = list(dict.fromkeys(i for i in index.id_list if i not in gone))
+    entries = [index.entries.get(tid) for tid in ids]
+    plain = [None if e is None else {k: e.get(k) for k in _ENTRY_KEYS} for e in entries]
+    return list(zip(index.file_names(ids), ids, plain, strict=True))
 
 
 _ENTRY_KEYS = ("shape", "num_samples", "model_weights_id", "max_episode_length")
 
 
 def _buffer_checks(
-    report: Report, tasks: list[Task], results: list[Result], options: Options, max_staleness: float | None
-) -> None:
-    """The checks across trajectories: duplicates and staleness."""
+    report: Report, files: list[tuple[Path, int, str]], results: list[Result], options: Options,
+    max_staleness: float | None,
+) -> None:  # fmt: skip
+    """The checks across trajectories: duplicates and staleness (`files`: each result's
+    directory, id and file name)."""
     if "duplicates" in options.checks:
-        seen: dict[str, Task] = {}
-        for task, result in zip(tasks, results, strict=True):
+        seen: dict[str, tuple[Path, int, str]] = {}
+        for file, result in zip(files, results, strict=True):
             fp = result.traits.fingerprint
             if fp is None:
                 continue
-            first = seen.setdefault(fp, task)
-            if first is task:
+            first = seen.setdefault(fp, file)
+            if first is file:
                 continue
-            same_dir = first.path.parent == task.path.parent
-            where = "" if same_dir else f" in {first.path.parent}"
+            directory, tid, name = file
+            where = "" if first[0] == directory else f" in {first[0]}"
             report.findings.append(
                 Finding(
                     "duplicates",
                     WARNING,
-                    [first.tid, task.tid],
-                    f"{task.path.name}: its tensors equal those of trajectory {first.tid}{where} byte for "
-                    "byte",
+                    [first[1], tid],
+                    f"{name}: its tensors equal those of trajectory {first[1]}{where} byte for byte",
                     "the same rollout was ingested twice: drop one (`rbtool filter`) so it is not sampled "
                     "twice as often",
-                    checkpoint=str(task.path.parent),
+                    checkpoint=str(directory),
                 )
             )
     if "policy" in options.checks and max_staleness is not None:
-        newest_of = [(t, r.traits.newest_version) for t, r in zip(tasks, results, strict=True)]
+        newest_of = [(f, r.traits.newest_version) for f, r in zip(files, results, strict=True)]
         known = [v for _, v in newest_of if v is not None]
         if not known:
             return
         newest = max(known)
-        for task, version in newest_of:
+        for (directory, tid, name), version in newest_of:
             if version is not None and newest - version > max_staleness:
                 report.findings.append(
                     Finding(
                         "policy",
                         WARNING,
-                        [task.tid],
-                        f"{task.path.name}: newest version {version:g} is {newest - version:g} behind the "
+                        [tid],
+                        f"{name}: newest version {version:g} is {newest - version:g} behind the "
                         f"newest in the checkpoint ({newest:g}), more than {max_staleness:g}",
                         "stale data trains an off-policy learner on an old policy: shrink the sampling "
                         "window or drop the old trajectories",
                         field="versions",
-                        checkpoint=str(task.path.parent),
+                        checkpoint=str(directory),
                     )
                 )
 
@@ -133,13 +134,13 @@ def _unread(f: Finding) -> bool:
     return f.check == "index" and f.field is None
 
 
-def _unpaired(report: Report, tasks: list[Task], results: list[Result]) -> None:
+def _unpaired(report: Report, files: list[tuple[Path, int, str]], results: list[Result]) -> None:
     """One info per checkpoint directory, with every id it holds for, that observations were
     not recorded as transitions (no next_obs equals the following curr_obs)."""
     ids: dict[Path, list[int]] = {}
-    for task, result in zip(tasks, results, strict=True):
+    for (directory, tid, _), result in zip(files, results, strict=True):
         if result.traits.unpaired:
-            ids.setdefault(task.path.parent, []).append(task.tid)
+            ids.setdefault(directory, []).append(tid)
     for directory, held in ids.items():
         n = len(held)
         report.findings.append(
@@ -192,25 +193,42 @@ def doctor(
     opened = open_journal(journal, {"command": "doctor", "input": str(root.absolute())})
     timer = Timer()
     report = Report(root, chosen, jobs=total_jobs(jobs))
-    tasks: list[Task] = []
+    listed: list[tuple[Path, list[tuple[str, int, dict[str, Any] | None]]]] = []
     for directory in checkpoint_dirs(root):
         report.checkpoints.append(str(directory))
-        tasks.extend(_tasks(directory, options, report))
-    report.trajectories = len(tasks)
-    start_phase(progress, len(tasks), "checking trajectory files")
-    preload = ("torch", "rbtool.ops.doctor.trajectory")
-    results = file_pass(
-        check_file, tasks, jobs, progress, opened, preload=preload, types=(Finding, Result, Traits)
+        listed.append((directory, _listed(directory, report)))
+    report.trajectories = sum(len(files) for _, files in listed)
+    start_phase(progress, report.trajectories, "checking trajectory files")
+    # consecutive files a task (small files of one layout checked together), one a task when a
+    # journal records them or a remote checkpoint's feed fetches them
+    single = opened is not None or streaming()
+    most = segment_files(report.trajectories, total_jobs(jobs) * CHUNKS_PER_WORKER, single)
+    segments = [s for directory, files in listed for s in cut_segments(directory, files, options, most)]
+    checked = ranked_pass(
+        check_segment,
+        segments,
+        jobs=jobs,
+        progress=progress,
+        preload=("numpy", "rbtool.ops.doctor.batch"),  # torch: in a worker, when check_file needs it
+        describe=lambda segment: str(segment.directory / segment.names[0]),
+        journal=opened,
+        files=Segment.paths,
+        types=(SegmentResult, Finding, Result, Traits),
+        units=lambda segment: len(segment.names),
     )
-    for task, result in zip(tasks, results, strict=True):
-        where = sys.intern(str(task.path.parent))
+    results = [result for got in checked for result in got.results]
+    files = [(directory, tid, name) for directory, named in listed for name, tid, _ in named]
+    for (directory, _, _), result in zip(files, results, strict=True):
+        if not result.findings:
+            continue
+        where = sys.intern(str(directory))
         for finding in result.findings:  # one copy of each directory and advice, not one a finding
             finding.checkpoint, finding.advice = where, sys.intern(finding.advice)
         report.findings.extend(result.findings)
-        report.bytes_read += result.size
-    _buffer_checks(report, tasks, results, options, max_staleness)
+    report.bytes_read = sum(result.size for result in results)
+    _buffer_checks(report, files, results, options, max_staleness)
     if "pairing" in chosen:
-        _unpaired(report, tasks, results)
+        _unpaired(report, files, results)
     # what could not be read is said whatever was chosen: a check left out is not a file skipped
     report.findings = [f for f in report.findings if f.check in chosen or _unread(f)]
     report.sort()

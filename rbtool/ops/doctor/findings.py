@@ -75,9 +75,17 @@ class Finding:
     def as_json(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in JSON_KEYS}
 
+    def __reduce__(self) -> Any:  # workers send a million of them: fields, not a __dict__ each
+        fields = (self.check, self.level, self.ids, self.message, self.advice)
+        return Finding, (*fields, self.field, self.envs, self.steps, self.checkpoint)
+
+
+_LEVEL_RANK = {level: rank for rank, level in enumerate(LEVELS)}
+_CHECK_RANK = {check: rank for rank, check in enumerate(CHECKS)}
+
 
 def _order(f: Finding) -> tuple[int, int, str, list[int], str]:
-    return LEVELS.index(f.level), list(CHECKS).index(f.check), f.checkpoint, f.ids, f.field or ""
+    return _LEVEL_RANK[f.level], _CHECK_RANK[f.check], f.checkpoint, f.ids, f.field or ""
 
 
 @dataclass

@@ -43,6 +43,9 @@ class Traits:
     newest_version: float | None = None
     unpaired: bool = False  # next_obs never equals the following curr_obs, nor a shifted one
 
+    def __reduce__(self) -> Any:  # a worker sends one a file: its fields, not its __dict__
+        return Traits, (self.fingerprint, self.newest_version, self.unpaired)
+
 
 @dataclass
 class Result:
@@ -50,15 +53,23 @@ class Result:
     traits: Traits = field(default_factory=Traits)
     size: int = 0
 
+    def __reduce__(self) -> Any:
+        return Result, (self.findings, self.traits, self.size)
+
 
 def weights_id_of(versions: Any) -> str:
     """The model_weights_id RLinf's `get_model_weights_id` derives: uuid5 of the DNS namespace and
     the hex of the tensor's bytes (`versions`, or a float32 zero `[1]` when there is none)."""
+    if versions is None:
+        return NO_VERSIONS_ID
     import torch
 
-    tensor = versions if versions is not None else torch.zeros(1, dtype=torch.float32)
-    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    data = versions.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     return str(uuid.uuid5(uuid.NAMESPACE_DNS, data.hex()))
+
+
+# the id of a trajectory without versions: of a float32 zero's four bytes
+NO_VERSIONS_ID = str(uuid.uuid5(uuid.NAMESPACE_DNS, bytes(4).hex()))
 
 
 def _equal(a: Any, b: Any) -> Any:
@@ -90,6 +101,101 @@ def _columns(mask: Any, b: int) -> tuple[list[int], list[int]]:
     return _nonzero(cells.any(0)), _nonzero(cells.any(1))
 
 
+def finding(task: Task, check: str, level: str, message: str, advice: str, **where: Any) -> Finding:
+    """A finding of one trajectory file, its message after the file's name."""
+    return Finding(check, level, [task.tid], f"{task.path.name}: {message}", advice, **where)
+
+
+def index_findings(task: Task, shape: Any, weights_id: str, mel: Any) -> list[Finding]:
+    """The file's disagreements with its index entry (none without an entry)."""
+    from rbtool.format.agreement import entry_disagreements
+
+    if task.entry is None:
+        return []
+    return [
+        Finding(
+            "index",
+            ERROR,
+            [task.tid],
+            message,
+            "rewrite the entry from the file (`rbtool repair`) or restore the file",
+            field=key,
+        )
+        for key, message in entry_disagreements(task.path.name, shape, weights_id, mel, task.entry)
+    ]
+
+
+def done_flags_finding(task: Task, count: int, envs: list[int], steps: list[int]) -> Finding:
+    """dones differs from terminations | truncations at `count` values, in those columns and rows."""
+    return finding(
+        task,
+        "done-flags",
+        ERROR,
+        f"dones differs from terminations | truncations at {count} value(s) "
+        f"(stored rows {steps} of [T + E, B])",
+        "fix the collector so that dones = terminations | truncations; returns and bootstrap "
+        "values computed from these flags are wrong",
+        field="dones",
+        envs=envs,
+        steps=steps,
+    )
+
+
+def policy_finding(task: Task, actual: Any, expected: str, has_versions: bool) -> Finding:
+    """model_weights_id `actual` is not `expected`, the id derived from versions (or their absence)."""
+    source = "versions" if has_versions else "a float32 zero (no versions)"
+    return finding(
+        task,
+        "policy",
+        WARNING,
+        f"model_weights_id {actual!r} is not {expected!r}, the id RLinf derives from {source}",
+        "the data and its policy tag disagree: check which policy collected it before weighting "
+        "or filtering by model_weights_id",
+        field="model_weights_id",
+    )
+
+
+def never_ending_finding(task: Task, never: list[int]) -> Finding:
+    """The env columns `never` have no episode end while others of the trajectory end."""
+    return finding(
+        task,
+        "episodes",
+        INFO,
+        f"env column(s) {never} have no episode end in this trajectory while others end",
+        "nothing to do if those episodes are long; if they never end, check the env's "
+        "termination and time limit",
+        field="dones",
+        envs=never,
+    )
+
+
+def rewards_finding(
+    task: Task,
+    count: int,
+    limits: tuple[float, float],
+    span: tuple[float, float],
+    envs: list[int],
+    steps: list[int],
+) -> Finding:
+    """`count` rewards outside `limits`, the rewards ranging over `span` (min, max)."""
+    (low, high), (least, most) = limits, span
+    return finding(
+        task,
+        "rewards",
+        WARNING,
+        f"{count} reward(s) outside [{low:g}, {high:g}] (from {least:g} to {most:g})",
+        "check the reward function and its scaling, or widen the range if it is right",
+        field="rewards",
+        envs=envs,
+        steps=steps,
+    )
+
+
+def newest_version(newest: float) -> float | None:
+    """A trajectory's newest version as the staleness check takes it: None unless finite."""
+    return newest if newest == newest and abs(newest) != float("inf") else None
+
+
 class _Checker:
     def __init__(self, task: Task, traj: dict[str, Any], t: int, b: int) -> None:
         self.task, self.traj, self.t, self.b = task, traj, t, b
@@ -97,9 +203,7 @@ class _Checker:
         self.findings: list[Finding] = []
 
     def add(self, check: str, level: str, message: str, advice: str, **where: Any) -> None:
-        self.findings.append(
-            Finding(check, level, [self.task.tid], f"{self.name}: {message}", advice, **where)
-        )
+        self.findings.append(finding(self.task, check, level, message, advice, **where))
 
     def on(self, check: str) -> bool:
         return check in self.task.options.checks
@@ -161,7 +265,7 @@ class _Checker:
         import torch
 
         for path, tensor in tensors.items():
-            if not self.columned(tensor) or not _is_image(path, tensor):
+            if not self.columned(tensor) or not is_image(path, tensor):
                 continue
             flat = tensor.reshape(self.t, self.b, -1)
             if not _maybe_blank(flat, self.t):
@@ -214,17 +318,7 @@ class _Checker:
         bad = dones.bool() != (terms.bool() | truncs.bool())
         if bool(bad.any()):
             envs, steps = _columns(bad, self.b)
-            self.add(
-                "done-flags",
-                ERROR,
-                f"dones differs from terminations | truncations at {int(bad.sum())} value(s) "
-                f"(stored rows {steps} of [T + E, B])",
-                "fix the collector so that dones = terminations | truncations; returns and bootstrap "
-                "values computed from these flags are wrong",
-                field="dones",
-                envs=envs,
-                steps=steps,
-            )
+            self.findings.append(done_flags_finding(self.task, int(bad.sum()), envs, steps))
 
     def pairing(self, ends: Any, epoch_len: int) -> bool:
         """next_obs[t, b] == curr_obs[t + 1, b] wherever no episode ended at (t, b) and t + 1
@@ -334,16 +428,7 @@ class _Checker:
                     steps=sorted(set(long_rows)),
                 )
         if bool(ended.any()) and not bool(ended.all()):
-            never = _nonzero(~ended)
-            self.add(
-                "episodes",
-                INFO,
-                f"env column(s) {never} have no episode end in this trajectory while others end",
-                "nothing to do if those episodes are long; if they never end, check the env's "
-                "termination and time limit",
-                field="dones",
-                envs=never,
-            )
+            self.findings.append(never_ending_finding(self.task, _nonzero(~ended)))
 
     def rewards(self, rewards: Any) -> None:
         limits = self.task.options.reward_range
@@ -353,31 +438,15 @@ class _Checker:
         out = (rewards < low) | (rewards > high)
         if bool(out.any()):
             envs, steps = _columns(out, rewards.shape[1])
-            self.add(
-                "rewards",
-                WARNING,
-                f"{int(out.sum())} reward(s) outside [{low:g}, {high:g}] (from {float(rewards.min()):g} to "
-                f"{float(rewards.max()):g})",
-                "check the reward function and its scaling, or widen the range if it is right",
-                field="rewards",
-                envs=envs,
-                steps=steps,
-            )
+            span = (float(rewards.min()), float(rewards.max()))
+            self.findings.append(rewards_finding(self.task, int(out.sum()), limits, span, envs, steps))
 
     def policy(self) -> None:
         versions = self.traj.get("versions")
         expected = weights_id_of(versions)
         actual = self.traj.get("model_weights_id")
         if actual != expected:
-            source = "versions" if versions is not None else "a float32 zero (no versions)"
-            self.add(
-                "policy",
-                WARNING,
-                f"model_weights_id {actual!r} is not {expected!r}, the id RLinf derives from {source}",
-                "the data and its policy tag disagree: check which policy collected it before weighting "
-                "or filtering by model_weights_id",
-                field="model_weights_id",
-            )
+            self.findings.append(policy_finding(self.task, actual, expected, versions is not None))
 
 
 def _maybe_blank(flat: Any, t: int) -> bool:
@@ -391,7 +460,7 @@ def _maybe_blank(flat: Any, t: int) -> bool:
     return bool((array[0] == array[0, :, :1]).all(-1).any())
 
 
-def _is_image(path: str, tensor: Any) -> bool:
+def is_image(path: str, tensor: Any) -> bool:
     """An image field: named like one (`image` in its last name) with H, W after [T, B], or any
     tensor with H, W, C after [T, B]."""
     name = path.rsplit(".", 1)[-1].lower()
@@ -421,7 +490,6 @@ def check_file(task: Task) -> Result:
     from rbtool.errors import InvalidTrajectoryError
     from rbtool.files import trajfile
     from rbtool.format import layout
-    from rbtool.format.agreement import entry_disagreements
 
     result = Result()
     name = task.path.name
@@ -448,19 +516,9 @@ def check_file(task: Task) -> Result:
         if checker.on("non-finite") or checker.on("duplicates")
         else {}
     )
-    if checker.on("index") and task.entry is not None:
+    if checker.on("index"):
         mel = traj.get("max_episode_length")
-        for key, message in entry_disagreements(name, info.shape, info.model_weights_id, mel, task.entry):
-            checker.findings.append(
-                Finding(
-                    "index",
-                    ERROR,
-                    [task.tid],
-                    message,
-                    "rewrite the entry from the file (`rbtool repair`) or restore the file",
-                    field=key,
-                )
-            )
+        checker.findings += index_findings(task, info.shape, info.model_weights_id, mel)
     if checker.on("non-finite"):
         checker.non_finite(tensors, arrays)
     if checker.on("frozen"):
@@ -485,10 +543,7 @@ def check_file(task: Task) -> Result:
         checker.policy()
         versions = traj.get("versions")
         if isinstance(versions, torch.Tensor) and versions.numel():
-            newest = float(versions.max())
-            result.traits.newest_version = (
-                newest if newest == newest and abs(newest) != float("inf") else None
-            )
+            result.traits.newest_version = newest_version(float(versions.max()))
     if checker.on("duplicates"):
         result.traits.fingerprint = fingerprint(tensors, arrays)
     result.findings.extend(checker.findings)
