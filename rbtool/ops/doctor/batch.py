@@ -41,6 +41,7 @@ from rbtool.ops.doctor.trajectory import (
     Result,
     Task,
     check_file,
+    done_extra,
     done_flags_finding,
     index_findings,
     is_image,
@@ -336,22 +337,17 @@ class _Run:
 
         from rbtool.format import layout
 
+        extra = done_extra(present, t, b)
+        if extra is None:
+            return None, 0
         flags: dict[str, Any] = {}
-        extra = None
-        for key, spec in present.items():
-            try:
-                e = layout.done_extra_rows(int(spec.shape[0]), t, int(spec.shape[1]), b)
-            except ValueError:
-                return None, 0
-            if extra is not None and e != extra:
-                return None, 0
-            extra = e
+        for key in present:  # each file's rows without the bootstrap ones, files first
             steps = layout.drop_bootstrap_rows(np.moveaxis(self.arrays[key], 0, 1), t)
-            flags[key] = np.moveaxis(steps, 0, 1).astype(bool).reshape(self.count, t, spec.shape[1], -1)
+            flags[key] = np.moveaxis(steps, 0, 1).astype(bool).reshape(self.count, t, b, -1)
         if not flags or len({a.shape for a in flags.values()}) != 1:
             return None, 0
         ends = layout.episode_ends(flags.get("dones"), flags.get("terminations"), flags.get("truncations"))
-        return ends, extra or 0
+        return ends, extra
 
     def _pairing(self, ends: Any, epoch_len: int, t: int, b: int) -> tuple[Any, Any]:
         """(files where the pairing check finds something, files it calls unpaired), as

@@ -550,22 +550,32 @@ def check_file(task: Task) -> Result:
     return result
 
 
+def done_extra(present: dict[str, Any], t: int, b: int) -> int | None:
+    """E, the bootstrap rows of every done-like field in `present` (tensors or TensorSpecs,
+    `[T + E, B, ...]`); None where one is not laid out so, or they disagree."""
+    from rbtool.format import layout
+
+    extra = None
+    for value in present.values():
+        try:
+            e = layout.done_extra_rows(int(value.shape[0]), t, int(value.shape[1]), b)
+        except ValueError:
+            return None
+        if extra is not None and e != extra:
+            return None
+        extra = e
+    return extra
+
+
 def _ends(present: dict[str, Any], t: int, b: int) -> tuple[Any, int, int]:
     """(episode ends `[T, B, K]` bool with bootstrap rows dropped, rows per epoch, K) or
     (None, t, 1) when the flags are absent or not laid out `[T + E, B, ...]` alike."""
     from rbtool.format import layout
 
-    arrays: dict[str, Any] = {}
-    extra = None
-    for key, value in present.items():
-        try:
-            e = layout.done_extra_rows(int(value.shape[0]), t, int(value.shape[1]), b)
-        except ValueError:
-            return None, t, 1
-        if extra is not None and e != extra:
-            return None, t, 1
-        extra = e
-        arrays[key] = layout.drop_bootstrap_rows(value, t).bool().reshape(t, b, -1)
+    extra = done_extra(present, t, b)
+    if extra is None:
+        return None, t, 1
+    arrays = {key: layout.drop_bootstrap_rows(v, t).bool().reshape(t, b, -1) for key, v in present.items()}
     shapes = {tuple(a.shape) for a in arrays.values()}
     if not arrays or len(shapes) != 1:
         return None, t, 1
