@@ -261,6 +261,28 @@ def test_a_broken_pairing_among_paired_files_is_found(
     assert (left, files) == (2, 12)
 
 
+@pytest.mark.parametrize("case", range(4))
+def test_damaged_files_get_what_check_file_gives_each(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: int
+) -> None:
+    """Files truncated, or with a byte changed anywhere (zip headers, pickle, tensor bytes,
+    central directory): each gets check_file's verdict, findings or `cannot be checked`."""
+    path = _checkpoint(tmp_path, case)
+    rng = random.Random(case)
+    files = sorted(path.glob("*.pt"))
+    for victim in rng.sample(files, min(8, len(files))):
+        data = bytearray(victim.read_bytes())
+        if rng.random() < 0.25:
+            del data[rng.randrange(len(data)) :]
+        else:
+            for _ in range(rng.randint(1, 3)):
+                data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        victim.write_bytes(bytes(data))
+    together, read_together, _ = _run(path, monkeypatch, together=True)
+    alone, read_alone, _ = _run(path, monkeypatch, together=False)
+    assert together == alone and read_together == read_alone
+
+
 def test_a_clean_one_transition_buffer_never_needs_check_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

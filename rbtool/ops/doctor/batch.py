@@ -211,7 +211,7 @@ class _Run:
         the run cannot be checked together."""
         try:
             return self._check()
-        except _Alone:
+        except (_Alone, ValueError, TypeError, IndexError):  # anything unforeseen: one by one
             return None
 
     def _check(self) -> list[Result | None]:
