@@ -391,3 +391,29 @@ def test_the_fingerprint_is_the_bytes_of_every_layout() -> None:
     for k, tensor in enumerate(layouts):
         tensors = [(f"f{k}", tensor), ("a", base)]
         assert fingerprint(tensors) == reference(tensors), tensor.dtype
+
+
+def test_the_report_sorts_as_its_whole_key_would() -> None:
+    """Report.sort groups by level and check before sorting each group: the same order (stable
+    among equal keys) as one sort by the whole key."""
+    import random
+
+    from rbtool.ops.doctor.findings import CHECKS as KNOWN
+    from rbtool.ops.doctor.findings import Finding, _order
+
+    rng = random.Random(7)
+    findings = [
+        Finding(
+            rng.choice(list(KNOWN)),
+            rng.choice([ERROR, WARNING, INFO]),
+            sorted(rng.sample(range(40), rng.randint(0, 2))),
+            f"m{k}",
+            "a",
+            field=rng.choice([None, "dones", "rewards"]),
+            checkpoint=rng.choice(["/a", "/b"]),
+        )
+        for k in range(3000)
+    ]
+    report = Report(Path("."), tuple(KNOWN), findings=list(findings))
+    report.sort()
+    assert [f.message for f in report.findings] == [f.message for f in sorted(findings, key=_order)]

@@ -85,7 +85,12 @@ _CHECK_RANK = {check: rank for rank, check in enumerate(CHECKS)}
 
 
 def _order(f: Finding) -> tuple[int, int, str, list[int], str]:
-    return _LEVEL_RANK[f.level], _CHECK_RANK[f.check], f.checkpoint, f.ids, f.field or ""
+    """Report order: level, check, then where (directory, ids, field)."""
+    return _LEVEL_RANK[f.level], _CHECK_RANK[f.check], *_where(f)
+
+
+def _where(f: Finding) -> tuple[str, list[int], str]:
+    return f.checkpoint, f.ids, f.field or ""
 
 
 @dataclass
@@ -103,7 +108,16 @@ class Report:
     journal: dict[str, int] | None = None
 
     def sort(self) -> None:
-        self.findings.sort(key=_order)
+        """Findings in `_order`: grouped by level and check first, then each group sorted by
+        where (its findings came file by file, so mostly in order already: a million files'
+        findings sort in a few passes, not in a comparison of whole keys each)."""
+        groups: dict[tuple[int, int], list[Finding]] = {}
+        for f in self.findings:
+            groups.setdefault((_LEVEL_RANK[f.level], _CHECK_RANK[f.check]), []).append(f)
+        ordered: list[Finding] = []
+        for rank in sorted(groups):
+            ordered += sorted(groups[rank], key=_where)
+        self.findings = ordered
 
     def counts(self) -> dict[str, int]:
         counts = dict.fromkeys(LEVELS, 0)
