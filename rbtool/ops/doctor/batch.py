@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +48,7 @@ from rbtool.ops.doctor.trajectory import (
     newest_version,
     policy_finding,
     rewards_finding,
+    weights_id_of_bytes,
 )
 
 # A segment holds at most this many files; its files are read this many bytes at a time.
@@ -478,7 +478,7 @@ class _Run:
                 key = b"" if versions is None else versions[n].tobytes()
                 expected = ids.get(key)
                 if expected is None:
-                    expected = ids[key] = str(uuid.uuid5(uuid.NAMESPACE_DNS, key.hex()))
+                    expected = ids[key] = weights_id_of_bytes(key)
                 actual = own.get("model_weights_id")
                 if actual != expected:
                     found.append(policy_finding(task, actual, expected, versions is not None))

@@ -64,12 +64,16 @@ def weights_id_of(versions: Any) -> str:
         return NO_VERSIONS_ID
     import torch
 
-    data = versions.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-    return str(uuid.uuid5(uuid.NAMESPACE_DNS, data.hex()))
+    return weights_id_of_bytes(versions.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def weights_id_of_bytes(data: Any) -> str:
+    """RLinf's model_weights_id of a versions tensor whose bytes, in order, are `data`."""
+    return str(uuid.uuid5(uuid.NAMESPACE_DNS, bytes(data).hex()))
 
 
 # the id of a trajectory without versions: of a float32 zero's four bytes
-NO_VERSIONS_ID = str(uuid.uuid5(uuid.NAMESPACE_DNS, bytes(4).hex()))
+NO_VERSIONS_ID = weights_id_of_bytes(bytes(4))
 
 
 def _equal(a: Any, b: Any) -> Any:
