@@ -25,6 +25,7 @@ import pytest
 import torch
 from conftest import FIXTURES, assert_one_error, make_traj, run, run_json, tree_digest
 
+from rbtool.errors import FileSystemError
 from rbtool.files import fsutil
 from rbtool.files.dirs import checkpoint_dirs
 from rbtool.files.fsutil import FICLONE, link_or_copy
@@ -303,6 +304,53 @@ def test_a_failed_clone_falls_back_and_an_unsupported_pair_is_not_tried_again(
     assert link_or_copy(src, tmp_path / "b.pt", link=False) == "copy"
     assert calls == [FICLONE]  # the second file was not tried: the pair cannot clone
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pt", "b.pt", "src.pt"]
+
+
+def test_between_directories_that_cannot_clone_a_file_is_linked_straight_to_its_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a pair of directories refuses clones, a hard link is made at the file's own name
+    (no temporary, no rename), with every case the temporary path had kept."""
+    monkeypatch.setattr(fsutil, "_no_clone", set())
+    made: list[str] = []
+    real_link = os.link
+
+    def recording_link(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        made.append(os.path.basename(dst))
+        real_link(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(fsutil.os, "link", recording_link)
+    src_dir, out = tmp_path / "src", tmp_path / "out"
+    src_dir.mkdir()
+    out.mkdir()
+    first, second = src_dir / "1.pt", src_dir / "2.pt"
+    first.write_bytes(b"one")
+    second.write_bytes(b"two")
+
+    def refuse(fd: int, request: int, arg: int) -> int:
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(fsutil.fcntl, "ioctl", refuse)
+    assert link_or_copy(first, out / "1.pt") == "link"  # the first pair: tried, refused, linked
+    assert made[-1].startswith(".1.pt.") and made[-1].endswith(".tmp")
+    assert link_or_copy(second, out / "2.pt") == "link"
+    assert made[-1] == "2.pt" and os.path.samefile(second, out / "2.pt")
+    # placed already: still a link, nothing changed
+    assert link_or_copy(second, out / "2.pt") == "link" and os.path.samefile(second, out / "2.pt")
+    # another file at the name is replaced
+    (out / "3.pt").write_bytes(b"old")
+    assert link_or_copy(second, out / "3.pt") == "link"
+    assert os.path.samefile(second, out / "3.pt")
+    # a source that is a link is placed as its target
+    (src_dir / "4.pt").symlink_to("1.pt")
+    assert link_or_copy(src_dir / "4.pt", out / "4.pt") == "link"
+    assert not (out / "4.pt").is_symlink() and os.path.samefile(first, out / "4.pt")
+    with pytest.raises(FileSystemError, match="No such file or directory"):
+        link_or_copy(src_dir / "gone.pt", out / "5.pt")
+    # with links refused the pair still copies, and nothing but the placed names is left
+    assert link_or_copy(first, out / "6.pt", link=False) == "copy"
+    assert not os.path.samefile(first, out / "6.pt")
+    assert sorted(p.name for p in out.iterdir()) == ["1.pt", "2.pt", "3.pt", "4.pt", "6.pt"]
 
 
 def test_a_clone_failing_for_one_file_is_tried_again_for_the_next(

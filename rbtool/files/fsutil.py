@@ -132,7 +132,10 @@ FICLONE = 0x40049409
 # tmpfs: EOPNOTSUPP; two file systems: EXDEV): the next file between them is not tried.
 # Any other failure (EINVAL for one file's layout, ENOSPC, ...) falls back for that file only.
 _CLONE_UNSUPPORTED = {errno.EOPNOTSUPP, errno.ENOTTY, errno.ENOSYS, errno.EXDEV}
-_no_clone: set[tuple[int, int]] = set()  # (st_dev of the source, st_dev of the destination's directory)
+# The pairs known to refuse: (st_dev of the source, st_dev of the destination's directory), and
+# (source's directory, destination's directory) as named, so that a file between two known
+# directories costs no stat to be passed over.
+_no_clone: set[tuple[int, int] | tuple[str, str]] = set()
 
 
 def link_or_copy(src: Path, dst: Path, *, link: bool = True) -> Placement:
@@ -148,15 +151,20 @@ def link_or_copy(src: Path, dst: Path, *, link: bool = True) -> Placement:
 
 
 def _temporary_beside(dst: Path) -> Path:
-    return dst.parent / f".{dst.name}.{uuid.uuid4().hex[:12]}.tmp"
+    return dst.parent / f".{dst.name}.{os.urandom(6).hex()}.tmp"
+
+
+def _directories(src: Path, dst: Path) -> tuple[str, str]:
+    return os.path.dirname(src), os.path.dirname(dst)
 
 
 def _clone(src: Path, tmp: Path) -> bool:
     """Make `tmp` a copy-on-write clone of `src`; False (and no `tmp`) where that is impossible."""
-    if sys.platform != "linux":
+    if sys.platform != "linux" or _directories(src, tmp) in _no_clone:
         return False
     key = (os.stat(src).st_dev, os.stat(tmp.parent).st_dev)
     if key in _no_clone:
+        _no_clone.add(_directories(src, tmp))
         return False
     src_fd = os.open(src, os.O_RDONLY)
     try:
@@ -166,7 +174,7 @@ def _clone(src: Path, tmp: Path) -> bool:
                 fcntl.ioctl(dst_fd, FICLONE, src_fd)
             except OSError as exc:
                 if exc.errno in _CLONE_UNSUPPORTED:
-                    _no_clone.add(key)
+                    _no_clone.update((key, _directories(src, tmp)))
                 _unlink_quietly(tmp)
                 return False  # whatever the reason, a hard link or a copy may still work
             os.fsync(dst_fd)
@@ -192,6 +200,16 @@ def _copy(src: Path, tmp: Path) -> None:
 
 
 def _link_or_copy(src: Path, dst: Path, *, link: bool = True) -> Placement:
+    if link and _directories(src, dst) in _no_clone:
+        # no reflink between these directories: a hard link, which appears whole at once (no
+        # temporary name, no rename: at a million small files these are a third of the time)
+        try:
+            os.link(_link_source(src), dst)
+            return "link"
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                raise
+            # something at `dst` already, or no hard link possible here: as below
     if link and dst.exists() and os.path.samefile(src, dst):
         return "link"  # placed already
     tmp = _temporary_beside(dst)
@@ -202,9 +220,7 @@ def _link_or_copy(src: Path, dst: Path, *, link: bool = True) -> Placement:
         how = "copy"
         if link:
             try:
-                # link(2) links a symlink itself, not its target: a listed file that is a
-                # relative link within its checkpoint would dangle in the new directory
-                os.link(os.path.realpath(src) if os.path.islink(src) else src, tmp)
+                os.link(_link_source(src), tmp)
                 how = "link"
             except OSError as exc:
                 if exc.errno == errno.ENOENT:
@@ -217,6 +233,12 @@ def _link_or_copy(src: Path, dst: Path, *, link: bool = True) -> Placement:
         _unlink_quietly(tmp)
         raise
     return how
+
+
+def _link_source(src: Path) -> str | Path:
+    """What to hard-link for `src`: link(2) links a symlink itself, not its target, and a listed
+    file that is a relative link within its checkpoint would dangle in the new directory."""
+    return os.path.realpath(src) if os.path.islink(src) else src
 
 
 def _owner_tag() -> str:

@@ -182,8 +182,9 @@ def check_item(item: Item, data: bytes | None = None, header: Any = None) -> Che
             f"{list(item.entry['shape'][:2])}"
         )
     sha = None
-    if item.entry is not None and item.entry.get("file_bytes") == item.path.stat().st_size:
-        sha = item.entry.get("sha256")
+    if item.entry is not None:
+        size = len(data) if data is not None else item.path.stat().st_size  # the bytes checked
+        sha = item.entry.get("sha256") if item.entry.get("file_bytes") == size else None
     return Checked(item.path, info, sha, schema=schema)
 
 
