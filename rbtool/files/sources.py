@@ -18,7 +18,7 @@ from rbtool.files import trajfile
 from rbtool.files.dirs import is_rank_tree, open_checkpoint, open_view, parent_of_checkpoints
 from rbtool.files.ptheader import TensorSpec, UnusualLayout, read_header
 from rbtool.format import is_checkpoint_dir
-from rbtool.format.layout import TrajectoryInfo, describe_stored, field_schema
+from rbtool.format.layout import TrajectoryInfo, describe_stored, field_schema, schema_digest
 
 
 @dataclass
@@ -151,6 +151,7 @@ class Checked:
     sha256: str | None = None
     uuid: str | None = None
     schema: list[list[Any]] | None = None  # layout.field_schema of its contents
+    schema_digest: str | None = None  # layout.schema_digest of `schema`
 
 
 def check_item(item: Item, data: bytes | None = None, header: Any = None) -> Checked:
@@ -172,7 +173,7 @@ def check_item(item: Item, data: bytes | None = None, header: Any = None) -> Che
             traj = None
     if traj is None:
         traj = trajfile.load(item.path, mmap=True)
-    info, schema = _facts(traj, item.path, kind)
+    info, schema, digest = _facts(traj, item.path, kind)
     if info.max_episode_length is None and "max_episode_length" not in traj:
         mel = item.entry.get("max_episode_length") if item.entry else None
         info = TrajectoryInfo(info.shape, mel if mel is not None else info.shape[0], info.model_weights_id)
@@ -185,24 +186,28 @@ def check_item(item: Item, data: bytes | None = None, header: Any = None) -> Che
     if item.entry is not None:
         size = len(data) if data is not None else item.path.stat().st_size  # the bytes checked
         sha = item.entry.get("sha256") if item.entry.get("file_bytes") == size else None
-    return Checked(item.path, info, sha, schema=schema)
+    return Checked(item.path, info, sha, schema=schema, schema_digest=digest)
 
 
 # Headers are shared by the files of one structure (rbtool.files.ptheader): what they say about the
 # trajectory is worked out once per header, when it does not depend on the file's name.
-_FACTS: dict[int, tuple[dict[str, Any], TrajectoryInfo, list[list[Any]]]] = {}
+_FACTS: dict[int, tuple[dict[str, Any], TrajectoryInfo, list[list[Any]], str]] = {}
 
 
-def _facts(traj: dict[str, Any], path: Path, kind: type | None) -> tuple[TrajectoryInfo, list[list[Any]]]:
-    """describe_stored and field_schema of a trajectory (or of a shared header, once)."""
+def _facts(
+    traj: dict[str, Any], path: Path, kind: type | None
+) -> tuple[TrajectoryInfo, list[list[Any]], str]:
+    """describe_stored, field_schema and its schema_digest of a trajectory (or of a shared
+    header, once)."""
     shared = kind is TensorSpec and traj.get("model_weights_id") is not None
     known = _FACTS.get(id(traj)) if shared else None
     if known is not None and known[0] is traj:
-        return known[1], known[2]
+        return known[1], known[2], known[3]
     info = describe_stored(traj, path.name, str(path), kind)
     schema = field_schema(traj, info.shape[0], kind)
+    digest = schema_digest(schema)
     if shared:
         if len(_FACTS) >= 4096:
             _FACTS.clear()
-        _FACTS[id(traj)] = (traj, info, schema)
-    return info, schema
+        _FACTS[id(traj)] = (traj, info, schema, digest)
+    return info, schema, digest

@@ -288,11 +288,14 @@ def new_entry(tid: int, info: TrajectoryInfo, uuid_hex: str) -> dict[str, Any]:
     }
 
 
-def record_schema(index: Index, entry: dict[str, Any], fields: list[list[Any]] | None) -> None:
-    """Name a trajectory's field schema in its entry, the schema itself in the index's table."""
+def record_schema(
+    index: Index, entry: dict[str, Any], fields: list[list[Any]] | None, digest: str | None = None
+) -> None:
+    """Name a trajectory's field schema in its entry, the schema itself in the index's table
+    (`digest`: the schema's, when worked out already)."""
     if fields is None:
         return
-    digest = schema_digest(fields)
+    digest = schema_digest(fields) if digest is None else digest
     index.schemas.setdefault(digest, fields)
     entry["schema"] = digest
 

@@ -99,7 +99,7 @@ def build_from_files(
         if phases is not None:
             phases(1)
         full.entries[tid] = new_entry(tid, checked.info, uuid.uuid4().hex)
-        record_schema(full, full.entries[tid], checked.schema)
+        record_schema(full, full.entries[tid], checked.schema, checked.schema_digest)
         if checked.sha256 and item.path.suffix == f".{trajectory_format}" and tid in kept:
             full.entries[tid]["sha256"] = checked.sha256
             full.entries[tid]["file_bytes"] = item.path.stat().st_size

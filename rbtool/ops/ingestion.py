@@ -212,7 +212,7 @@ def _admit(
     # a source's uuid is kept (so it is known next time), unless the buffer has it already
     kept = source_uuid if isinstance(source_uuid, str) and source_uuid not in uuids else None
     entry = new_entry(tid, ready.info, kept or uuid.uuid4().hex)
-    record_schema(index, entry, ready.schema)
+    record_schema(index, entry, ready.schema, ready.schema_digest)
     index.entries[tid] = entry
     uuids[entry["uuid"]] = tid
     hashes.setdefault(digest, tid)
