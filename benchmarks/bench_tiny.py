@@ -8,7 +8,7 @@ metadata with RLinf's keys only; no recorded schema), then measures in fresh pro
 
 - rbtool: `TrajectoryReplayBuffer(sample_window_size=0)` + `load_checkpoint`: the load (the
   median of `--loads` fresh processes, one after another: single loads of a million files
-  on a shared two-core machine spread over 8.3-13.7 s), the first `--first-calls`
+  on a shared two-core machine spread over 8.3-13.7 s, once 26 s), the first `--first-calls`
   `sample(256)` calls of the last (first, median, sum; the first call is the first sample
   after a foreign load), then `--calls` steady calls;
 - TorchRL: `ReplayBuffer(storage=LazyTensorStorage(N), sampler=RandomSampler(),
