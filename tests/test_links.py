@@ -347,6 +347,14 @@ def test_between_directories_that_cannot_clone_a_file_is_linked_straight_to_its_
     assert not (out / "4.pt").is_symlink() and os.path.samefile(first, out / "4.pt")
     with pytest.raises(FileSystemError, match="No such file or directory"):
         link_or_copy(src_dir / "gone.pt", out / "5.pt")
+    # a link someone planted at the name is replaced, and what it points to is left alone
+    elsewhere = tmp_path / "secret"
+    elsewhere.write_bytes(b"keep")
+    (out / "7.pt").symlink_to(elsewhere)
+    assert link_or_copy(second, out / "7.pt") == "link"
+    assert not (out / "7.pt").is_symlink() and os.path.samefile(second, out / "7.pt")
+    assert elsewhere.read_bytes() == b"keep"
+    (out / "7.pt").unlink()
     # with links refused the pair still copies, and nothing but the placed names is left
     assert link_or_copy(first, out / "6.pt", link=False) == "copy"
     assert not os.path.samefile(first, out / "6.pt")
